@@ -1,0 +1,648 @@
+//! The public manager: requests, their block tables, and the calls an engine makes.
+
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+
+use crate::clock::{Clock, SystemClock};
+use crate::events::EventQueue;
+use crate::group::{Group, Opts, SeqBlocks, SeqInfo, Shared};
+use crate::tree::RootKey;
+use crate::{
+    BlockHash, BlockId, BlockLoc, EventBatch, GroupId, KvCacheConfig, KvError, KvEvent, Priority,
+    RequestId, RequestSpec, RetentionPolicy, Tier,
+};
+
+/// The KV block manager: block pools per window group and tier, per-request block tables, prefix
+/// reuse through a radix tree, prioritized LRU eviction with host offload, and an event stream.
+///
+/// It manages block *ids* only. Block contents live with the caller (the offload layer), which
+/// executes the [`Transfer`]s this manager returns, in order, before the next forward pass.
+///
+/// The protocol of a request: [`add_request`](Self::add_request) (its reused prefix is reported,
+/// the rest must be prefilled), [`commit_computed`](Self::commit_computed) as prefill chunks
+/// write KV, [`append_tokens`](Self::append_tokens) for each sampled token,
+/// [`release`](Self::release) at the end.
+pub struct KvCacheManager {
+    config: KvCacheConfig,
+    clock: Arc<dyn Clock>,
+    groups: Vec<Group>,
+    requests: FxHashMap<RequestId, Request>,
+    shared: Shared,
+}
+
+/// A copy the caller must execute, in the order given, before the blocks are next read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// The window group whose pools are involved.
+    pub group: GroupId,
+    /// Where the data is.
+    pub src: BlockLoc,
+    /// Where it must go.
+    pub dst: BlockLoc,
+    /// Copy only the first this many tokens of the block; `None` for the whole block.
+    pub num_tokens: Option<u32>,
+    /// Why the copy is needed.
+    pub kind: TransferKind,
+}
+
+/// Why a [`Transfer`] is needed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferKind {
+    /// A cached block leaves the primary tier for the secondary tier.
+    Offload,
+    /// A cached secondary block is reused by a primary request and moves back.
+    Onboard,
+    /// A partial reuse or a copy-on-write: the first `num_tokens` tokens are duplicated.
+    Copy,
+}
+
+/// What [`KvCacheManager::add_request`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AddOutcome {
+    /// Leading prompt tokens whose KV is already in the request's blocks (after the returned
+    /// transfers run); prefill starts at this position.
+    pub reused_tokens: u32,
+}
+
+/// Reuse statistics of one request, counted in blocks of its prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestStats {
+    /// Prompt blocks reused, fully or partly.
+    pub reused_blocks: u32,
+    /// Prompt blocks that had to be computed from scratch.
+    pub missed_blocks: u32,
+    /// Prompt tokens reused.
+    pub reused_tokens: u32,
+}
+
+/// Counters over the manager's lifetime, summed over window groups.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Blocks handed to requests.
+    pub allocated: u64,
+    /// Prompt blocks reused (fully or partly), as in [`RequestStats`].
+    pub reused_blocks: u64,
+    /// Prompt blocks missed, as in [`RequestStats`].
+    pub missed_blocks: u64,
+    /// Blocks stored in the tree.
+    pub stored: u64,
+    /// Blocks dropped from the tree.
+    pub evicted: u64,
+    /// Blocks offloaded to the secondary tier.
+    pub offloaded: u64,
+    /// Blocks onboarded back to the primary tier.
+    pub onboarded: u64,
+    /// Partial copies (partial reuse and copy-on-write).
+    pub partial_copies: u64,
+}
+
+/// A cached block as the tree knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachedBlock {
+    /// The block's chained hash.
+    pub hash: BlockHash,
+    /// The tokens it holds.
+    pub tokens: Vec<u32>,
+    /// Its position in the prefix: 0 for a prompt's first block.
+    pub index: u32,
+    /// The cache salt of its prefix.
+    pub salt: Option<String>,
+    /// The extra ids of its prefix.
+    pub extra_ids: Vec<u64>,
+    /// Its current priority.
+    pub priority: Priority,
+}
+
+/// Block counts of one pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolUsage {
+    /// Blocks in the pool.
+    pub capacity: u32,
+    /// Blocks on the free list.
+    pub free: u32,
+    /// Blocks referenced by at least one request.
+    pub used: u32,
+    /// Unreferenced blocks kept for reuse (`capacity - free - used`).
+    pub cached: u32,
+    /// Cached blocks that can be evicted right now (leaves).
+    pub evictable: u32,
+}
+
+struct Request {
+    tier: Tier,
+    tokens: Vec<u32>,
+    prompt_len: u32,
+    computed: u32,
+    root_key: RootKey,
+    retention: RetentionPolicy,
+    seqs: Vec<SeqBlocks>,
+    stats: RequestStats,
+}
+
+impl Request {
+    fn info(&self) -> SeqInfo<'_> {
+        SeqInfo {
+            tier: self.tier,
+            tokens: &self.tokens,
+            prompt_len: self.prompt_len,
+            root_key: &self.root_key,
+            retention: &self.retention,
+        }
+    }
+}
+
+fn len_u32(request: RequestId, len: usize) -> Result<u32, KvError> {
+    u32::try_from(len).map_err(|_| KvError::InvalidLength {
+        request,
+        what: format!("{len} tokens exceed the limit of {}", u32::MAX),
+    })
+}
+
+impl KvCacheManager {
+    /// A manager with wall-clock time.
+    pub fn new(config: KvCacheConfig) -> Result<Self, KvError> {
+        Self::with_clock(config, Arc::new(SystemClock::new()))
+    }
+
+    /// A manager reading time from `clock` (for retention durations).
+    pub fn with_clock(config: KvCacheConfig, clock: Arc<dyn Clock>) -> Result<Self, KvError> {
+        config.validate()?;
+        let bs = config.tokens_per_block;
+        let mut events = EventQueue::new(config.event_capacity);
+        let groups = config
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let id = GroupId(i as u32);
+                events.push(KvEvent::Created {
+                    group: id,
+                    primary_blocks: g.primary_blocks,
+                    secondary_blocks: g.secondary_blocks,
+                });
+                Group::new(id, g.window, bs, g.primary_blocks, g.secondary_blocks)
+            })
+            .collect();
+        let shared = Shared {
+            opts: Opts {
+                bs,
+                enable_reuse: config.enable_reuse,
+                enable_partial_reuse: config.enable_reuse && config.enable_partial_reuse,
+                copy_on_partial_reuse: config.copy_on_partial_reuse,
+                offload_min: config.secondary_offload_min_priority,
+            },
+            events,
+            transfers: Vec::new(),
+            stats: CacheStats::default(),
+            tick: 0,
+            now: clock.now(),
+        };
+        Ok(KvCacheManager {
+            config,
+            clock,
+            groups,
+            requests: FxHashMap::default(),
+            shared,
+        })
+    }
+
+    /// The configuration the manager was built with.
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.config
+    }
+
+    /// Reads the clock and reverts priorities whose retention ran out.
+    fn tick_clock(&mut self) {
+        self.shared.now = self.clock.now();
+        for g in &mut self.groups {
+            g.expire(&mut self.shared);
+        }
+    }
+
+    fn group(&self, group: GroupId) -> Result<&Group, KvError> {
+        self.groups
+            .get(group.index())
+            .ok_or(KvError::UnknownGroup(group))
+    }
+
+    fn request(&self, id: RequestId) -> Result<&Request, KvError> {
+        self.requests.get(&id).ok_or(KvError::UnknownRequest(id))
+    }
+
+    /// Adds a request: finds the longest cached prefix of its prompt (never the last prompt token,
+    /// whose logits must be computed), takes those blocks, and allocates the rest. With several
+    /// window groups the reused length is the shortest any group can reuse.
+    ///
+    /// On error nothing of the request remains (blocks evicted to make room stay evicted).
+    pub fn add_request(&mut self, spec: RequestSpec) -> Result<AddOutcome, KvError> {
+        self.tick_clock();
+        let id = spec.id;
+        if self.requests.contains_key(&id) {
+            return Err(KvError::DuplicateRequest(id));
+        }
+        if spec.tokens.is_empty() {
+            return Err(KvError::EmptyRequest(id));
+        }
+        let len = len_u32(id, spec.tokens.len())?;
+        let mut req = Request {
+            tier: spec.tier,
+            tokens: spec.tokens,
+            prompt_len: len,
+            computed: 0,
+            root_key: RootKey {
+                salt: spec.salt,
+                extra: spec.extra_ids,
+            },
+            retention: spec.retention,
+            seqs: Vec::with_capacity(self.groups.len()),
+            stats: RequestStats::default(),
+        };
+        let sh = &mut self.shared;
+        let info = req.info();
+        let limit = if sh.opts.enable_reuse { len - 1 } else { 0 };
+        let mut reuse = if limit == 0 {
+            0
+        } else {
+            self.groups
+                .iter()
+                .map(|g| g.match_len(&info, limit, &sh.opts))
+                .min()
+                .unwrap_or(0)
+        };
+        let bs = sh.opts.bs;
+        if reuse % bs != 0
+            && !self
+                .groups
+                .iter()
+                .all(|g| g.can_reuse_exactly(&info, reuse, &sh.opts))
+        {
+            reuse -= reuse % bs;
+        }
+        let mut seqs = Vec::with_capacity(self.groups.len());
+        let mut failure = None;
+        for g in &mut self.groups {
+            let mut seq = SeqBlocks::new();
+            let r = g.attach(&mut seq, &info, reuse, sh);
+            seqs.push(seq);
+            if let Err(e) = r {
+                failure = Some(e);
+                break;
+            }
+        }
+        if let Some(e) = failure {
+            for (g, seq) in self.groups.iter_mut().zip(&mut seqs) {
+                g.release(seq, info.tier, sh);
+            }
+            return Err(e);
+        }
+        for (g, seq) in self.groups.iter_mut().zip(&mut seqs) {
+            g.release_window(seq, info.tier, reuse, sh);
+        }
+        let prompt_blocks = len.div_ceil(bs);
+        let reused_blocks = reuse.div_ceil(bs);
+        let stats = RequestStats {
+            reused_blocks,
+            missed_blocks: prompt_blocks - reused_blocks,
+            reused_tokens: reuse,
+        };
+        sh.stats.reused_blocks += u64::from(stats.reused_blocks);
+        sh.stats.missed_blocks += u64::from(stats.missed_blocks);
+        req.computed = reuse;
+        req.stats = stats;
+        req.seqs = seqs;
+        self.requests.insert(id, req);
+        Ok(AddOutcome {
+            reused_tokens: reuse,
+        })
+    }
+
+    /// Declares that the KV of the request's first `computed` tokens is written (after a prefill
+    /// chunk). Full blocks among them become reusable, except that the last token is never
+    /// stored; blocks that left an attention window are released.
+    pub fn commit_computed(&mut self, id: RequestId, computed: u32) -> Result<(), KvError> {
+        self.tick_clock();
+        let req = self
+            .requests
+            .get_mut(&id)
+            .ok_or(KvError::UnknownRequest(id))?;
+        let len = req.tokens.len() as u32;
+        if computed > len {
+            return Err(KvError::InvalidLength {
+                request: id,
+                what: format!("{computed} computed tokens but only {len} tokens"),
+            });
+        }
+        req.computed = req.computed.max(computed);
+        Self::settle(&mut self.groups, req, &mut self.shared);
+        Ok(())
+    }
+
+    /// Stores newly computed full blocks and releases blocks outside attention windows.
+    fn settle(groups: &mut [Group], req: &mut Request, sh: &mut Shared) {
+        let storable = req.computed.min(req.tokens.len() as u32 - 1);
+        let mut seqs = std::mem::take(&mut req.seqs);
+        let info = req.info();
+        for (g, seq) in groups.iter_mut().zip(&mut seqs) {
+            g.store(seq, &info, storable, sh);
+            g.release_window(seq, info.tier, req.computed, sh);
+        }
+        req.seqs = seqs;
+    }
+
+    /// Appends one sampled token (see [`append_tokens`](Self::append_tokens)).
+    pub fn append_token(&mut self, id: RequestId, token: u32) -> Result<(), KvError> {
+        self.append_tokens(id, &[token])
+    }
+
+    /// Appends tokens (a sampled token, or draft tokens): the KV of every token before them is now
+    /// computed, blocks that filled become reusable, and new blocks are allocated as needed. On
+    /// error (out of blocks) the request is left as it was.
+    pub fn append_tokens(&mut self, id: RequestId, tokens: &[u32]) -> Result<(), KvError> {
+        self.tick_clock();
+        let req = self
+            .requests
+            .get_mut(&id)
+            .ok_or(KvError::UnknownRequest(id))?;
+        let old_len = req.tokens.len();
+        let new_len = len_u32(id, old_len + tokens.len())?;
+        let sh = &mut self.shared;
+        let mut failure = None;
+        for (g, seq) in self.groups.iter_mut().zip(&mut req.seqs) {
+            if let Err(e) = g.grow(seq, req.tier, new_len, sh) {
+                failure = Some(e);
+                break;
+            }
+        }
+        if let Some(e) = failure {
+            for (g, seq) in self.groups.iter_mut().zip(&mut req.seqs) {
+                // Only blocks this call allocated are dropped; the old last block is untouched,
+                // so no copy is needed.
+                g.finish_truncate(seq, req.tier, old_len as u32, None, sh);
+            }
+            return Err(e);
+        }
+        req.tokens.extend_from_slice(tokens);
+        req.computed = req.computed.max(old_len as u32);
+        Self::settle(&mut self.groups, req, &mut self.shared);
+        Ok(())
+    }
+
+    /// Shrinks the request to its first `len` tokens (rejected draft tokens, say), freeing the
+    /// blocks past them. A cached or shared block left partial is replaced by a private copy
+    /// first, so other requests never see the overwritten tail. `len` must be at least 1 and
+    /// must not reach into blocks released by an attention window.
+    pub fn truncate(&mut self, id: RequestId, len: u32) -> Result<(), KvError> {
+        self.tick_clock();
+        let req = self
+            .requests
+            .get_mut(&id)
+            .ok_or(KvError::UnknownRequest(id))?;
+        let cur = req.tokens.len() as u32;
+        let bs = self.shared.opts.bs;
+        let window_cut = req.seqs.iter().map(|s| s.first_live).max().unwrap_or(0) as u64;
+        if len == 0 || len > cur || u64::from(len) <= window_cut * u64::from(bs) {
+            return Err(KvError::InvalidLength {
+                request: id,
+                what: format!(
+                    "cannot truncate {cur} tokens to {len} (minimum 1, and past any window-released blocks)"
+                ),
+            });
+        }
+        let sh = &mut self.shared;
+        let mut prepared = Vec::with_capacity(self.groups.len());
+        for (g, seq) in self.groups.iter_mut().zip(&req.seqs) {
+            match g.prepare_truncate(seq, req.tier, len, sh) {
+                Ok(p) => prepared.push(p),
+                Err(e) => {
+                    for (g, p) in self.groups.iter_mut().zip(prepared) {
+                        g.cancel_truncate(req.tier, p, sh);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        for ((g, seq), p) in self.groups.iter_mut().zip(&mut req.seqs).zip(prepared) {
+            g.finish_truncate(seq, req.tier, len, p, sh);
+        }
+        req.tokens.truncate(len as usize);
+        req.computed = req.computed.min(len);
+        req.prompt_len = req.prompt_len.min(len);
+        Ok(())
+    }
+
+    /// Ends a request: its computed full blocks become reusable and every block reference is
+    /// dropped. Returns the request's reuse statistics.
+    pub fn release(&mut self, id: RequestId) -> Result<RequestStats, KvError> {
+        self.tick_clock();
+        let mut req = self
+            .requests
+            .remove(&id)
+            .ok_or(KvError::UnknownRequest(id))?;
+        Self::settle(&mut self.groups, &mut req, &mut self.shared);
+        for (g, seq) in self.groups.iter_mut().zip(&mut req.seqs) {
+            g.release(seq, req.tier, &mut self.shared);
+        }
+        Ok(req.stats)
+    }
+
+    /// Evicts up to `count` cached, unreferenced leaf blocks from a tier, as allocation pressure
+    /// would (primary blocks of high enough priority are offloaded). Returns how many were freed.
+    pub fn evict(&mut self, group: GroupId, tier: Tier, count: u32) -> Result<u32, KvError> {
+        self.tick_clock();
+        let g = self
+            .groups
+            .get_mut(group.index())
+            .ok_or(KvError::UnknownGroup(group))?;
+        let mut done = 0;
+        while done < count && g.evict_one(tier, &mut self.shared) {
+            done += 1;
+        }
+        Ok(done)
+    }
+
+    /// The transfers produced since the last call, to execute in order.
+    pub fn take_transfers(&mut self) -> Vec<Transfer> {
+        std::mem::take(&mut self.shared.transfers)
+    }
+
+    /// The events buffered since the last call.
+    pub fn drain_events(&mut self) -> EventBatch {
+        self.shared.events.drain()
+    }
+
+    /// Lifetime counters.
+    pub fn stats(&self) -> CacheStats {
+        self.shared.stats
+    }
+
+    /// The number of window groups.
+    pub fn num_groups(&self) -> u32 {
+        self.groups.len() as u32
+    }
+
+    /// The number of live requests.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Whether a request is live.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    /// Block counts of a pool.
+    pub fn usage(&self, group: GroupId, tier: Tier) -> Result<PoolUsage, KvError> {
+        let pool = self.group(group)?.pool(tier);
+        Ok(PoolUsage {
+            capacity: pool.capacity(),
+            free: pool.num_free(),
+            used: pool.num_used(),
+            cached: pool.capacity() - pool.num_free() - pool.num_used(),
+            evictable: pool.num_evictable(),
+        })
+    }
+
+    /// The request's block table in a group: one entry per logical block, `None` for blocks
+    /// released by the group's attention window. Blocks are in the request's tier.
+    pub fn block_table(
+        &self,
+        id: RequestId,
+        group: GroupId,
+    ) -> Result<&[Option<BlockId>], KvError> {
+        self.group(group)?;
+        Ok(&self.request(id)?.seqs[group.index()].table)
+    }
+
+    /// Writes the block tables of `ids` in one group as the flat `block_table[num_seqs *
+    /// max_blocks]` array of the data contract: block ids as `i32`, -1 for padding and for
+    /// blocks released by a window. Fails without writing if `out` is too short or a request has
+    /// more than `max_blocks` blocks.
+    pub fn fill_block_table(
+        &self,
+        group: GroupId,
+        ids: &[RequestId],
+        max_blocks: usize,
+        out: &mut [i32],
+    ) -> Result<(), KvError> {
+        self.group(group)?;
+        let need = ids.len().checked_mul(max_blocks).ok_or_else(|| {
+            KvError::TableTooSmall(format!("{} rows of {max_blocks} overflow", ids.len()))
+        })?;
+        if out.len() < need {
+            return Err(KvError::TableTooSmall(format!(
+                "{need} entries needed, {} given",
+                out.len()
+            )));
+        }
+        let mut tables = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let table = &self.request(id)?.seqs[group.index()].table;
+            if table.len() > max_blocks {
+                return Err(KvError::TableTooSmall(format!(
+                    "{id} has {} blocks, more than max_blocks {max_blocks}",
+                    table.len()
+                )));
+            }
+            tables.push(table);
+        }
+        for (row, table) in out[..need].chunks_mut(max_blocks.max(1)).zip(tables) {
+            row.fill(-1);
+            for (slot, b) in row.iter_mut().zip(table) {
+                *slot = b.map_or(-1, BlockId::as_i32);
+            }
+        }
+        Ok(())
+    }
+
+    /// The request's tokens (prompt and appended).
+    pub fn tokens(&self, id: RequestId) -> Result<&[u32], KvError> {
+        Ok(&self.request(id)?.tokens)
+    }
+
+    /// Tokens whose KV the request declared computed.
+    pub fn num_computed(&self, id: RequestId) -> Result<u32, KvError> {
+        Ok(self.request(id)?.computed)
+    }
+
+    /// The tier the request's blocks live in.
+    pub fn request_tier(&self, id: RequestId) -> Result<Tier, KvError> {
+        Ok(self.request(id)?.tier)
+    }
+
+    /// The request's reuse statistics.
+    pub fn request_stats(&self, id: RequestId) -> Result<RequestStats, KvError> {
+        Ok(self.request(id)?.stats)
+    }
+
+    /// References held on a block.
+    pub fn refcount(&self, group: GroupId, loc: BlockLoc) -> Result<u32, KvError> {
+        let pool = self.group(group)?.pool(loc.tier);
+        pool.refcount
+            .get(loc.block.index())
+            .copied()
+            .ok_or(KvError::UnknownBlock {
+                group,
+                tier: loc.tier,
+                block: loc.block.0,
+            })
+    }
+
+    /// The cached content of a block, or `None` if the block is not in the tree.
+    pub fn cached_block(
+        &self,
+        group: GroupId,
+        loc: BlockLoc,
+    ) -> Result<Option<CachedBlock>, KvError> {
+        let g = self.group(group)?;
+        let n = *g
+            .pool(loc.tier)
+            .node
+            .get(loc.block.index())
+            .ok_or(KvError::UnknownBlock {
+                group,
+                tier: loc.tier,
+                block: loc.block.0,
+            })?;
+        if n == crate::pool::NO_NODE {
+            return Ok(None);
+        }
+        let node = g.tree.node(n);
+        let (key, index) = g.tree.root_key_of(n);
+        Ok(Some(CachedBlock {
+            hash: BlockHash(node.hash),
+            tokens: g.tree.tokens(n).to_vec(),
+            index,
+            salt: key.salt.clone(),
+            extra_ids: key.extra.clone(),
+            priority: node.priority,
+        }))
+    }
+
+    /// Checks every internal invariant (pool accounting, tree links, evictable sets, and that each
+    /// block's reference count equals the number of request tables holding it). Costs a full scan:
+    /// for tests and debugging. The error names the first broken invariant.
+    pub fn audit(&self) -> Result<(), String> {
+        for (gi, g) in self.groups.iter().enumerate() {
+            g.audit()?;
+            for tier in Tier::ALL {
+                let pool = g.pool(tier);
+                let mut holders = vec![0u32; pool.capacity() as usize];
+                for req in self.requests.values().filter(|r| r.tier == tier) {
+                    for b in req.seqs[gi].table.iter().flatten() {
+                        holders[b.index()] += 1;
+                    }
+                }
+                for (b, &h) in holders.iter().enumerate() {
+                    if pool.refcount[b] != h {
+                        return Err(format!(
+                            "group {gi} {tier:?}: block {b} has refcount {} but {h} tables hold it",
+                            pool.refcount[b]
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,124 @@
+//! One tier's pool of block ids: reference counts, the free list and the evictable set.
+
+use std::collections::BTreeSet;
+
+/// Marks a block that no tree node owns.
+pub(crate) const NO_NODE: u32 = u32::MAX;
+
+/// The ordering key of an evictable block: lowest priority first, then least recently used.
+pub(crate) type EvictKey = (u8, u64);
+
+/// Per-block state of one tier. A block is in exactly one of three states: free (on the free
+/// list, no node), used (`refcount > 0`), or cached and idle (`refcount == 0`, owned by a tree
+/// node, in the evictable set when the leaf rule allows).
+#[derive(Debug)]
+pub(crate) struct Pool {
+    pub(crate) refcount: Vec<u32>,
+    pub(crate) node: Vec<u32>,
+    evict_key: Vec<Option<EvictKey>>,
+    free: Vec<u32>,
+    evictable: BTreeSet<(u8, u64, u32)>,
+    used: u32,
+}
+
+impl Pool {
+    pub(crate) fn new(capacity: u32) -> Self {
+        let n = capacity as usize;
+        Pool {
+            refcount: vec![0; n],
+            node: vec![NO_NODE; n],
+            evict_key: vec![None; n],
+            // Reversed so that the lowest ids are handed out first.
+            free: (0..capacity).rev().collect(),
+            evictable: BTreeSet::new(),
+            used: 0,
+        }
+    }
+
+    pub(crate) fn capacity(&self) -> u32 {
+        self.refcount.len() as u32
+    }
+
+    pub(crate) fn num_free(&self) -> u32 {
+        self.free.len() as u32
+    }
+
+    pub(crate) fn num_used(&self) -> u32 {
+        self.used
+    }
+
+    pub(crate) fn num_evictable(&self) -> u32 {
+        self.evictable.len() as u32
+    }
+
+    pub(crate) fn free_list(&self) -> &[u32] {
+        &self.free
+    }
+
+    pub(crate) fn evict_key(&self, block: u32) -> Option<EvictKey> {
+        self.evict_key[block as usize]
+    }
+
+    /// Takes a block off the free list without referencing it.
+    pub(crate) fn take_free(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    /// Returns an unreferenced block that no node owns to the free list.
+    pub(crate) fn push_free(&mut self, block: u32) {
+        debug_assert_eq!(self.refcount[block as usize], 0);
+        debug_assert_eq!(self.node[block as usize], NO_NODE);
+        debug_assert!(self.evict_key[block as usize].is_none());
+        self.free.push(block);
+    }
+
+    /// Adds a reference; returns the new count.
+    pub(crate) fn add_ref(&mut self, block: u32) -> u32 {
+        let rc = &mut self.refcount[block as usize];
+        if *rc == 0 {
+            self.used += 1;
+        }
+        *rc += 1;
+        *rc
+    }
+
+    /// Drops a reference; returns the new count.
+    pub(crate) fn drop_ref(&mut self, block: u32) -> u32 {
+        let rc = &mut self.refcount[block as usize];
+        debug_assert!(*rc > 0, "dropping a reference of an unreferenced block");
+        *rc = rc.saturating_sub(1);
+        if *rc == 0 {
+            self.used -= 1;
+        }
+        *rc
+    }
+
+    /// Puts the block into the evictable set under `key`, or takes it out with `None`.
+    pub(crate) fn set_evictable(&mut self, block: u32, key: Option<EvictKey>) {
+        let slot = &mut self.evict_key[block as usize];
+        if *slot == key {
+            return;
+        }
+        if let Some((p, t)) = slot.take() {
+            self.evictable.remove(&(p, t, block));
+        }
+        if let Some((p, t)) = key {
+            self.evictable.insert((p, t, block));
+        }
+        *slot = key;
+    }
+
+    /// The block to evict next, if any.
+    pub(crate) fn first_evictable(&self) -> Option<u32> {
+        self.evictable.first().map(|&(_, _, b)| b)
+    }
+
+    /// Gives a block that is neither free nor owned by a node its first reference.
+    pub(crate) fn claim(&mut self, block: u32) {
+        debug_assert_eq!(self.node[block as usize], NO_NODE);
+        debug_assert!(self.evict_key[block as usize].is_none());
+        debug_assert_eq!(self.refcount[block as usize], 0);
+        self.refcount[block as usize] = 1;
+        self.used += 1;
+    }
+}

@@ -1,0 +1,311 @@
+//! A proptest state machine: random sequences of add / append / commit / truncate / release /
+//! evict / clock advance over two tiers and two window groups, with the invariants checked after
+//! every step.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_blocks::{
+    GroupConfig, GroupId, KvCacheConfig, KvCacheManager, KvError, ManualClock, Priority, RequestId,
+    RequestSpec, RetentionPolicy, Tier, TokenRangeRetention,
+};
+use proptest::prelude::*;
+
+const BS: u32 = 4;
+const SALTS: [Option<&str>; 3] = [None, Some("a"), Some("b")];
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// A prompt: `len` tokens of base sequence `base` (shared prefixes), then `tail` tokens of
+    /// its own; `salt` picks from [`SALTS`].
+    Add {
+        id: u8,
+        base: u8,
+        len: u8,
+        tail: u8,
+        salt: u8,
+        host: bool,
+        priority: u8,
+        timed: bool,
+    },
+    Append {
+        id: u8,
+        token: u8,
+        count: u8,
+    },
+    Commit {
+        id: u8,
+        fraction: u8,
+    },
+    Truncate {
+        id: u8,
+        keep: u8,
+    },
+    Release {
+        id: u8,
+    },
+    Evict {
+        group: u8,
+        host: bool,
+        count: u8,
+    },
+    Advance {
+        ms: u16,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..8u8, 0..3u8, 1..40u8, 0..6u8, 0..3u8, prop::bool::weighted(0.2), 0..=100u8, any::<bool>())
+            .prop_map(|(id, base, len, tail, salt, host, priority, timed)| Op::Add {
+                id, base, len, tail, salt, host, priority, timed
+            }),
+        3 => (0..8u8, 1..200u8, 1..4u8).prop_map(|(id, token, count)| Op::Append { id, token, count }),
+        2 => (0..8u8, 0..=4u8).prop_map(|(id, fraction)| Op::Commit { id, fraction }),
+        1 => (0..8u8, 1..40u8).prop_map(|(id, keep)| Op::Truncate { id, keep }),
+        3 => (0..8u8).prop_map(|id| Op::Release { id }),
+        1 => (0..2u8, any::<bool>(), 1..4u8).prop_map(|(group, host, count)| Op::Evict { group, host, count }),
+        1 => (0..3000u16).prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+/// What the test knows of a live request, independently of the manager.
+struct Model {
+    tokens: Vec<u32>,
+    salt: Option<String>,
+    tier: Tier,
+}
+
+fn config(copy_on_partial_reuse: bool) -> KvCacheConfig {
+    let mut cfg = KvCacheConfig::new(BS, 24, 12);
+    cfg.copy_on_partial_reuse = copy_on_partial_reuse;
+    cfg.event_capacity = 64;
+    cfg.groups.push(GroupConfig {
+        window: Some(10),
+        kv_heads: 2,
+        primary_blocks: 20,
+        secondary_blocks: 8,
+    });
+    cfg
+}
+
+fn prompt(base: u8, len: u8, tail: u8, id: u8) -> Vec<u32> {
+    let base = u32::from(base);
+    let mut t: Vec<u32> = (0..u32::from(len))
+        .map(|i| 1 + base * 1000 + i % 7 * (base + 1) + i)
+        .collect();
+    t.extend((0..u32::from(tail)).map(|i| 50_000 + u32::from(id) * 100 + i));
+    t
+}
+
+fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
+    let clock = ManualClock::new();
+    let mut kv = KvCacheManager::with_clock(config(copy_on_partial_reuse), Arc::new(clock.clone()))
+        .expect("valid config");
+    let mut live: BTreeMap<u8, Model> = BTreeMap::new();
+    for (step, op) in ops.iter().enumerate() {
+        let result: Result<(), KvError> = match *op {
+            Op::Add {
+                id,
+                base,
+                len,
+                tail,
+                salt,
+                host,
+                priority,
+                timed,
+            } => {
+                let tokens = prompt(base, len, tail, id);
+                let salt = SALTS[salt as usize].map(str::to_owned);
+                let tier = if host { Tier::Secondary } else { Tier::Primary };
+                let retention = RetentionPolicy {
+                    ranges: vec![TokenRangeRetention {
+                        start: 0,
+                        end: Some(u32::from(len) / 2),
+                        priority: Priority::new(priority).expect("0..=100"),
+                        duration: timed.then_some(Duration::from_millis(1500)),
+                    }],
+                    ..RetentionPolicy::default()
+                };
+                let mut spec = RequestSpec::new(RequestId(id.into()), tokens.clone())
+                    .with_retention(retention)
+                    .in_tier(tier);
+                spec.salt = salt.clone();
+                let r = kv.add_request(spec);
+                match (&r, live.contains_key(&id)) {
+                    (Ok(out), false) => {
+                        prop_assert!(
+                            out.reused_tokens < tokens.len() as u32,
+                            "the last token is never reused"
+                        );
+                        live.insert(id, Model { tokens, salt, tier });
+                    }
+                    (Err(KvError::DuplicateRequest(_)), true) => {}
+                    (Err(KvError::OutOfBlocks { .. }), false) => {
+                        prop_assert!(
+                            !kv.contains(RequestId(id.into())),
+                            "a failed add leaves nothing"
+                        );
+                    }
+                    (other, was_live) => prop_assert!(false, "add of live={was_live}: {other:?}"),
+                }
+                r.map(drop)
+            }
+            Op::Append { id, token, count } => {
+                let new: Vec<u32> = (0..u32::from(count))
+                    .map(|i| u32::from(token) * 7 + i + 1)
+                    .collect();
+                let r = kv.append_tokens(RequestId(id.into()), &new);
+                if r.is_ok() {
+                    live.get_mut(&id)
+                        .expect("append succeeded on a live request")
+                        .tokens
+                        .extend(&new);
+                }
+                r
+            }
+            Op::Commit { id, fraction } => match live.get(&id) {
+                Some(m) => {
+                    let n = m.tokens.len() as u32 * u32::from(fraction) / 4;
+                    kv.commit_computed(RequestId(id.into()), n)
+                }
+                None => kv.commit_computed(RequestId(id.into()), 1),
+            },
+            Op::Truncate { id, keep } => {
+                let r = kv.truncate(RequestId(id.into()), u32::from(keep));
+                if r.is_ok() {
+                    live.get_mut(&id)
+                        .expect("truncate succeeded on a live request")
+                        .tokens
+                        .truncate(keep as usize);
+                }
+                r
+            }
+            Op::Release { id } => {
+                let r = kv.release(RequestId(id.into())).map(drop);
+                prop_assert_eq!(r.is_ok(), live.remove(&id).is_some());
+                r
+            }
+            Op::Evict { group, host, count } => {
+                let tier = if host { Tier::Secondary } else { Tier::Primary };
+                kv.evict(GroupId(group.into()), tier, count.into())
+                    .map(drop)
+            }
+            Op::Advance { ms } => {
+                clock.advance(Duration::from_millis(ms.into()));
+                Ok(())
+            }
+        };
+        if let Err(e) = &result {
+            let expected = matches!(
+                e,
+                KvError::OutOfBlocks { .. }
+                    | KvError::UnknownRequest(_)
+                    | KvError::DuplicateRequest(_)
+                    | KvError::InvalidLength { .. }
+            );
+            prop_assert!(expected, "step {step} {op:?}: unexpected error {e}");
+        }
+        check(&mut kv, &live)
+            .map_err(|e| TestCaseError::fail(format!("step {step} {op:?}: {e}")))?;
+    }
+    // Releasing everything returns every block to free or cached.
+    for id in live.keys() {
+        kv.release(RequestId((*id).into()))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+    check(&mut kv, &BTreeMap::new()).map_err(TestCaseError::fail)?;
+    for g in 0..kv.num_groups() {
+        for tier in Tier::ALL {
+            let u = kv.usage(GroupId(g), tier).expect("valid group");
+            prop_assert_eq!(u.used, 0);
+            prop_assert_eq!(u.free + u.cached, u.capacity);
+        }
+    }
+    Ok(())
+}
+
+/// The invariants, checked from outside through the public API and inside through `audit`.
+fn check(kv: &mut KvCacheManager, live: &BTreeMap<u8, Model>) -> Result<(), String> {
+    // Pool accounting, tree links, evictable sets, refcount == tables holding the block.
+    kv.audit()?;
+    for g in 0..kv.num_groups() {
+        let group = GroupId(g);
+        for tier in Tier::ALL {
+            let u = kv.usage(group, tier).map_err(|e| e.to_string())?;
+            if u.free + u.used + u.cached != u.capacity {
+                return Err(format!(
+                    "group {g} {tier:?}: free + used + cached != capacity"
+                ));
+            }
+        }
+        for (&id, m) in live {
+            let rid = RequestId(id.into());
+            if kv.tokens(rid).map_err(|e| e.to_string())? != &m.tokens[..] {
+                return Err(format!("request {id}: tokens differ from the model"));
+            }
+            let table = kv.block_table(rid, group).map_err(|e| e.to_string())?;
+            if table.len() != m.tokens.len().div_ceil(BS as usize) {
+                return Err(format!(
+                    "request {id} group {g}: {} blocks for {} tokens",
+                    table.len(),
+                    m.tokens.len()
+                ));
+            }
+            for (i, b) in table.iter().enumerate() {
+                let Some(block) = b else { continue };
+                let loc = kv_blocks::BlockLoc {
+                    tier: m.tier,
+                    block: *block,
+                };
+                // A cached block in a request's table holds exactly that request's tokens, under
+                // the request's salt: reuse never crosses salts or mixes contents.
+                if let Some(c) = kv.cached_block(group, loc).map_err(|e| e.to_string())? {
+                    let want = &m.tokens[i * BS as usize..(i + 1) * BS as usize];
+                    if c.tokens != want || c.index as usize != i || c.salt != m.salt {
+                        return Err(format!(
+                            "request {id} group {g} block {i}: cached key {c:?} is not the request's"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for t in kv.take_transfers() {
+        for loc in [t.src, t.dst] {
+            kv.refcount(t.group, loc)
+                .map_err(|e| format!("transfer {t:?}: {e}"))?;
+        }
+        if t.src == t.dst {
+            return Err(format!("transfer onto itself: {t:?}"));
+        }
+    }
+    let batch = kv.drain_events();
+    if batch.events.len() > 64 {
+        return Err("event buffer exceeded its capacity".to_owned());
+    }
+    Ok(())
+}
+
+/// 192 cases by default (a few seconds in debug builds); `PROPTEST_CASES` raises it for soak runs.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(192)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold_under_random_operations_copying(ops in prop::collection::vec(op(), 1..120)) {
+        run(&ops, true)?;
+    }
+
+    #[test]
+    fn invariants_hold_under_random_operations_taking_over(ops in prop::collection::vec(op(), 1..120)) {
+        run(&ops, false)?;
+    }
+}

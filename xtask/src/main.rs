@@ -1,0 +1,111 @@
+//! Project automation, run as `cargo xtask <command>`.
+//!
+//! It has no dependencies on purpose: it only runs cargo with the right arguments, so it builds
+//! in seconds on a fresh machine.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  ci      what CI runs: rustfmt check, clippy with -D warnings, rustdoc with -D warnings, tests
+  test    the README's test command: cargo test --workspace --all-features
+  bench   every crate's criterion benches; prints where the reports are
+          (extra arguments go to the bench binaries, e.g. `cargo xtask bench -- --quick`)
+  help    this text";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("test") => test(),
+        Some("bench") => bench(&args[1..]),
+        Some("help" | "-h" | "--help") | None => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs every check CI runs, in order of cost, stopping at the first failure.
+fn ci() -> Result<(), String> {
+    cargo(&["fmt", "--all", "--", "--check"], &[])?;
+    cargo(
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--all-features",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    cargo(
+        &["doc", "--workspace", "--no-deps", "--all-features"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
+    test()
+}
+
+/// The README's test command.
+fn test() -> Result<(), String> {
+    cargo(&["test", "--workspace", "--all-features"], &[])
+}
+
+/// Runs the criterion benches of every crate and says where the reports went.
+fn bench(extra: &[String]) -> Result<(), String> {
+    let mut args: Vec<&str> = vec!["bench", "--workspace"];
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args, &[])?;
+    let reports = target_dir().join("criterion");
+    println!();
+    println!("criterion reports: {}", reports.display());
+    println!(
+        "  summary page:    {}",
+        reports.join("report").join("index.html").display()
+    );
+    Ok(())
+}
+
+/// Runs `cargo` with `args` in the workspace root and fails with a message when it fails.
+fn cargo(args: &[&str], envs: &[(&str, &str)]) -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    eprintln!("$ cargo {}", args.join(" "));
+    let status = Command::new(&cargo)
+        .args(args)
+        .envs(envs.iter().copied())
+        .current_dir(workspace_root())
+        .status()
+        .map_err(|e| format!("could not start `{cargo}`: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`cargo {}` failed ({status})", args.join(" ")))
+    }
+}
+
+/// The workspace root: the parent of this crate's manifest directory.
+fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The cargo target directory, honouring `CARGO_TARGET_DIR`.
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
