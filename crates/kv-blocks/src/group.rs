@@ -238,12 +238,19 @@ impl Group {
     /// free, referenced ones stay with their requests as private blocks.
     fn drop_subtree(&mut self, n: u32, sh: &mut Shared) {
         let top_parent = self.tree.node(n).parent;
-        let mut order = vec![n];
-        let mut i = 0;
-        while i < order.len() {
-            order.extend_from_slice(&self.tree.node(order[i]).children);
-            i += 1;
+        // Breadth-first, so that removing in reverse takes children before parents. A leaf, the
+        // usual victim, needs no list at all.
+        let mut order = Vec::new();
+        if !self.tree.node(n).children.is_empty() {
+            order.push(n);
+            let mut i = 0;
+            while i < order.len() {
+                order.extend_from_slice(&self.tree.node(order[i]).children);
+                i += 1;
+            }
         }
+        let single = [n];
+        let order: &[u32] = if order.is_empty() { &single } else { &order };
         for &d in order.iter().rev() {
             let (loc, hash) = {
                 let node = self.tree.node(d);

@@ -260,25 +260,7 @@ impl KvCacheManager {
         };
         let sh = &mut self.shared;
         let info = req.info();
-        let limit = if sh.opts.enable_reuse { len - 1 } else { 0 };
-        let mut reuse = if limit == 0 {
-            0
-        } else {
-            self.groups
-                .iter()
-                .map(|g| g.match_len(&info, limit, &sh.opts))
-                .min()
-                .unwrap_or(0)
-        };
-        let bs = sh.opts.bs;
-        if reuse % bs != 0
-            && !self
-                .groups
-                .iter()
-                .all(|g| g.can_reuse_exactly(&info, reuse, &sh.opts))
-        {
-            reuse -= reuse % bs;
-        }
+        let reuse = Self::reusable(&self.groups, &info, &sh.opts);
         let mut seqs = Vec::with_capacity(self.groups.len());
         let mut failure = None;
         for g in &mut self.groups {
@@ -299,6 +281,7 @@ impl KvCacheManager {
         for (g, seq) in self.groups.iter_mut().zip(&mut seqs) {
             g.release_window(seq, info.tier, reuse, sh);
         }
+        let bs = sh.opts.bs;
         let prompt_blocks = len.div_ceil(bs);
         let reused_blocks = reuse.div_ceil(bs);
         let stats = RequestStats {
@@ -315,6 +298,53 @@ impl KvCacheManager {
         Ok(AddOutcome {
             reused_tokens: reuse,
         })
+    }
+
+    /// How many leading tokens of `spec`'s prompt [`add_request`](Self::add_request) would reuse
+    /// right now, without changing anything: for cache-aware scheduling and routing.
+    pub fn reusable_tokens(&self, spec: &RequestSpec) -> u32 {
+        let Ok(len) = u32::try_from(spec.tokens.len()) else {
+            return 0;
+        };
+        let root_key = RootKey {
+            salt: spec.salt.clone(),
+            extra: spec.extra_ids.clone(),
+        };
+        let info = SeqInfo {
+            tier: spec.tier,
+            tokens: &spec.tokens,
+            prompt_len: len,
+            root_key: &root_key,
+            retention: &spec.retention,
+        };
+        Self::reusable(&self.groups, &info, &self.shared.opts)
+    }
+
+    /// The reuse length every group can honour: the shortest match, cut to whole blocks when a
+    /// group cannot reuse the trailing partial block exactly.
+    fn reusable(groups: &[Group], info: &SeqInfo<'_>, opts: &Opts) -> u32 {
+        let len = info.tokens.len() as u32;
+        let limit = if opts.enable_reuse {
+            len.saturating_sub(1)
+        } else {
+            0
+        };
+        if limit == 0 {
+            return 0;
+        }
+        let mut reuse = groups
+            .iter()
+            .map(|g| g.match_len(info, limit, opts))
+            .min()
+            .unwrap_or(0);
+        if !reuse.is_multiple_of(opts.bs)
+            && !groups
+                .iter()
+                .all(|g| g.can_reuse_exactly(info, reuse, opts))
+        {
+            reuse -= reuse % opts.bs;
+        }
+        reuse
     }
 
     /// Declares that the KV of the request's first `computed` tokens is written (after a prefill

@@ -263,3 +263,18 @@ fn truncating_frees_the_tail_and_copies_a_shared_partial_block() {
     assert_eq!(u.used, 2);
     audit(&kv);
 }
+
+#[test]
+fn reusable_tokens_predicts_add_request_without_changing_anything() {
+    let (mut kv, _) = manager(4, 16, 0);
+    run_once(&mut kv, 1, toks(0, 13));
+    let spec = RequestSpec::new(RequestId(2), toks(0, 11));
+    let before = kv.usage(G0, Tier::Primary).expect("g0");
+    assert_eq!(kv.reusable_tokens(&spec), 10);
+    assert_eq!(kv.usage(G0, Tier::Primary).expect("g0"), before);
+    assert_eq!(kv.add_request(spec).expect("room").reused_tokens, 10);
+    assert_eq!(
+        kv.reusable_tokens(&RequestSpec::new(RequestId(3), vec![5])),
+        0
+    );
+}
