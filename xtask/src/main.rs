@@ -67,7 +67,7 @@ fn test() -> Result<(), String> {
 
 /// Runs the criterion benches of every crate and says where the reports went.
 fn bench(extra: &[String]) -> Result<(), String> {
-    let mut args: Vec<&str> = vec!["bench", "--workspace"];
+    let mut args: Vec<&str> = vec!["bench", "--workspace", "--bench", "*"];
     args.extend(extra.iter().map(String::as_str));
     cargo(&args, &[])?;
     let reports = target_dir().join("criterion");

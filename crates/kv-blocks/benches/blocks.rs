@@ -32,6 +32,39 @@ fn prompt(i: u32, len: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Hands out requests cycling through `prompts`, each with a fresh id.
+struct Cycle {
+    prompts: Vec<Vec<u32>>,
+    next: usize,
+    id: u64,
+}
+
+impl Cycle {
+    fn new(prompts: Vec<Vec<u32>>) -> Self {
+        Cycle {
+            prompts,
+            next: 0,
+            id: 0,
+        }
+    }
+
+    fn spec(&mut self) -> RequestSpec {
+        self.next = (self.next + 1) % self.prompts.len();
+        self.id += 1;
+        RequestSpec::new(RequestId(self.id), self.prompts[self.next].clone())
+    }
+}
+
+/// Adds, fully computes and releases a request; returns the transfers it caused.
+fn add_compute_release(kv: &mut KvCacheManager, spec: RequestSpec) -> usize {
+    let id = spec.id;
+    let len = spec.tokens.len() as u32;
+    kv.add_request(spec).expect("room");
+    kv.commit_computed(id, len).expect("live");
+    kv.release(id).expect("live");
+    kv.take_transfers().len()
+}
+
 fn manager(primary: u32, secondary: u32, reuse: bool) -> KvCacheManager {
     let mut cfg = KvCacheConfig::new(BS, primary, secondary);
     cfg.enable_reuse = reuse;
@@ -62,7 +95,7 @@ fn add_release_128k(c: &mut Criterion) {
     g.sample_size(30);
     // 16 distinct prompts through a pool that holds two: by the time a prompt comes back its
     // blocks were evicted, so every add misses (checked below).
-    let prompts: Vec<Vec<u32>> = (0..16).map(|i| prompt(i, LONG)).collect();
+    let mut cycle = Cycle::new((0..16).map(|i| prompt(i, LONG)).collect());
     for reuse in [false, true] {
         let name = if reuse {
             "reuse_on_0pct_hit"
@@ -70,22 +103,10 @@ fn add_release_128k(c: &mut Criterion) {
             "reuse_off"
         };
         let mut kv = manager(2 * LONG_BLOCKS + 8, 0, reuse);
-        let mut i = 0usize;
-        let mut id = 0u64;
         g.bench_function(name, |b| {
             b.iter_batched(
-                || {
-                    i = (i + 1) % prompts.len();
-                    id += 1;
-                    RequestSpec::new(RequestId(id), prompts[i].clone())
-                },
-                |spec| {
-                    let id = spec.id;
-                    let out = kv.add_request(spec).expect("room");
-                    kv.commit_computed(id, LONG).expect("live");
-                    kv.release(id).expect("live");
-                    out.reused_tokens
-                },
+                || cycle.spec(),
+                |spec| add_compute_release(&mut kv, spec),
                 BatchSize::LargeInput,
             );
         });
@@ -123,33 +144,22 @@ fn evict_under_pressure(c: &mut Criterion) {
     let mut g = c.benchmark_group("evict_under_pressure");
     g.throughput(Throughput::Elements(u64::from(LONG_BLOCKS)));
     g.sample_size(30);
-    let prompts: Vec<Vec<u32>> = (0..16).map(|i| prompt(100 + i, LONG)).collect();
+    let mut cycle = Cycle::new((0..16).map(|i| prompt(100 + i, LONG)).collect());
     for (name, secondary) in [("drop", 0), ("offload_to_host", 4 * LONG_BLOCKS)] {
         // The primary pool holds exactly one request: each add evicts the previous one's blocks.
         let mut kv = manager(LONG_BLOCKS, secondary, true);
-        let mut i = 0usize;
-        let mut id = 0u64;
-        let run = |kv: &mut KvCacheManager, spec: RequestSpec| {
-            let id = spec.id;
-            kv.add_request(spec).expect("room");
-            kv.commit_computed(id, LONG).expect("live");
-            kv.release(id).expect("live");
-            kv.take_transfers().len()
-        };
-        run(&mut kv, RequestSpec::new(RequestId(0), prompt(99, LONG)));
+        add_compute_release(&mut kv, RequestSpec::new(RequestId(0), prompt(99, LONG)));
+        // One warm-up request proves the premise before anything is timed.
+        add_compute_release(&mut kv, cycle.spec());
+        let s = kv.stats();
+        assert!(s.evicted + s.offloaded > 0, "{name}: the bench must evict");
         g.bench_function(name, |b| {
             b.iter_batched(
-                || {
-                    i = (i + 1) % prompts.len();
-                    id += 1;
-                    RequestSpec::new(RequestId(id), prompts[i].clone())
-                },
-                |spec| run(&mut kv, spec),
+                || cycle.spec(),
+                |spec| add_compute_release(&mut kv, spec),
                 BatchSize::LargeInput,
             );
         });
-        let s = kv.stats();
-        assert!(s.evicted + s.offloaded > 0, "{name}: the bench must evict");
     }
     g.finish();
 }

@@ -201,29 +201,7 @@ impl Group {
                 tier: Tier::Secondary,
                 block: BlockId(s),
             };
-            let src = self.tree.node(n).loc;
-            self.tree.relocate(n, dst);
-            self.pools[0].node[b as usize] = NO_NODE;
-            self.pools[1].node[s as usize] = n;
-            sh.transfers.push(Transfer {
-                group: self.id,
-                src,
-                dst,
-                num_tokens: None,
-                kind: TransferKind::Offload,
-            });
-            sh.stats.offloaded += 1;
-            if sh.events.enabled() {
-                sh.events.push(KvEvent::TierChanged {
-                    group: self.id,
-                    hash: BlockHash(self.tree.node(n).hash),
-                    from: Tier::Primary,
-                    to: Tier::Secondary,
-                });
-            }
-            self.refresh(Tier::Secondary, s);
-            let parent = self.tree.node(n).parent;
-            self.refresh_parent(parent);
+            self.move_node(n, dst, TransferKind::Offload, sh);
             // Making room in the secondary tier may have dropped a child of `n`, which put `b`
             // back into the evictable set; it is leaving for good.
             self.pools[0].set_evictable(b, None);
@@ -289,6 +267,38 @@ impl Group {
         }
     }
 
+    /// Moves cached node `n` to `dst` in the other tier, recording the transfer, the counter and
+    /// the event. The block it leaves has no node afterwards; the caller frees it.
+    fn move_node(&mut self, n: u32, dst: BlockLoc, kind: TransferKind, sh: &mut Shared) {
+        let src = self.tree.node(n).loc;
+        self.tree.relocate(n, dst);
+        self.pools[src.tier.index()].node[src.block.index()] = NO_NODE;
+        self.pools[dst.tier.index()].node[dst.block.index()] = n;
+        sh.transfers.push(Transfer {
+            group: self.id,
+            src,
+            dst,
+            num_tokens: None,
+            kind,
+        });
+        if dst.tier == Tier::Primary {
+            sh.stats.onboarded += 1;
+        } else {
+            sh.stats.offloaded += 1;
+        }
+        if sh.events.enabled() {
+            sh.events.push(KvEvent::TierChanged {
+                group: self.id,
+                hash: BlockHash(self.tree.node(n).hash),
+                from: src.tier,
+                to: dst.tier,
+            });
+        }
+        self.refresh(dst.tier, dst.block.0);
+        let parent = self.tree.node(n).parent;
+        self.refresh_parent(parent);
+    }
+
     /// Moves a secondary node that only the caller references into the primary tier; the
     /// caller's reference moves with it. Returns the new location.
     fn onboard_held(&mut self, n: u32, sh: &mut Shared) -> Result<BlockLoc, KvError> {
@@ -299,30 +309,10 @@ impl Group {
             tier: Tier::Primary,
             block: BlockId(p),
         };
-        self.tree.relocate(n, dst);
-        self.pools[0].node[p as usize] = n;
-        self.pools[1].node[s as usize] = NO_NODE;
+        self.move_node(n, dst, TransferKind::Onboard, sh);
         self.pools[1].drop_ref(s);
         self.pools[1].set_evictable(s, None);
         self.pools[1].push_free(s);
-        sh.transfers.push(Transfer {
-            group: self.id,
-            src,
-            dst,
-            num_tokens: None,
-            kind: TransferKind::Onboard,
-        });
-        sh.stats.onboarded += 1;
-        if sh.events.enabled() {
-            sh.events.push(KvEvent::TierChanged {
-                group: self.id,
-                hash: BlockHash(self.tree.node(n).hash),
-                from: Tier::Secondary,
-                to: Tier::Primary,
-            });
-        }
-        let parent = self.tree.node(n).parent;
-        self.refresh_parent(parent);
         Ok(dst)
     }
 
