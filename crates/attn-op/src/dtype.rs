@@ -1,0 +1,133 @@
+//! Element types of the KV cache and queries: f32, f16 and bf16, all computed in f32.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// The element types attention reads. Arithmetic always happens in f32; an element only says
+/// how it is stored and converted. The trait is sealed: f32, [`f16`] and [`bf16`] are all.
+pub trait Element:
+    Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static + sealed::Sealed
+{
+    /// The runtime tag of the type.
+    const DTYPE: DType;
+    /// Widens one element.
+    fn to_f32(self) -> f32;
+    /// Narrows one value (round to nearest even).
+    fn from_f32(x: f32) -> Self;
+    /// Widens a slice into `dst` (same length); uses SIMD conversions where the CPU has them.
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]);
+}
+
+/// A runtime tag for an [`Element`] type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// Unit roundoff of the storage type: half the distance from 1.0 to the next value.
+    pub fn epsilon(self) -> f64 {
+        match self {
+            DType::F32 => f64::from(f32::EPSILON) / 2.0,
+            DType::F16 => 2f64.powi(-11),
+            DType::BF16 => 2f64.powi(-8),
+        }
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline(always)]
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        // bf16 is the top half of an f32: a shift the compiler vectorizes.
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+}
+
+mod sealed {
+    /// Keeps [`Element`](super::Element) closed, so that `DTYPE` identifies the type (the
+    /// F16C path relies on it).
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// Widens a slice with F16C for f16 and the plain conversion otherwise.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn widen_f16c<T: Element>(src: &[T], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    if T::DTYPE != DType::F16 {
+        return T::slice_to_f32(src, dst);
+    }
+    let n = src.len().min(dst.len());
+    // `Element` is sealed and only `half::f16` has DTYPE F16; it is `repr(transparent)` over
+    // `u16`, so the elements are `n` readable u16 values.
+    let halves = src.as_ptr().cast::<u16>();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n`, so 8 u16 are readable at `halves + i` and 8 f32 writable at
+        // `dst + i`; both intrinsics take unaligned pointers.
+        unsafe {
+            let h = _mm_loadu_si128(halves.add(i).cast::<__m128i>());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for j in i..n {
+        dst[j] = src[j].to_f32();
+    }
+}

@@ -1,0 +1,205 @@
+//! Paged KV storage in the shared block-tensor layout.
+
+use crate::{AttnError, Element};
+
+/// The shape of one layer's K (or V) block tensor: `[num_blocks, block_size, kv_heads, head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Elements of one block tensor.
+    pub fn len(&self) -> usize {
+        self.num_blocks * self.block_size * self.kv_heads * self.head_dim
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Slots in the flat view (`num_blocks * block_size`).
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    /// Elements per token (all heads).
+    pub fn token_stride(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Offset of (slot, head) in the flat view.
+    pub(crate) fn offset(&self, slot: usize, head: usize) -> usize {
+        (slot * self.kv_heads + head) * self.head_dim
+    }
+
+    fn validate(&self) -> Result<(), AttnError> {
+        if self.block_size == 0 || self.kv_heads == 0 || self.head_dim == 0 {
+            return Err(AttnError::Invalid(format!(
+                "a KV layout needs block_size, kv_heads and head_dim above 0, got {self:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where a KV cache's memory lives, as types: the slices and index arrays its operations take.
+/// [`Host`] is CPU memory; a CUDA backend names device buffers here.
+pub trait Memory {
+    /// A contiguous run of elements in this memory.
+    type Slice<T: Element>: ?Sized;
+    /// An `i32` index array in this memory.
+    type Indices: ?Sized;
+}
+
+/// CPU memory: plain slices.
+#[derive(Clone, Copy, Debug)]
+pub struct Host;
+
+impl Memory for Host {
+    type Slice<T: Element> = [T];
+    type Indices = [i32];
+}
+
+/// One layer's paged K and V, wherever they live.
+pub trait KvCache<M: Memory> {
+    /// The element type stored.
+    type Elem: Element;
+
+    /// The block-tensor shape of K (and of V).
+    fn layout(&self) -> KvLayout;
+
+    /// Writes tokens through the flat slot view: token `i` of `k` and `v` (each
+    /// `[slot_mapping.len(), kv_heads, head_dim]`) goes to slot `slot_mapping[i]`, which is
+    /// `block * block_size + offset`. A slot of -1 skips its token (padding).
+    fn set_kv(
+        &mut self,
+        slot_mapping: &M::Indices,
+        k: &M::Slice<Self::Elem>,
+        v: &M::Slice<Self::Elem>,
+    ) -> Result<(), AttnError>;
+}
+
+/// K and V block tensors of one layer in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PagedKv<T: Element> {
+    layout: KvLayout,
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+impl<T: Element> PagedKv<T> {
+    /// A zero-filled cache of the given shape.
+    pub fn new(layout: KvLayout) -> Result<Self, AttnError> {
+        layout.validate()?;
+        Ok(PagedKv {
+            layout,
+            k: vec![T::default(); layout.len()],
+            v: vec![T::default(); layout.len()],
+        })
+    }
+
+    /// A cache over existing tensors, each `[num_blocks, block_size, kv_heads, head_dim]`.
+    pub fn from_tensors(layout: KvLayout, k: Vec<T>, v: Vec<T>) -> Result<Self, AttnError> {
+        layout.validate()?;
+        for (what, t) in [("k", &k), ("v", &v)] {
+            if t.len() != layout.len() {
+                return Err(AttnError::Length {
+                    what,
+                    expected: layout.len(),
+                    got: t.len(),
+                });
+            }
+        }
+        Ok(PagedKv { layout, k, v })
+    }
+
+    /// The K tensor.
+    pub fn k(&self) -> &[T] {
+        &self.k
+    }
+
+    /// The V tensor.
+    pub fn v(&self) -> &[T] {
+        &self.v
+    }
+
+    /// Both tensors, mutably (for moving tokens around, as compaction does).
+    pub fn tensors_mut(&mut self) -> (&mut [T], &mut [T]) {
+        (&mut self.k, &mut self.v)
+    }
+
+    /// The layout, without going through the trait.
+    pub(crate) fn layout_ref(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// K and V of `len` consecutive slots from `slot`, all heads (`[len, kv_heads, head_dim]`).
+    pub(crate) fn run_all_heads(&self, slot: usize, len: usize) -> (&[T], &[T]) {
+        let stride = self.layout.token_stride();
+        let r = slot * stride..(slot + len) * stride;
+        (&self.k[r.clone()], &self.v[r])
+    }
+
+    /// The head vector of K at (slot, head).
+    pub(crate) fn k_at(&self, slot: usize, head: usize) -> &[T] {
+        let o = self.layout.offset(slot, head);
+        &self.k[o..o + self.layout.head_dim]
+    }
+
+    /// The head vector of V at (slot, head).
+    pub(crate) fn v_at(&self, slot: usize, head: usize) -> &[T] {
+        let o = self.layout.offset(slot, head);
+        &self.v[o..o + self.layout.head_dim]
+    }
+}
+
+impl<T: Element> KvCache<Host> for PagedKv<T> {
+    type Elem = T;
+
+    fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn set_kv(&mut self, slot_mapping: &[i32], k: &[T], v: &[T]) -> Result<(), AttnError> {
+        let stride = self.layout.token_stride();
+        let expected = slot_mapping.len() * stride;
+        for (what, t) in [("k", k), ("v", v)] {
+            if t.len() != expected {
+                return Err(AttnError::Length {
+                    what,
+                    expected,
+                    got: t.len(),
+                });
+            }
+        }
+        let slots = self.layout.num_slots();
+        for &s in slot_mapping {
+            if s < -1 || (s >= 0 && s as usize >= slots) {
+                return Err(AttnError::IndexOutOfRange {
+                    what: "slot",
+                    index: i64::from(s),
+                    limit: slots as i64,
+                });
+            }
+        }
+        for (i, &s) in slot_mapping.iter().enumerate() {
+            if s < 0 {
+                continue;
+            }
+            let dst = s as usize * stride;
+            let src = i * stride;
+            self.k[dst..dst + stride].copy_from_slice(&k[src..src + stride]);
+            self.v[dst..dst + stride].copy_from_slice(&v[src..src + stride]);
+        }
+        Ok(())
+    }
+}

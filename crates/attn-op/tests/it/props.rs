@@ -1,0 +1,474 @@
+//! Properties: dense, sparse and token-level attention against the f64 oracle for every dtype,
+//! GQA ratio, window and sink; exact equalities (sparse with every page = dense, results
+//! independent of the thread count); merge and compaction identities.
+
+use attn_op::{
+    AttnOut, AttnPart, Element, GatheredPages, Selection, compact_kv, gather_page_offsets,
+    merge_attention, paged_attention, sparse_page_attention, token_sparse_attention,
+};
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+use crate::oracle::{Case, Rng, Shape, assert_close};
+
+/// f32 arithmetic on inputs that are exact in every dtype: the error bound does not depend on
+/// the storage type.
+const TOL: f64 = 2e-5;
+
+fn shape() -> impl Strategy<Value = Shape> {
+    (
+        1..4usize,
+        prop::sample::select(vec![2usize, 4, 16]),
+        1..3usize,
+        prop::sample::select(vec![1usize, 4, 8]),
+        prop::sample::select(vec![4usize, 12, 64]),
+        1..70usize,
+        0..3u8,
+    )
+        .prop_map(
+            |(seqs, block_size, kv_heads, group, head_dim, max_kv, mode)| Shape {
+                seqs,
+                block_size,
+                kv_heads,
+                group,
+                head_dim,
+                max_kv,
+                mode,
+            },
+        )
+}
+
+/// Window, sink tokens, and sink logits drawn from the seed.
+fn decorate<T: Element>(case: &mut Case<T>, rng: &mut Rng, masks: bool) {
+    if masks && rng.range(0, 2) == 0 {
+        case.params.window = Some(rng.range(1, 30) as u32);
+        case.params.sink_tokens = rng.range(0, 4) as u32;
+    }
+    if masks && rng.range(0, 3) == 0 {
+        case.params.sink_logits = Some((0..case.params.q_heads).map(|_| rng.unit()).collect());
+    }
+}
+
+fn dense<T: Element>(case: &Case<T>) -> (Vec<f32>, Vec<f32>) {
+    let hq = case.params.q_heads;
+    let d = case.layout().head_dim;
+    let mut out = vec![0.0; case.total_q() * hq * d];
+    let mut lse = vec![0.0; case.total_q() * hq];
+    paged_attention(
+        &case.q,
+        &case.kv,
+        &case.meta(),
+        &case.params,
+        AttnOut {
+            out: &mut out,
+            lse: Some(&mut lse),
+        },
+    )
+    .expect("valid case");
+    (out, lse)
+}
+
+fn dense_matches_oracle<T: Element>(shape: Shape, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let mut case = Case::<T>::random(shape, &mut rng);
+    decorate(&mut case, &mut rng, true);
+    let (out, lse) = dense(&case);
+    let (want_out, want_lse) = case.oracle(&|_, _, _| true);
+    assert_close("out", &out, &want_out, TOL);
+    assert_close("lse", &lse, &want_lse, TOL);
+}
+
+/// Random page selections (unordered, with duplicates) at a granularity finer or coarser than
+/// the KV page.
+fn random_selection(
+    case_lens: &[i32],
+    kv_heads: usize,
+    sel_bs: usize,
+    rng: &mut Rng,
+    all: bool,
+) -> (Vec<i32>, Vec<i32>, usize) {
+    let max_len = case_lens
+        .iter()
+        .map(|&l| (l as usize).div_ceil(sel_bs))
+        .max()
+        .unwrap_or(0)
+        * 2
+        + 1;
+    let mut ids = vec![-1; case_lens.len() * kv_heads * max_len];
+    let mut lens = vec![0; case_lens.len() * kv_heads];
+    for (s, &l) in case_lens.iter().enumerate() {
+        let blocks = (l as usize).div_ceil(sel_bs);
+        for h in 0..kv_heads {
+            let r = s * kv_heads + h;
+            let mut row: Vec<i32> = if all {
+                (0..blocks as i32).collect()
+            } else {
+                (0..rng.range(0, blocks + 1))
+                    .map(|_| rng.range(0, blocks) as i32)
+                    .collect()
+            };
+            if all {
+                // Shuffle and duplicate some: gather must sort and dedup.
+                for i in (1..row.len()).rev() {
+                    row.swap(i, rng.range(0, i + 1));
+                }
+                if !row.is_empty() {
+                    row.push(row[0]);
+                }
+            }
+            ids[r * max_len..r * max_len + row.len()].copy_from_slice(&row);
+            lens[r] = row.len() as i32;
+        }
+    }
+    (ids, lens, max_len)
+}
+
+fn sparse_run<T: Element>(case: &Case<T>, pages: &GatheredPages) -> (Vec<f32>, Vec<f32>) {
+    let hq = case.params.q_heads;
+    let d = case.layout().head_dim;
+    let mut out = vec![0.0; case.total_q() * hq * d];
+    let mut lse = vec![0.0; case.total_q() * hq];
+    sparse_page_attention(
+        &case.q,
+        &case.kv,
+        &case.meta(),
+        &pages.as_selection(),
+        &case.params,
+        AttnOut {
+            out: &mut out,
+            lse: Some(&mut lse),
+        },
+    )
+    .expect("valid selection");
+    (out, lse)
+}
+
+fn sparse_properties<T: Element>(shape: Shape, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let mut case = Case::<T>::random(shape, &mut rng);
+    decorate(&mut case, &mut rng, true);
+    let l = case.layout();
+    let bs = l.block_size;
+    let sel_bs = [bs / 2, bs, bs * 4][rng.range(0, 3)].max(1);
+    // Every page selected (shuffled, duplicated): bit-for-bit the dense result.
+    let (ids, lens, max_len) = random_selection(&case.lens, l.kv_heads, sel_bs, &mut rng, true);
+    let sel = Selection {
+        ids: &ids,
+        lens: &lens,
+        max_len,
+    };
+    let all = gather_page_offsets(&sel, sel_bs, &case.lens, bs, l.kv_heads).expect("valid");
+    for (r, &n) in all.kv_lens.iter().enumerate() {
+        assert_eq!(
+            n,
+            case.lens[r / l.kv_heads],
+            "effective length of a full selection"
+        );
+    }
+    let (dense_out, dense_lse) = dense(&case);
+    let (sparse_out, sparse_lse) = sparse_run(&case, &all);
+    assert!(
+        dense_out
+            .iter()
+            .zip(&sparse_out)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "out differs from dense"
+    );
+    assert!(
+        dense_lse
+            .iter()
+            .zip(&sparse_lse)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "lse differs from dense"
+    );
+    // A random subset: the oracle restricted to the gathered pages.
+    let (ids, lens, max_len) = random_selection(&case.lens, l.kv_heads, sel_bs, &mut rng, false);
+    let sel = Selection {
+        ids: &ids,
+        lens: &lens,
+        max_len,
+    };
+    let some = gather_page_offsets(&sel, sel_bs, &case.lens, bs, l.kv_heads).expect("valid");
+    let chosen = |s: usize, h: usize, pos: usize| {
+        let r = s * l.kv_heads + h;
+        let row = &some.pages[r * some.max_pages..r * some.max_pages + some.counts[r] as usize];
+        row.contains(&((pos / bs) as i32))
+    };
+    for (r, &n) in some.kv_lens.iter().enumerate() {
+        let s = r / l.kv_heads;
+        let covered = (0..case.lens[s] as usize)
+            .filter(|&p| chosen(s, r % l.kv_heads, p))
+            .count();
+        assert_eq!(
+            n as usize, covered,
+            "effective length counts the last partial page exactly"
+        );
+        // Every selected token lies on a gathered page.
+        let row = &ids[r * max_len..r * max_len + lens[r] as usize];
+        for &id in row {
+            let tok = id as usize * sel_bs;
+            assert!(chosen(
+                s,
+                r % l.kv_heads,
+                tok.min(case.lens[s] as usize - 1)
+            ));
+        }
+    }
+    let (out, lse) = sparse_run(&case, &some);
+    let (want_out, want_lse) = case.oracle(&chosen);
+    assert_close("sparse out", &out, &want_out, TOL);
+    assert_close("sparse lse", &lse, &want_lse, TOL);
+}
+
+/// Token selections: a random subset of each row's positions, in random order.
+fn random_tokens(
+    lens: &[i32],
+    kv_heads: usize,
+    rng: &mut Rng,
+    same_count: bool,
+) -> (Vec<i32>, Vec<i32>, usize) {
+    let max_len = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut ids = vec![-1; lens.len() * kv_heads * max_len];
+    let mut counts = vec![0; lens.len() * kv_heads];
+    for (s, &l) in lens.iter().enumerate() {
+        let l = l as usize;
+        let keep = rng.range(1, l + 1);
+        for h in 0..kv_heads {
+            let mut all: Vec<i32> = (0..l as i32).collect();
+            for i in (1..l).rev() {
+                all.swap(i, rng.range(0, i + 1));
+            }
+            let n = if same_count {
+                keep
+            } else {
+                rng.range(0, l + 1)
+            };
+            let mut row = all[..n].to_vec();
+            if same_count {
+                row.sort_unstable();
+            }
+            let r = s * kv_heads + h;
+            ids[r * max_len..r * max_len + n].copy_from_slice(&row);
+            counts[r] = n as i32;
+        }
+    }
+    (ids, counts, max_len)
+}
+
+fn token_and_compaction<T: Element>(shape: Shape, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let mut case = Case::<T>::random(Shape { mode: 0, ..shape }, &mut rng);
+    decorate(&mut case, &mut rng, true);
+    let l = case.layout();
+    let hq = case.params.q_heads;
+    let d = l.head_dim;
+    let (ids, counts, max_len) = random_tokens(&case.lens, l.kv_heads, &mut rng, false);
+    let sel = Selection {
+        ids: &ids,
+        lens: &counts,
+        max_len,
+    };
+    let mut out = vec![0.0; case.total_q() * hq * d];
+    let mut lse = vec![0.0; case.total_q() * hq];
+    token_sparse_attention(
+        &case.q,
+        &case.kv,
+        &case.meta(),
+        &sel,
+        &case.params,
+        AttnOut {
+            out: &mut out,
+            lse: Some(&mut lse),
+        },
+    )
+    .expect("valid tokens");
+    let chosen = |s: usize, h: usize, pos: usize| {
+        let r = s * l.kv_heads + h;
+        ids[r * max_len..r * max_len + counts[r] as usize].contains(&(pos as i32))
+    };
+    let (want_out, want_lse) = case.oracle(&chosen);
+    assert_close("token out", &out, &want_out, TOL);
+    assert_close("token lse", &lse, &want_lse, TOL);
+
+    // Compaction then dense equals token-level attention over the kept tokens (no window: the
+    // compacted positions are new).
+    case.params.window = None;
+    let (keep, keep_lens, keep_max) = random_tokens(&case.lens, l.kv_heads, &mut rng, true);
+    let keep_sel = Selection {
+        ids: &keep,
+        lens: &keep_lens,
+        max_len: keep_max,
+    };
+    let mut tok_out = vec![0.0; case.total_q() * hq * d];
+    token_sparse_attention(
+        &case.q,
+        &case.kv,
+        &case.meta(),
+        &keep_sel,
+        &case.params,
+        AttnOut {
+            out: &mut tok_out,
+            lse: None,
+        },
+    )
+    .expect("valid keep list");
+    let new_lens = compact_kv(
+        &mut case.kv,
+        &case.lens,
+        &case.table,
+        case.max_blocks,
+        &keep_sel,
+    )
+    .expect("sorted keep list");
+    case.lens = new_lens;
+    let (compact_out, _) = dense(&case);
+    for (a, b) in compact_out.iter().zip(&tok_out) {
+        assert!(
+            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+            "compacted dense {a} vs token-level {b}"
+        );
+    }
+}
+
+fn merge_of_chunks<T: Element>(shape: Shape, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let case = Case::<T>::random(shape, &mut rng);
+    let l = case.layout();
+    let hq = case.params.q_heads;
+    let d = l.head_dim;
+    let rows = case.total_q() * hq;
+    // Split every sequence's positions into three disjoint chunks by a random cut.
+    let mut parts = Vec::new();
+    let cut_a = rng.range(0, 70);
+    let cut_b = cut_a + rng.range(0, 70);
+    for (lo, hi) in [(0, cut_a), (cut_a, cut_b), (cut_b, usize::MAX)] {
+        let max_len = case.lens.iter().copied().max().unwrap_or(0) as usize;
+        let mut ids = vec![-1; case.lens.len() * l.kv_heads * max_len];
+        let mut counts = vec![0; case.lens.len() * l.kv_heads];
+        for (s, &len) in case.lens.iter().enumerate() {
+            let row: Vec<i32> = (0..len)
+                .filter(|&p| (p as usize) >= lo && (p as usize) < hi)
+                .collect();
+            for h in 0..l.kv_heads {
+                let r = s * l.kv_heads + h;
+                ids[r * max_len..r * max_len + row.len()].copy_from_slice(&row);
+                counts[r] = row.len() as i32;
+            }
+        }
+        let mut out = vec![0.0; rows * d];
+        let mut lse = vec![0.0; rows];
+        let sel = Selection {
+            ids: &ids,
+            lens: &counts,
+            max_len,
+        };
+        token_sparse_attention(
+            &case.q,
+            &case.kv,
+            &case.meta(),
+            &sel,
+            &case.params,
+            AttnOut {
+                out: &mut out,
+                lse: Some(&mut lse),
+            },
+        )
+        .expect("valid chunk");
+        parts.push((out, lse));
+    }
+    let views: Vec<AttnPart<'_>> = parts
+        .iter()
+        .map(|(o, l)| AttnPart { out: o, lse: l })
+        .collect();
+    let mut out = vec![0.0; rows * d];
+    let mut lse = vec![0.0; rows];
+    merge_attention(&views, d, &mut out, &mut lse).expect("same shapes");
+    let (want_out, want_lse) = case.oracle(&|_, _, _| true);
+    assert_close("merged out", &out, &want_out, TOL);
+    assert_close("merged lse", &lse, &want_lse, TOL);
+}
+
+fn thread_count_does_not_change_results<T: Element>(shape: Shape, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let case = Case::<T>::random(shape, &mut rng);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a pool");
+    let (one, one_lse) = pool.install(|| dense(&case));
+    let (many, many_lse) = dense(&case);
+    assert!(
+        one.iter()
+            .zip(&many)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
+    assert!(
+        one_lse
+            .iter()
+            .zip(&many_lse)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
+}
+
+/// Runs a property for the three element types.
+macro_rules! all_dtypes {
+    ($f:ident, $shape:expr, $seed:expr) => {{
+        $f::<f32>($shape, $seed);
+        $f::<f16>($shape, $seed);
+        $f::<bf16>($shape, $seed);
+    }};
+}
+
+/// 48 cases by default; `PROPTEST_CASES` raises it for soak runs.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn dense_attention_matches_the_f64_oracle(shape in shape(), seed in any::<u64>()) {
+        all_dtypes!(dense_matches_oracle, shape, seed);
+    }
+
+    #[test]
+    fn sparse_pages_match_the_oracle_and_all_pages_equal_dense_bitwise(shape in shape(), seed in any::<u64>()) {
+        all_dtypes!(sparse_properties, shape, seed);
+    }
+
+    #[test]
+    fn token_sparse_matches_the_oracle_and_equals_compaction(shape in shape(), seed in any::<u64>()) {
+        all_dtypes!(token_and_compaction, shape, seed);
+    }
+
+    #[test]
+    fn merged_chunks_equal_one_shot_attention(shape in shape(), seed in any::<u64>()) {
+        all_dtypes!(merge_of_chunks, shape, seed);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count(shape in shape(), seed in any::<u64>()) {
+        all_dtypes!(thread_count_does_not_change_results, shape, seed);
+    }
+}
+
+#[test]
+fn long_context_splits_merge_to_the_oracle() {
+    // 1000 tokens in pages of 4: 250 runs, so four KV splits are merged.
+    let shape = Shape {
+        seqs: 2,
+        block_size: 4,
+        kv_heads: 2,
+        group: 4,
+        head_dim: 16,
+        max_kv: 1000,
+        mode: 0,
+    };
+    for seed in 0..3 {
+        dense_matches_oracle::<bf16>(shape, seed);
+    }
+}
