@@ -1,6 +1,6 @@
 //! Decode attention benches, with this machine's read bandwidth measured in the same run.
 //!
-//! - `stream_read`: a parallel sum over 1 GiB, the STREAM-like ceiling for reading KV.
+//! - `stream_read`: a parallel integer sum over 1 GiB, the STREAM-like ceiling for reading KV.
 //! - `decode/{dtype}/B{b}/L{ctx}`: dense paged decode, 32 query / 8 KV heads, head dim 128,
 //!   pages of 32 tokens. Throughput is the KV bytes the step must read.
 //! - `sparse_decode/{dtype}/B{b}/L32768`: the same step reading a 2048-token budget (64 random
@@ -65,16 +65,20 @@ fn kv_bytes<T: Element>(batch: usize, ctx: usize) -> u64 {
 }
 
 fn stream_read(c: &mut Criterion) {
-    let data: Vec<f32> = (0..(1usize << 28)).map(|i| (i % 251) as f32).collect();
+    // A wrapping integer sum is associative, so it vectorizes and is bound by memory, not by an
+    // add-latency chain (a plain f32 sum would understate the bandwidth).
+    let data: Vec<u64> = (0..(1u64 << 27))
+        .map(|i| i.wrapping_mul(0x9e37_79b9))
+        .collect();
     let mut g = c.benchmark_group("stream_read");
-    g.throughput(Throughput::Bytes((data.len() * 4) as u64));
+    g.throughput(Throughput::Bytes((data.len() * 8) as u64));
     g.sample_size(10);
     g.bench_function("sum_1GiB", |b| {
         b.iter(|| {
-            let s: f32 = data
-                .par_chunks(1 << 16)
-                .map(|c| c.iter().sum::<f32>())
-                .sum();
+            let s = data
+                .par_chunks(1 << 15)
+                .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+                .reduce(|| 0, u64::wrapping_add);
             black_box(s)
         });
     });

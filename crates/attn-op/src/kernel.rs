@@ -86,19 +86,21 @@ impl Partial {
     }
 }
 
-/// `a · b`, with fused multiply-adds when `FMA` (only inside a function compiled for them).
+/// `a · b`; the `FMA` build (only instantiated by `attend_avx2_fma`) uses AVX2 FMA intrinsics.
 #[inline(always)]
 fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: `FMA` is true only in `attend_avx2_fma`, which runs after AVX2 and FMA were
+        // detected.
+        return unsafe { simd::dot(a, b) };
+    }
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] = if FMA {
-                x[i].mul_add(y[i], acc[i])
-            } else {
-                acc[i] + x[i] * y[i]
-            };
+            acc[i] += x[i] * y[i];
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
@@ -106,6 +108,181 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
+}
+
+/// `acc += w * v`; the `FMA` build uses AVX2 FMA intrinsics.
+#[inline(always)]
+fn axpy<const FMA: bool>(acc: &mut [f32], w: f32, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: as in `dot`.
+        return unsafe { simd::axpy(acc, w, v) };
+    }
+    for (a, x) in acc.iter_mut().zip(v) {
+        *a += w * x;
+    }
+}
+
+/// Replaces each score `s` by `exp(s - m)` (a masked score, -inf, by exactly 0) and returns
+/// their sum; the `FMA` build evaluates 8 exponentials at a time.
+#[inline(always)]
+fn exp_weights<const FMA: bool>(scores: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: as in `dot`.
+        return unsafe { simd::exp_weights(scores, m) };
+    }
+    let mut sum = 0.0;
+    for s in scores.iter_mut() {
+        *s = if *s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (*s - m).exp()
+        };
+        sum += *s;
+    }
+    sum
+}
+
+/// AVX2 + FMA versions of the inner loops.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::{
+        __m256, _CMP_GT_OQ, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT, _mm_add_ps, _mm_add_ss,
+        _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps, _mm256_add_epi32, _mm256_add_ps,
+        _mm256_and_ps, _mm256_castps_si256, _mm256_castps256_ps128, _mm256_castsi256_ps,
+        _mm256_cmp_ps, _mm256_cvtps_epi32, _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps,
+        _mm256_max_ps, _mm256_mul_ps, _mm256_round_ps, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_slli_epi32, _mm256_storeu_ps, _mm256_sub_ps,
+    };
+
+    /// Sum of the 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps::<1>(x, x)))
+    }
+
+    /// `exp(x)` for `x <= 0`, 8 lanes: Cody-Waite range reduction by ln 2 and the Cephes
+    /// degree-5 polynomial (about 1 ulp), lanes below -87.3 clamped there (about 1e-38).
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_359_4), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(
+            _mm256_mul_ps(p, r),
+            r,
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        let e = _mm256_slli_epi32::<23>(_mm256_cvtps_epi32(n));
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_weights(scores: &mut [f32], m: f32) -> f32 {
+        let n = scores.len();
+        let p = scores.as_mut_ptr();
+        let (mv, ninf) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::NEG_INFINITY));
+        let mut sum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`: 8 floats read-writable at `p + i`.
+            unsafe {
+                let s = _mm256_loadu_ps(p.add(i));
+                let keep = _mm256_cmp_ps::<_CMP_GT_OQ>(s, ninf);
+                let w = _mm256_and_ps(exp8(_mm256_sub_ps(s, mv)), keep);
+                _mm256_storeu_ps(p.add(i), w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            i += 8;
+        }
+        let mut total = hsum(sum);
+        for s in &mut scores[i..] {
+            *s = if *s == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (*s - m).exp()
+            };
+            total += *s;
+        }
+        total
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc: [__m256; 4] = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (j, c) in acc.iter_mut().enumerate() {
+                // SAFETY: `i + 32 <= n`, so the 8 floats at `i + 8 j` are in both slices.
+                unsafe {
+                    let o = i + 8 * j;
+                    *c =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *c);
+                }
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`.
+            unsafe {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i)),
+                    _mm256_loadu_ps(pb.add(i)),
+                    acc[0],
+                );
+            }
+            i += 8;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut s = hsum(v);
+        for j in i..n {
+            s += a[j] * b[j];
+        }
+        s
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
+        let n = acc.len().min(v.len());
+        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`: 8 floats readable in `v` and read-writable in `acc`.
+            unsafe {
+                let r = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pv.add(i)), _mm256_loadu_ps(pa.add(i)));
+                _mm256_storeu_ps(pa.add(i), r);
+            }
+            i += 8;
+        }
+        for j in i..n {
+            acc[j] += w * v[j];
+        }
+    }
 }
 
 /// Widens a head vector; the `FAST` build (only instantiated by `attend_avx2_fma`) uses F16C.
@@ -118,14 +295,6 @@ fn widen<T: Element, const FAST: bool>(src: &[T], dst: &mut [f32]) {
         return unsafe { crate::dtype::widen_f16c(src, dst) };
     }
     T::slice_to_f32(src, dst);
-}
-
-/// `acc += w * v`, fused when `FMA`.
-#[inline(always)]
-fn axpy<const FMA: bool>(acc: &mut [f32], w: f32, v: &[f32]) {
-    for (a, x) in acc.iter_mut().zip(v) {
-        *a = if FMA { w.mul_add(*x, *a) } else { *a + w * x };
-    }
 }
 
 /// Attention of `rows` query rows over `runs`, with the fastest code this CPU runs. The AVX2 +
@@ -242,11 +411,9 @@ fn attend_body<T: Element, const FMA: bool>(
                 acc.iter_mut().for_each(|a| *a *= alpha);
                 part.l[r] *= alpha;
             }
-            let mut lsum = 0.0;
-            for (t, &s) in scores[..len].iter().enumerate() {
-                if s != f32::NEG_INFINITY {
-                    let w = (s - m_new).exp();
-                    lsum += w;
+            let lsum = exp_weights::<FMA>(&mut scores[..len], m_new);
+            for (t, &w) in scores[..len].iter().enumerate() {
+                if w != 0.0 {
                     let o = (t * nh + hh) * d;
                     axpy::<FMA>(acc, w, &vbuf[o..o + d]);
                 }
