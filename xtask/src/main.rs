@@ -4,6 +4,8 @@
 //! in seconds on a fresh machine.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod summary;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
@@ -13,7 +15,8 @@ usage: cargo xtask <command>
 commands:
   ci      what CI runs: rustfmt check, clippy with -D warnings, rustdoc with -D warnings, tests
   test    the README's test command: cargo test --workspace --all-features
-  bench   every crate's criterion benches; prints where the reports are
+  bench   every crate's criterion benches; prints a summary table (also written to
+          target/bench-report/summary.md) and where the HTML reports are
           (extra arguments go to the bench binaries, e.g. `cargo xtask bench -- --quick`)
   help    this text";
 
@@ -71,7 +74,15 @@ fn bench(extra: &[String]) -> Result<(), String> {
     args.extend(extra.iter().map(String::as_str));
     cargo(&args, &[])?;
     let reports = target_dir().join("criterion");
+    let table = summary::render(&reports)?;
+    let out_dir = target_dir().join("bench-report");
+    std::fs::create_dir_all(&out_dir)
+        .map_err(|e| format!("creating {}: {e}", out_dir.display()))?;
+    let out = out_dir.join("summary.md");
+    std::fs::write(&out, &table).map_err(|e| format!("writing {}: {e}", out.display()))?;
     println!();
+    println!("{table}");
+    println!("summary:           {}", out.display());
     println!("criterion reports: {}", reports.display());
     println!(
         "  summary page:    {}",

@@ -1,0 +1,135 @@
+//! The bench summary: every criterion result under `target/criterion`, plus the figures the
+//! issues ask for (decode as a fraction of read bandwidth, sparse/dense speedup, reuse on/off
+//! ratio), as a Markdown table.
+//!
+//! Criterion's JSON is read with plain string search to keep xtask free of dependencies; the
+//! fields used (`full_id`, `throughput`, `mean.point_estimate`) are flat and stable.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// One benchmark's mean time and declared throughput.
+struct Bench {
+    mean_ns: f64,
+    bytes: Option<f64>,
+    elements: Option<f64>,
+}
+
+/// Renders the summary of every result found under `root`.
+pub(crate) fn render(root: &Path) -> Result<String, String> {
+    let mut benches = BTreeMap::new();
+    collect(root, &mut benches)?;
+    let mut md =
+        String::from("## Benchmarks\n\n| bench | mean | throughput |\n| --- | ---: | ---: |\n");
+    for (id, b) in &benches {
+        let thrpt = match (b.bytes, b.elements) {
+            (Some(bytes), _) => {
+                format!("{:.2} GiB/s", bytes / b.mean_ns * 1e9 / (1u64 << 30) as f64)
+            }
+            (_, Some(n)) => format!("{:.2} Melem/s", n / b.mean_ns * 1e3),
+            _ => String::new(),
+        };
+        let _ = writeln!(md, "| {id} | {} | {thrpt} |", fmt_time(b.mean_ns));
+    }
+    let mut derived = String::new();
+    let gibs = |b: &Bench| b.bytes.map(|x| x / b.mean_ns * 1e9 / (1u64 << 30) as f64);
+    if let Some(stream) = benches.get("stream_read/sum_1GiB").and_then(gibs) {
+        for (id, b) in benches.iter().filter(|(id, _)| id.starts_with("decode/")) {
+            if let Some(g) = gibs(b) {
+                let _ = writeln!(
+                    derived,
+                    "| {id}: fraction of read bandwidth ({stream:.1} GiB/s) | {:.2} (goal 0.80) |",
+                    g / stream
+                );
+            }
+        }
+    }
+    for (id, sparse) in benches
+        .iter()
+        .filter(|(id, _)| id.starts_with("sparse_decode/"))
+    {
+        if let Some(dense) = benches.get(&id.replacen("sparse_decode/", "decode/", 1)) {
+            let _ = writeln!(
+                derived,
+                "| {id}: speedup over dense | {:.1}x |",
+                dense.mean_ns / sparse.mean_ns
+            );
+        }
+    }
+    if let (Some(off), Some(on)) = (
+        benches.get("add_release_128k/reuse_off"),
+        benches.get("add_release_128k/reuse_on_0pct_hit"),
+    ) {
+        let _ = writeln!(
+            derived,
+            "| kv-blocks reuse on / off throughput at 0 % hit | {:.3} (goal 0.97) |",
+            off.mean_ns / on.mean_ns
+        );
+    }
+    if !derived.is_empty() {
+        md.push_str("\n## Derived\n\n| figure | value |\n| --- | ---: |\n");
+        md.push_str(&derived);
+    }
+    Ok(md)
+}
+
+fn fmt_time(ns: f64) -> String {
+    match ns {
+        n if n >= 1e9 => format!("{:.3} s", n / 1e9),
+        n if n >= 1e6 => format!("{:.3} ms", n / 1e6),
+        n if n >= 1e3 => format!("{:.3} µs", n / 1e3),
+        n => format!("{n:.1} ns"),
+    }
+}
+
+/// Walks `dir` for `new/benchmark.json` + `new/estimates.json` pairs.
+fn collect(dir: &Path, out: &mut BTreeMap<String, Bench>) -> Result<(), String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !path.is_dir() {
+            continue;
+        }
+        if path.file_name().is_some_and(|n| n == "new") {
+            let read = |f: &str| std::fs::read_to_string(path.join(f)).ok();
+            if let (Some(meta), Some(est)) = (read("benchmark.json"), read("estimates.json"))
+                && let (Some(id), Some(mean_ns)) = (string_field(&meta, "full_id"), mean(&est))
+            {
+                out.insert(
+                    id,
+                    Bench {
+                        mean_ns,
+                        bytes: number_after(&meta, "\"Bytes\":"),
+                        elements: number_after(&meta, "\"Elements\":"),
+                    },
+                );
+            }
+        } else {
+            collect(&path, out)?;
+        }
+    }
+    Ok(())
+}
+
+fn string_field(json: &str, key: &str) -> Option<String> {
+    let start = json.find(&format!("\"{key}\":\""))? + key.len() + 4;
+    let end = json[start..].find('"')?;
+    Some(json[start..start + end].to_owned())
+}
+
+fn number_after(json: &str, marker: &str) -> Option<f64> {
+    let start = json.find(marker)? + marker.len();
+    let rest = &json[start..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '-' | '+')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+fn mean(estimates: &str) -> Option<f64> {
+    let at = estimates.find("\"mean\":")?;
+    number_after(&estimates[at..], "\"point_estimate\":")
+}
