@@ -4,7 +4,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// The element types attention reads. Arithmetic always happens in f32; an element only says
-/// how it is stored and converted. The trait is sealed: f32, [`f16`] and [`bf16`] are all.
+/// how it is stored and converted. The trait is sealed: f32, [`struct@f16`] and [`bf16`] are all.
 pub trait Element:
     Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static + sealed::Sealed
 {
