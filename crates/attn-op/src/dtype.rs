@@ -94,40 +94,10 @@ impl Element for bf16 {
 }
 
 mod sealed {
-    /// Keeps [`Element`](super::Element) closed, so that `DTYPE` identifies the type (the
-    /// F16C path relies on it).
+    /// Keeps [`Element`](super::Element) closed, so that `DTYPE` identifies the type (the SIMD
+    /// widening relies on it).
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
-}
-
-/// Widens a slice with F16C for f16 and the plain conversion otherwise.
-///
-/// # Safety
-/// The CPU must support AVX2 and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-pub(crate) unsafe fn widen_f16c<T: Element>(src: &[T], dst: &mut [f32]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
-    if T::DTYPE != DType::F16 {
-        return T::slice_to_f32(src, dst);
-    }
-    let n = src.len().min(dst.len());
-    // `Element` is sealed and only `half::f16` has DTYPE F16; it is `repr(transparent)` over
-    // `u16`, so the elements are `n` readable u16 values.
-    let halves = src.as_ptr().cast::<u16>();
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: `i + 8 <= n`, so 8 u16 are readable at `halves + i` and 8 f32 writable at
-        // `dst + i`; both intrinsics take unaligned pointers.
-        unsafe {
-            let h = _mm_loadu_si128(halves.add(i).cast::<__m128i>());
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-        }
-        i += 8;
-    }
-    for j in i..n {
-        dst[j] = src[j].to_f32();
-    }
 }

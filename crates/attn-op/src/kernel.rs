@@ -9,6 +9,7 @@
 use rayon::prelude::*;
 
 use crate::meta::Seq;
+use crate::simd;
 use crate::{AttnParams, Element, PagedKv};
 
 /// Consecutive tokens that are consecutive in one block: logical positions `pos..pos + len` at
@@ -86,221 +87,12 @@ impl Partial {
     }
 }
 
-/// `a · b`; the `FMA` build (only instantiated by `attend_avx2_fma`) uses AVX2 FMA intrinsics.
-#[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if FMA {
-        // SAFETY: `FMA` is true only in `attend_avx2_fma`, which runs after AVX2 and FMA were
-        // detected.
-        return unsafe { simd::dot(a, b) };
-    }
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-/// `acc += w * v`; the `FMA` build uses AVX2 FMA intrinsics.
-#[inline(always)]
-fn axpy<const FMA: bool>(acc: &mut [f32], w: f32, v: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if FMA {
-        // SAFETY: as in `dot`.
-        return unsafe { simd::axpy(acc, w, v) };
-    }
-    for (a, x) in acc.iter_mut().zip(v) {
-        *a += w * x;
-    }
-}
-
-/// Replaces each score `s` by `exp(s - m)` (a masked score, -inf, by exactly 0) and returns
-/// their sum; the `FMA` build evaluates 8 exponentials at a time.
-#[inline(always)]
-fn exp_weights<const FMA: bool>(scores: &mut [f32], m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if FMA {
-        // SAFETY: as in `dot`.
-        return unsafe { simd::exp_weights(scores, m) };
-    }
-    let mut sum = 0.0;
-    for s in scores.iter_mut() {
-        *s = if *s == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (*s - m).exp()
-        };
-        sum += *s;
-    }
-    sum
-}
-
-/// AVX2 + FMA versions of the inner loops.
-#[cfg(target_arch = "x86_64")]
-mod simd {
-    use std::arch::x86_64::{
-        __m256, _CMP_GT_OQ, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT, _mm_add_ps, _mm_add_ss,
-        _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps, _mm256_add_epi32, _mm256_add_ps,
-        _mm256_and_ps, _mm256_castps_si256, _mm256_castps256_ps128, _mm256_castsi256_ps,
-        _mm256_cmp_ps, _mm256_cvtps_epi32, _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps,
-        _mm256_max_ps, _mm256_mul_ps, _mm256_round_ps, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_slli_epi32, _mm256_storeu_ps, _mm256_sub_ps,
-    };
-
-    /// Sum of the 8 lanes.
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-        _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps::<1>(x, x)))
-    }
-
-    /// `exp(x)` for `x <= 0`, 8 lanes: Cody-Waite range reduction by ln 2 and the Cephes
-    /// degree-5 polynomial (about 1 ulp), lanes below -87.3 clamped there (about 1e-38).
-    #[target_feature(enable = "avx2,fma")]
-    fn exp8(x: __m256) -> __m256 {
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_359_4), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            0.166_666_65,
-            0.5,
-        ] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let y = _mm256_fmadd_ps(
-            _mm256_mul_ps(p, r),
-            r,
-            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-        );
-        let e = _mm256_slli_epi32::<23>(_mm256_cvtps_epi32(n));
-        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e))
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_weights(scores: &mut [f32], m: f32) -> f32 {
-        let n = scores.len();
-        let p = scores.as_mut_ptr();
-        let (mv, ninf) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::NEG_INFINITY));
-        let mut sum = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: 8 floats read-writable at `p + i`.
-            unsafe {
-                let s = _mm256_loadu_ps(p.add(i));
-                let keep = _mm256_cmp_ps::<_CMP_GT_OQ>(s, ninf);
-                let w = _mm256_and_ps(exp8(_mm256_sub_ps(s, mv)), keep);
-                _mm256_storeu_ps(p.add(i), w);
-                sum = _mm256_add_ps(sum, w);
-            }
-            i += 8;
-        }
-        let mut total = hsum(sum);
-        for s in &mut scores[i..] {
-            *s = if *s == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*s - m).exp()
-            };
-            total += *s;
-        }
-        total
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc: [__m256; 4] = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (j, c) in acc.iter_mut().enumerate() {
-                // SAFETY: `i + 32 <= n`, so the 8 floats at `i + 8 j` are in both slices.
-                unsafe {
-                    let o = i + 8 * j;
-                    *c =
-                        _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *c);
-                }
-            }
-            i += 32;
-        }
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`.
-            unsafe {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i)),
-                    _mm256_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
-            }
-            i += 8;
-        }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut s = hsum(v);
-        for j in i..n {
-            s += a[j] * b[j];
-        }
-        s
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
-        let n = acc.len().min(v.len());
-        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: 8 floats readable in `v` and read-writable in `acc`.
-            unsafe {
-                let r = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pv.add(i)), _mm256_loadu_ps(pa.add(i)));
-                _mm256_storeu_ps(pa.add(i), r);
-            }
-            i += 8;
-        }
-        for j in i..n {
-            acc[j] += w * v[j];
-        }
-    }
-}
-
-/// Widens a head vector; the `FAST` build (only instantiated by `attend_avx2_fma`) uses F16C.
-#[inline(always)]
-fn widen<T: Element, const FAST: bool>(src: &[T], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if FAST {
-        // SAFETY: `FAST` is true only in `attend_avx2_fma`, which runs after AVX2, FMA and F16C
-        // were detected.
-        return unsafe { crate::dtype::widen_f16c(src, dst) };
-    }
-    T::slice_to_f32(src, dst);
-}
-
-/// Attention of `rows` query rows over `runs`, with the fastest code this CPU runs. The AVX2 +
-/// FMA build rounds differently from the portable one (fused multiply-adds), so results are
-/// deterministic per machine, and equal across machines within f32 rounding.
+/// Attention of query rows over `runs`, with the widest instruction set this CPU has. The SIMD
+/// builds round differently from the portable one (fused multiply-adds, a polynomial exp), so
+/// results are deterministic per machine and agree across machines within f32 rounding.
+#[allow(clippy::too_many_arguments)]
 fn attend<T: Element>(
+    isa: u8,
     kv: &PagedKv<T>,
     heads: (usize, usize),
     group: usize,
@@ -310,22 +102,22 @@ fn attend<T: Element>(
     runs: &[Run],
 ) -> Partial {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU was just checked to support AVX2, FMA and F16C, the features the
+    match isa {
+        // SAFETY: `resolve` caps `isa` by the features the CPU has, which are the ones each
         // function is compiled for.
-        return unsafe { attend_avx2_fma(kv, heads, group, q, pos, params, runs) };
+        simd::AVX512 => return unsafe { attend_avx512(kv, heads, group, q, pos, params, runs) },
+        // SAFETY: as above.
+        simd::AVX2 => return unsafe { attend_avx2(kv, heads, group, q, pos, params, runs) },
+        _ => {}
     }
-    attend_body::<T, false>(kv, heads, group, q, pos, params, runs)
+    attend_body::<T, { simd::PORTABLE }>(kv, heads, group, q, pos, params, runs)
 }
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2_fma<T: Element>(
+unsafe fn attend_avx2<T: Element>(
     kv: &PagedKv<T>,
     heads: (usize, usize),
     group: usize,
@@ -334,7 +126,23 @@ unsafe fn attend_avx2_fma<T: Element>(
     params: &AttnParams,
     runs: &[Run],
 ) -> Partial {
-    attend_body::<T, true>(kv, heads, group, q, pos, params, runs)
+    attend_body::<T, { simd::AVX2 }>(kv, heads, group, q, pos, params, runs)
+}
+
+/// # Safety
+/// The CPU must support AVX-512F, AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn attend_avx512<T: Element>(
+    kv: &PagedKv<T>,
+    heads: (usize, usize),
+    group: usize,
+    q: &[f32],
+    pos: &[i64],
+    params: &AttnParams,
+    runs: &[Run],
+) -> Partial {
+    attend_body::<T, { simd::AVX512 }>(kv, heads, group, q, pos, params, runs)
 }
 
 /// Attention of query rows (`q`: `rows x d`, already scaled; `pos`: each row's absolute
@@ -342,7 +150,7 @@ unsafe fn attend_avx2_fma<T: Element>(
 /// Each run is widened once for all the job's heads; each row then sees the same operations in
 /// the same order whatever the job's head range, so results do not depend on it.
 #[inline(always)]
-fn attend_body<T: Element, const FMA: bool>(
+fn attend_body<T: Element, const ISA: u8>(
     kv: &PagedKv<T>,
     (h0, h1): (usize, usize),
     group: usize,
@@ -357,8 +165,13 @@ fn attend_body<T: Element, const FMA: bool>(
     let rows = pos.len();
     let mut part = Partial::empty(rows, d);
     let longest = runs.iter().map(|r| r.len as usize).max().unwrap_or(0);
-    let mut kbuf = vec![0.0f32; longest * nh * d];
-    let mut vbuf = vec![0.0f32; longest * nh * d];
+    let scratch = if ISA == simd::PORTABLE {
+        longest * nh * d
+    } else {
+        0
+    };
+    let mut kbuf = vec![0.0f32; scratch];
+    let mut vbuf = vec![0.0f32; scratch];
     let mut scores = vec![0.0f32; longest];
     let pmax = pos.iter().copied().max().unwrap_or(-1);
     let pmin = pos.iter().copied().min().unwrap_or(-1);
@@ -371,17 +184,21 @@ fn attend_body<T: Element, const FMA: bool>(
         // Every token of the run is visible to every row: no per-token mask.
         let end = start + len as i64 - 1;
         let all_visible = end <= pmin && params.window.is_none_or(|w| start > pmax - i64::from(w));
-        if contiguous {
-            let (k, v) = kv.run_all_heads(run.slot as usize, len);
-            widen::<T, FMA>(k, &mut kbuf[..len * nh * d]);
-            widen::<T, FMA>(v, &mut vbuf[..len * nh * d]);
-        } else {
-            for t in 0..len {
-                let slot = run.slot as usize + t;
-                for h in h0..h1 {
-                    let o = (t * nh + h - h0) * d;
-                    widen::<T, FMA>(kv.k_at(slot, h), &mut kbuf[o..o + d]);
-                    widen::<T, FMA>(kv.v_at(slot, h), &mut vbuf[o..o + d]);
+        // The portable build widens the run once into f32 scratch; the SIMD builds widen in
+        // registers as they go (a head's K and V stay in L1 across its group's rows).
+        if ISA == simd::PORTABLE {
+            if contiguous {
+                let (k, v) = kv.run_all_heads(run.slot as usize, len);
+                simd::widen::<T, ISA>(k, &mut kbuf[..len * nh * d]);
+                simd::widen::<T, ISA>(v, &mut vbuf[..len * nh * d]);
+            } else {
+                for t in 0..len {
+                    let slot = run.slot as usize + t;
+                    for h in h0..h1 {
+                        let o = (t * nh + h - h0) * d;
+                        simd::widen::<T, ISA>(kv.k_at(slot, h), &mut kbuf[o..o + d]);
+                        simd::widen::<T, ISA>(kv.v_at(slot, h), &mut vbuf[o..o + d]);
+                    }
                 }
             }
         }
@@ -392,8 +209,12 @@ fn attend_body<T: Element, const FMA: bool>(
             let mut mx = f32::NEG_INFINITY;
             for (t, s) in scores[..len].iter_mut().enumerate() {
                 *s = if all_visible || params.visible(start + t as i64, p) {
-                    let o = (t * nh + hh) * d;
-                    let v = dot::<FMA>(qr, &kbuf[o..o + d]);
+                    let v = if ISA == simd::PORTABLE {
+                        let o = (t * nh + hh) * d;
+                        simd::dot::<ISA>(qr, &kbuf[o..o + d])
+                    } else {
+                        simd::dot_mixed::<T, ISA>(qr, kv.k_at(run.slot as usize + t, h0 + hh))
+                    };
                     mx = mx.max(v);
                     v
                 } else {
@@ -411,11 +232,15 @@ fn attend_body<T: Element, const FMA: bool>(
                 acc.iter_mut().for_each(|a| *a *= alpha);
                 part.l[r] *= alpha;
             }
-            let lsum = exp_weights::<FMA>(&mut scores[..len], m_new);
+            let lsum = simd::exp_weights::<ISA>(&mut scores[..len], m_new);
             for (t, &w) in scores[..len].iter().enumerate() {
                 if w != 0.0 {
-                    let o = (t * nh + hh) * d;
-                    axpy::<FMA>(acc, w, &vbuf[o..o + d]);
+                    if ISA == simd::PORTABLE {
+                        let o = (t * nh + hh) * d;
+                        simd::axpy::<ISA>(acc, w, &vbuf[o..o + d]);
+                    } else {
+                        simd::axpy_mixed::<T, ISA>(acc, w, kv.v_at(run.slot as usize + t, h0 + hh));
+                    }
                 }
             }
             part.l[r] += lsum;
@@ -441,6 +266,7 @@ pub(crate) fn execute<T: Element>(
 ) {
     let d = kv.layout_ref().head_dim;
     let hq = params.q_heads;
+    let isa = simd::resolve(params.simd);
     let units: Vec<(usize, usize, usize)> = jobs
         .iter()
         .enumerate()
@@ -457,6 +283,7 @@ pub(crate) fn execute<T: Element>(
             let seq = &seqs[job.seq];
             let (rows_q, pos) = job_rows(q, seq, &job, group, hq, d, params.scale);
             attend(
+                isa,
                 kv,
                 (job.h0, job.h1),
                 group,

@@ -40,11 +40,12 @@ mod kernel;
 mod kv;
 mod meta;
 mod ops;
+mod simd;
 
 pub use dtype::{DType, Element};
 pub use error::AttnError;
 pub use kv::{Host, KvCache, KvLayout, Memory, PagedKv};
-pub use meta::{AttnParams, BatchMeta, Selection};
+pub use meta::{AttnParams, BatchMeta, Selection, Simd};
 pub use ops::{
     AttnOut, AttnPart, GatheredPages, compact_kv, gather_page_offsets, merge_attention,
     paged_attention, sparse_page_attention, token_sparse_attention,

@@ -16,6 +16,23 @@ pub struct AttnParams {
     /// Per query head, a learned sink logit that joins the softmax denominator with a zero value
     /// (gpt-oss style). When results are merged, give it to one part only.
     pub sink_logits: Option<Vec<f32>>,
+    /// The widest SIMD build to use; the CPU's own support caps it.
+    pub simd: Simd,
+}
+
+/// Which build of the inner loops runs. Builds round differently (fused multiply-adds, a
+/// polynomial exp), so pinning one makes results reproducible across machines that have it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Simd {
+    /// Plain Rust, on every CPU.
+    Portable,
+    /// AVX2 + FMA + F16C where the CPU has them.
+    Avx2,
+    /// AVX-512F where the CPU has it.
+    Avx512,
+    /// The widest the CPU has.
+    #[default]
+    Auto,
 }
 
 impl AttnParams {
@@ -27,6 +44,7 @@ impl AttnParams {
             window: None,
             sink_tokens: 0,
             sink_logits: None,
+            simd: Simd::Auto,
         }
     }
 
