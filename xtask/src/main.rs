@@ -15,8 +15,12 @@ usage: cargo xtask <command>
 commands:
   ci      what CI runs: rustfmt check, clippy with -D warnings, rustdoc with -D warnings, tests
   test    the README's test command: cargo test --workspace --all-features
-  bench   every crate's criterion benches; prints a summary table (also written to
-          target/bench-report/summary.md) and where the HTML reports are
+  bench [--peers] [-- ARGS]
+          every crate's criterion benches; prints a summary table (also written to
+          target/bench-report/summary.md) and where the HTML reports are. --peers also runs
+          the peers under bench/peers/ (PyTorch CPU SDPA; torch is installed into
+          target/peers/site when missing: PyPI's Linux wheel is the CUDA build, several GB).
+          ARGS go to the bench binaries, e.g. `-- --quick`
           (extra arguments go to the bench binaries, e.g. `cargo xtask bench -- --quick`)
   help    this text";
 
@@ -68,16 +72,24 @@ fn test() -> Result<(), String> {
     cargo(&["test", "--workspace", "--all-features"], &[])
 }
 
-/// Runs the criterion benches of every crate and says where the reports went.
+/// Runs the criterion benches of every crate (and the peers, with `--peers`), then prints and
+/// writes the summary.
 fn bench(extra: &[String]) -> Result<(), String> {
+    let peers = extra
+        .iter()
+        .take_while(|a| *a != "--")
+        .any(|a| a == "--peers");
     let mut args: Vec<&str> = vec!["bench", "--workspace", "--bench", "*"];
-    args.extend(extra.iter().map(String::as_str));
+    args.extend(extra.iter().map(String::as_str).filter(|a| *a != "--peers"));
     cargo(&args, &[])?;
-    let reports = target_dir().join("criterion");
-    let table = summary::render(&reports)?;
     let out_dir = target_dir().join("bench-report");
     std::fs::create_dir_all(&out_dir)
         .map_err(|e| format!("creating {}: {e}", out_dir.display()))?;
+    if peers {
+        run_peers(&out_dir)?;
+    }
+    let reports = target_dir().join("criterion");
+    let table = summary::render(&reports, &out_dir.join("peers.json"))?;
     let out = out_dir.join("summary.md");
     std::fs::write(&out, &table).map_err(|e| format!("writing {}: {e}", out.display()))?;
     println!();
@@ -88,6 +100,48 @@ fn bench(extra: &[String]) -> Result<(), String> {
         "  summary page:    {}",
         reports.join("report").join("index.html").display()
     );
+    Ok(())
+}
+
+/// Runs `bench/peers/attn_cpu_sdpa.py` with torch from `target/peers/site`, installing torch
+/// there first if Python cannot import it.
+fn run_peers(out_dir: &Path) -> Result<(), String> {
+    let site = target_dir().join("peers").join("site");
+    let pythonpath = match std::env::var_os("PYTHONPATH") {
+        Some(p) => {
+            let mut paths = vec![site.clone()];
+            paths.extend(std::env::split_paths(&p));
+            std::env::join_paths(paths).map_err(|e| e.to_string())?
+        }
+        None => site.clone().into_os_string(),
+    };
+    let python = |args: &[&str]| {
+        Command::new("python3")
+            .args(args)
+            .env("PYTHONPATH", &pythonpath)
+            .current_dir(workspace_root())
+            .status()
+            .map_err(|e| format!("could not start python3: {e}"))
+    };
+    if !python(&["-c", "import torch"])?.success() {
+        eprintln!(
+            "xtask: torch is missing; installing it into {} (the Linux wheel on PyPI is the CUDA \n\
+             build with its nvidia libraries: several GB, some minutes)",
+            site.display()
+        );
+        let target = site.to_string_lossy().into_owned();
+        let status = python(&[
+            "-m", "pip", "install", "--quiet", "--target", &target, "torch",
+        ])?;
+        if !status.success() {
+            return Err("installing torch for the peers failed".to_owned());
+        }
+    }
+    let out = out_dir.join("peers.json");
+    let out_arg = out.to_string_lossy().into_owned();
+    if !python(&["bench/peers/attn_cpu_sdpa.py", "--out", &out_arg])?.success() {
+        return Err("the torch peer failed".to_owned());
+    }
     Ok(())
 }
 

@@ -16,10 +16,28 @@ struct Bench {
     elements: Option<f64>,
 }
 
-/// Renders the summary of every result found under `root`.
-pub(crate) fn render(root: &Path) -> Result<String, String> {
+/// Renders the summary of every result found under `root`, with the peers' results from
+/// `peers` (JSON lines of `id`, `mean_ns`, `bytes`) when that file exists.
+pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
     let mut benches = BTreeMap::new();
     collect(root, &mut benches)?;
+    if let Ok(lines) = std::fs::read_to_string(peers) {
+        for line in lines.lines() {
+            if let (Some(id), Some(mean_ns)) =
+                (string_field(line, "id"), number_after(line, "\"mean_ns\":"))
+            {
+                let bytes = number_after(line, "\"bytes\":");
+                benches.insert(
+                    id,
+                    Bench {
+                        mean_ns,
+                        bytes,
+                        elements: None,
+                    },
+                );
+            }
+        }
+    }
     let mut md =
         String::from("## Benchmarks\n\n| bench | mean | throughput |\n| --- | ---: | ---: |\n");
     for (id, b) in &benches {
@@ -54,6 +72,16 @@ pub(crate) fn render(root: &Path) -> Result<String, String> {
                 derived,
                 "| {id}: speedup over dense | {:.1}x |",
                 dense.mean_ns / sparse.mean_ns
+            );
+        }
+    }
+    for (id, peer) in benches.iter().filter(|(id, _)| id.starts_with("torch_")) {
+        let ours_id = format!("decode/{}", id.split_once('/').map_or("", |(_, rest)| rest));
+        if let Some(ours) = benches.get(&ours_id) {
+            let _ = writeln!(
+                derived,
+                "| {ours_id} vs {id}: speed ratio (peer time / ours) | {:.2} (goal 1.00) |",
+                peer.mean_ns / ours.mean_ns
             );
         }
     }

@@ -172,7 +172,8 @@ fn attend_body<T: Element, const ISA: u8>(
     };
     let mut kbuf = vec![0.0f32; scratch];
     let mut vbuf = vec![0.0f32; scratch];
-    let mut scores = vec![0.0f32; longest];
+    let mut scores = vec![0.0f32; group * longest];
+    let mut wbuf = vec![0.0f32; group];
     let pmax = pos.iter().copied().max().unwrap_or(-1);
     let pmin = pos.iter().copied().min().unwrap_or(-1);
     let contiguous = nh == layout.kv_heads;
@@ -189,62 +190,74 @@ fn attend_body<T: Element, const ISA: u8>(
         if ISA == simd::PORTABLE {
             if contiguous {
                 let (k, v) = kv.run_all_heads(run.slot as usize, len);
-                simd::widen::<T, ISA>(k, &mut kbuf[..len * nh * d]);
-                simd::widen::<T, ISA>(v, &mut vbuf[..len * nh * d]);
+                T::slice_to_f32(k, &mut kbuf[..len * nh * d]);
+                T::slice_to_f32(v, &mut vbuf[..len * nh * d]);
             } else {
                 for t in 0..len {
                     let slot = run.slot as usize + t;
                     for h in h0..h1 {
                         let o = (t * nh + h - h0) * d;
-                        simd::widen::<T, ISA>(kv.k_at(slot, h), &mut kbuf[o..o + d]);
-                        simd::widen::<T, ISA>(kv.v_at(slot, h), &mut vbuf[o..o + d]);
+                        T::slice_to_f32(kv.k_at(slot, h), &mut kbuf[o..o + d]);
+                        T::slice_to_f32(kv.v_at(slot, h), &mut vbuf[o..o + d]);
                     }
                 }
             }
         }
-        for r in 0..rows {
-            let p = pos[r];
-            let hh = (r / group) % nh;
-            let qr = &q[r * d..(r + 1) * d];
-            let mut mx = f32::NEG_INFINITY;
-            for (t, s) in scores[..len].iter_mut().enumerate() {
-                *s = if all_visible || params.visible(start + t as i64, p) {
-                    let v = if ISA == simd::PORTABLE {
-                        let o = (t * nh + hh) * d;
-                        simd::dot::<ISA>(qr, &kbuf[o..o + d])
-                    } else {
-                        simd::dot_mixed::<T, ISA>(qr, kv.k_at(run.slot as usize + t, h0 + hh))
-                    };
-                    mx = mx.max(v);
-                    v
-                } else {
-                    f32::NEG_INFINITY
-                };
-            }
-            if mx == f32::NEG_INFINITY {
-                continue;
-            }
-            let m_old = part.m[r];
-            let m_new = m_old.max(mx);
-            let acc = &mut part.acc[r * d..(r + 1) * d];
-            if m_old != m_new {
-                let alpha = (m_old - m_new).exp();
-                acc.iter_mut().for_each(|a| *a *= alpha);
-                part.l[r] *= alpha;
-            }
-            let lsum = simd::exp_weights::<ISA>(&mut scores[..len], m_new);
-            for (t, &w) in scores[..len].iter().enumerate() {
-                if w != 0.0 {
-                    if ISA == simd::PORTABLE {
-                        let o = (t * nh + hh) * d;
-                        simd::axpy::<ISA>(acc, w, &vbuf[o..o + d]);
-                    } else {
-                        simd::axpy_mixed::<T, ISA>(acc, w, kv.v_at(run.slot as usize + t, h0 + hh));
+        // Rows come in blocks of `group`: one query position and KV head, so one mask and one
+        // K/V stream, widened once for the whole block.
+        for b in (0..rows).step_by(group) {
+            let (p, h) = (pos[b], h0 + (b / group) % nh);
+            let qb = &q[b * d..(b + group) * d];
+            let mut any = false;
+            for t in 0..len {
+                let visible = all_visible || params.visible(start + t as i64, p);
+                any |= visible;
+                if !visible {
+                    (0..group).for_each(|g| scores[g * longest + t] = f32::NEG_INFINITY);
+                } else if ISA == simd::PORTABLE {
+                    let o = (t * nh + h - h0) * d;
+                    for g in 0..group {
+                        scores[g * longest + t] =
+                            simd::dot(&qb[g * d..(g + 1) * d], &kbuf[o..o + d]);
                     }
+                } else {
+                    simd::dot_rows::<T, ISA>(qb, d, kv.k_at(run.slot as usize + t, h), &mut wbuf);
+                    (0..group).for_each(|g| scores[g * longest + t] = wbuf[g]);
                 }
             }
-            part.l[r] += lsum;
-            part.m[r] = m_new;
+            if !any {
+                continue;
+            }
+            for g in 0..group {
+                let r = b + g;
+                let row = &mut scores[g * longest..g * longest + len];
+                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let m_new = part.m[r].max(mx);
+                if part.m[r] != m_new {
+                    let alpha = (part.m[r] - m_new).exp();
+                    part.acc[r * d..(r + 1) * d]
+                        .iter_mut()
+                        .for_each(|a| *a *= alpha);
+                    part.l[r] *= alpha;
+                }
+                part.l[r] += simd::exp_weights::<ISA>(row, m_new);
+                part.m[r] = m_new;
+            }
+            let accs = &mut part.acc[b * d..(b + group) * d];
+            for t in 0..len {
+                (0..group).for_each(|g| wbuf[g] = scores[g * longest + t]);
+                if wbuf.iter().all(|&w| w == 0.0) {
+                    continue;
+                }
+                if ISA == simd::PORTABLE {
+                    let o = (t * nh + h - h0) * d;
+                    for (g, acc) in accs.chunks_exact_mut(d).enumerate() {
+                        simd::axpy(acc, wbuf[g], &vbuf[o..o + d]);
+                    }
+                } else {
+                    simd::axpy_rows::<T, ISA>(accs, d, &wbuf, kv.v_at(run.slot as usize + t, h));
+                }
+            }
         }
     }
     part

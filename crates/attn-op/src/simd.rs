@@ -34,17 +34,9 @@ fn detect() -> u8 {
     PORTABLE
 }
 
-/// `a · b`.
+/// `a · b` (portable build).
 #[inline(always)]
-pub(crate) fn dot<const ISA: u8>(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    match ISA {
-        // SAFETY: see the module doc: ISA > PORTABLE only runs on CPUs with those features.
-        AVX512 => return unsafe { avx512::dot(a, b) },
-        // SAFETY: as above.
-        AVX2 => return unsafe { avx2::dot(a, b) },
-        _ => {}
-    }
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -60,17 +52,9 @@ pub(crate) fn dot<const ISA: u8>(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `acc += w * v`.
+/// `acc += w * v` (portable build).
 #[inline(always)]
-pub(crate) fn axpy<const ISA: u8>(acc: &mut [f32], w: f32, v: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match ISA {
-        // SAFETY: see the module doc.
-        AVX512 => return unsafe { avx512::axpy(acc, w, v) },
-        // SAFETY: see the module doc.
-        AVX2 => return unsafe { avx2::axpy(acc, w, v) },
-        _ => {}
-    }
+pub(crate) fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
     for (a, x) in acc.iter_mut().zip(v) {
         *a += w * x;
     }
@@ -100,66 +84,82 @@ pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
     sum
 }
 
-/// Widens `src` into `dst` (same length).
+/// `out[g] = q_g · k` for the `out.len()` rows of `q` (row-major, `n` per row), widening each
+/// chunk of `k` once for all rows (SIMD builds only).
 #[inline(always)]
-pub(crate) fn widen<T: Element, const ISA: u8>(src: &[T], dst: &mut [f32]) {
+pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], out: &mut [f32]) {
+    let rows = out.len();
+    assert!(
+        q.len() >= rows * n && k.len() >= n,
+        "invariant: callers pass whole rows"
+    );
+    let kp = k.as_ptr().cast::<u8>();
     #[cfg(target_arch = "x86_64")]
-    if ISA != PORTABLE && T::DTYPE != DType::F32 {
-        // `Element` is sealed: a DTYPE of F16 or BF16 means `half::f16` or `half::bf16`, both
-        // `repr(transparent)` over `u16`.
-        let bits = src.as_ptr().cast::<u16>();
-        let n = src.len().min(dst.len());
-        // SAFETY: `bits` points at `n` readable u16 (see above); the module doc covers ISA.
+    if ISA != PORTABLE {
+        let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+        // SAFETY: the assert above bounds every access; the module doc covers ISA.
         unsafe {
-            match (ISA, T::DTYPE) {
-                (AVX512, DType::F16) => avx512::widen_f16(bits, dst.as_mut_ptr(), n),
-                (AVX512, _) => avx512::widen_bf16(bits, dst.as_mut_ptr(), n),
-                (_, DType::F16) => avx2::widen_f16(bits, dst.as_mut_ptr(), n),
-                _ => avx2::widen_bf16(bits, dst.as_mut_ptr(), n),
+            if ISA == AVX512 {
+                avx512::dot_rows(qp, n, kp, T::DTYPE, op, rows);
+            } else {
+                avx2::dot_rows(qp, n, kp, T::DTYPE, op, rows);
             }
         }
         return;
     }
-    T::slice_to_f32(src, dst);
+    for (g, o) in out.iter_mut().enumerate() {
+        *o = q[g * n..(g + 1) * n]
+            .iter()
+            .zip(k)
+            .map(|(a, b)| a * b.to_f32())
+            .sum();
+    }
 }
 
-/// `q · k` with `k` in its storage type, widened in registers (SIMD builds only).
+/// `acc_g += w[g] * v` for the `w.len()` rows of `acc` (row-major, `n` per row), widening each
+/// chunk of `v` once for all rows (SIMD builds only).
 #[inline(always)]
-pub(crate) fn dot_mixed<T: Element, const ISA: u8>(q: &[f32], k: &[T]) -> f32 {
+pub(crate) fn axpy_rows<T: Element, const ISA: u8>(acc: &mut [f32], n: usize, w: &[f32], v: &[T]) {
+    let rows = w.len();
+    assert!(
+        acc.len() >= rows * n && v.len() >= n,
+        "invariant: callers pass whole rows"
+    );
+    let vp = v.as_ptr().cast::<u8>();
     #[cfg(target_arch = "x86_64")]
-    {
-        let n = q.len().min(k.len());
-        let kp = k.as_ptr().cast::<u8>();
-        match ISA {
-            // SAFETY: `q` and `k` hold at least `n` elements, `k` of `T::DTYPE`; the module doc
-            // covers ISA.
-            AVX512 => return unsafe { avx512::dot_mixed(q.as_ptr(), kp, T::DTYPE, n) },
-            // SAFETY: as above.
-            AVX2 => return unsafe { avx2::dot_mixed(q.as_ptr(), kp, T::DTYPE, n) },
-            _ => {}
+    if ISA != PORTABLE {
+        let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+        // SAFETY: the assert above bounds every access; the module doc covers ISA.
+        unsafe {
+            if ISA == AVX512 {
+                avx512::axpy_rows(ap, n, wp, vp, T::DTYPE, rows);
+            } else {
+                avx2::axpy_rows(ap, n, wp, vp, T::DTYPE, rows);
+            }
+        }
+        return;
+    }
+    for (g, a) in acc.chunks_exact_mut(n).take(rows).enumerate() {
+        for (x, y) in a.iter_mut().zip(v) {
+            *x += w[g] * y.to_f32();
         }
     }
-    q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum()
 }
 
-/// `acc += w * v` with `v` in its storage type, widened in registers (SIMD builds only).
+/// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
+/// fused kernels run with a constant row count (accumulators in registers).
 #[inline(always)]
-pub(crate) fn axpy_mixed<T: Element, const ISA: u8>(acc: &mut [f32], w: f32, v: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let n = acc.len().min(v.len());
-        let vp = v.as_ptr().cast::<u8>();
-        match ISA {
-            // SAFETY: `acc` and `v` hold at least `n` elements, `v` of `T::DTYPE`; the module doc
-            // covers ISA.
-            AVX512 => return unsafe { avx512::axpy_mixed(acc.as_mut_ptr(), w, vp, T::DTYPE, n) },
-            // SAFETY: as above.
-            AVX2 => return unsafe { avx2::axpy_mixed(acc.as_mut_ptr(), w, vp, T::DTYPE, n) },
-            _ => {}
-        }
-    }
-    for (a, x) in acc.iter_mut().zip(v) {
-        *a += w * x.to_f32();
+fn row_blocks(rows: usize, mut f: impl FnMut(usize, usize)) {
+    let mut r = 0;
+    while r < rows {
+        let block = match rows - r {
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        f(r, block);
+        r += block;
     }
 }
 
@@ -194,25 +194,6 @@ fn exp_tail(scores: &mut [f32], m: f32) -> f32 {
     total
 }
 
-/// Widening of the last `< lanes` halves, shared by both SIMD builds.
-///
-/// # Safety
-/// `src` must point at `n` readable u16 and `dst` at `n` writable f32.
-#[inline(always)]
-unsafe fn widen_tail(src: *const u16, dst: *mut f32, from: usize, n: usize, f16: bool) {
-    for j in from..n {
-        // SAFETY: `j < n`, within both buffers by the contract.
-        unsafe {
-            let h = *src.add(j);
-            *dst.add(j) = if f16 {
-                half::f16::from_bits(h).to_f32()
-            } else {
-                f32::from_bits(u32::from(h) << 16)
-            };
-        }
-    }
-}
-
 /// Cody-Waite reduction by ln 2 and the Cephes degree-5 polynomial for `exp(x)`, `x <= 0`:
 /// about 1 ulp; lanes below -87.3 are clamped there (about 1e-38).
 const EXP_CLAMP: f32 = -87.3;
@@ -233,7 +214,7 @@ mod avx2 {
 
     use crate::DType;
 
-    use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail, widen_tail};
+    use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail};
 
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
@@ -286,65 +267,6 @@ mod avx2 {
         hsum(sum) + exp_tail(&mut scores[i..], m)
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (j, c) in acc.iter_mut().enumerate() {
-                // SAFETY: `i + 32 <= n`, so the 8 floats at `i + 8 j` are in both slices.
-                unsafe {
-                    let o = i + 8 * j;
-                    *c =
-                        _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *c);
-                }
-            }
-            i += 32;
-        }
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`.
-            unsafe {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i)),
-                    _mm256_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
-            }
-            i += 8;
-        }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut s = hsum(v);
-        for j in i..n {
-            s += a[j] * b[j];
-        }
-        s
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
-        let n = acc.len().min(v.len());
-        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: 8 floats readable in `v` and read-writable in `acc`.
-            unsafe {
-                let r = _mm256_fmadd_ps(wv, _mm256_loadu_ps(pv.add(i)), _mm256_loadu_ps(pa.add(i)));
-                _mm256_storeu_ps(pa.add(i), r);
-            }
-            i += 8;
-        }
-        for j in i..n {
-            acc[j] += w * v[j];
-        }
-    }
-
     /// 8 lanes of a buffer of `dtype` from element `i`, widened to f32.
     ///
     /// # Safety
@@ -369,92 +291,120 @@ mod avx2 {
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `q` must point at `n` f32 and `k` at `n`
+    /// The CPU must support AVX2, FMA and F16C; `q` must hold `R * n` f32, `k` `n` elements of
+    /// `dtype`, `out` `R` f32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_rows_r<const R: usize>(
+        q: *const f32,
+        n: usize,
+        k: *const u8,
+        dtype: DType,
+        out: *mut f32,
+    ) {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`: within `k` and within each of the `R` rows of `q`.
+            unsafe {
+                let kv = load8(k, dtype, i);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), kv, *a);
+                }
+            }
+            i += 8;
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let mut s = hsum(*a);
+            for j in i..n {
+                // SAFETY: `j < n`: within `k` and row `r` of `q`.
+                s += unsafe { *q.add(r * n + j) * super::load_one(k, dtype, j) };
+            }
+            // SAFETY: `r < R`.
+            unsafe { *out.add(r) = s };
+        }
+    }
+
+    /// # Safety
+    /// As `dot_rows_r`, for `rows` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_rows(
+        q: *const f32,
+        n: usize,
+        k: *const u8,
+        dtype: DType,
+        out: *mut f32,
+        rows: usize,
+    ) {
+        super::row_blocks(rows, |r, block| {
+            // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
+            unsafe {
+                let (q, out) = (q.add(r * n), out.add(r));
+                match block {
+                    8 => dot_rows_r::<8>(q, n, k, dtype, out),
+                    4 => dot_rows_r::<4>(q, n, k, dtype, out),
+                    2 => dot_rows_r::<2>(q, n, k, dtype, out),
+                    _ => dot_rows_r::<1>(q, n, k, dtype, out),
+                }
+            }
+        });
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `acc` must hold `R * n` f32, `w` `R` f32, `v` `n`
     /// elements of `dtype`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_mixed(q: *const f32, k: *const u8, dtype: DType, n: usize) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 4];
+    unsafe fn axpy_rows_r<const R: usize>(
+        acc: *mut f32,
+        n: usize,
+        w: *const f32,
+        v: *const u8,
+        dtype: DType,
+    ) {
+        // SAFETY: `w` holds `R` weights.
+        let ws: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(unsafe { *w.add(r) }));
         let mut i = 0;
-        while i + 32 <= n {
-            for (j, c) in acc.iter_mut().enumerate() {
-                let o = i + 8 * j;
-                // SAFETY: `o + 8 <= n`: within both buffers.
-                unsafe { *c = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(o)), load8(k, dtype, o), *c) };
-            }
-            i += 32;
-        }
         while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`.
+            // SAFETY: `i + 8 <= n`: within `v` and within each of the `R` rows of `acc`.
             unsafe {
-                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), load8(k, dtype, i), acc[0]);
-            };
+                let vv = load8(v, dtype, i);
+                for (r, wr) in ws.iter().enumerate() {
+                    let p = acc.add(r * n + i);
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(*wr, vv, _mm256_loadu_ps(p)));
+                }
+            }
             i += 8;
         }
-        let mut s = hsum(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ));
-        for j in i..n {
-            // SAFETY: `j < n`.
-            s += unsafe { *q.add(j) * super::load_one(k, dtype, j) };
+        for r in 0..R {
+            for j in i..n {
+                // SAFETY: `j < n`, `r < R`.
+                unsafe { *acc.add(r * n + j) += *w.add(r) * super::load_one(v, dtype, j) };
+            }
         }
-        s
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acc` must point at `n` f32 and `v` at `n`
-    /// elements of `dtype`.
+    /// As `axpy_rows_r`, for `rows` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_mixed(acc: *mut f32, w: f32, v: *const u8, dtype: DType, n: usize) {
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: within both buffers.
+    pub(super) unsafe fn axpy_rows(
+        acc: *mut f32,
+        n: usize,
+        w: *const f32,
+        v: *const u8,
+        dtype: DType,
+        rows: usize,
+    ) {
+        super::row_blocks(rows, |r, block| {
+            // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
             unsafe {
-                let r = _mm256_fmadd_ps(wv, load8(v, dtype, i), _mm256_loadu_ps(acc.add(i)));
-                _mm256_storeu_ps(acc.add(i), r);
+                let (acc, w) = (acc.add(r * n), w.add(r));
+                match block {
+                    8 => axpy_rows_r::<8>(acc, n, w, v, dtype),
+                    4 => axpy_rows_r::<4>(acc, n, w, v, dtype),
+                    2 => axpy_rows_r::<2>(acc, n, w, v, dtype),
+                    _ => axpy_rows_r::<1>(acc, n, w, v, dtype),
+                }
             }
-            i += 8;
-        }
-        for j in i..n {
-            // SAFETY: `j < n`.
-            unsafe { *acc.add(j) += w * super::load_one(v, dtype, j) };
-        }
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and F16C; `src` must point at `n` readable u16 and `dst` at `n`
-    /// writable f32.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: within both buffers; unaligned loads and stores.
-            unsafe {
-                let h = _mm_loadu_si128(src.add(i).cast::<__m128i>());
-                _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(h));
-            }
-            i += 8;
-        }
-        // SAFETY: the caller's contract.
-        unsafe { widen_tail(src, dst, i, n, true) };
-    }
-
-    /// # Safety
-    /// As [`widen_f16`], with AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn widen_bf16(src: *const u16, dst: *mut f32, n: usize) {
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: within both buffers; unaligned loads and stores.
-            unsafe {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.add(i).cast::<__m128i>()));
-                _mm256_storeu_ps(dst.add(i), _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h)));
-            }
-            i += 8;
-        }
-        // SAFETY: the caller's contract.
-        unsafe { widen_tail(src, dst, i, n, false) };
+        });
     }
 }
 
@@ -464,7 +414,7 @@ mod avx512 {
 
     use crate::DType;
 
-    use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail, widen_tail};
+    use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail};
 
     #[target_feature(enable = "avx512f")]
     fn exp16(x: __m512) -> __m512 {
@@ -510,65 +460,6 @@ mod avx512 {
         _mm512_reduce_add_ps(sum) + exp_tail(&mut scores[i..], m)
     }
 
-    /// # Safety
-    /// The CPU must support AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 64 <= n {
-            for (j, c) in acc.iter_mut().enumerate() {
-                // SAFETY: `i + 64 <= n`, so the 16 floats at `i + 16 j` are in both slices.
-                unsafe {
-                    let o = i + 16 * j;
-                    *c =
-                        _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *c);
-                }
-            }
-            i += 64;
-        }
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`.
-            unsafe {
-                acc[0] = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(pa.add(i)),
-                    _mm512_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
-            }
-            i += 16;
-        }
-        let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        let mut s = _mm512_reduce_add_ps(v);
-        for j in i..n {
-            s += a[j] * b[j];
-        }
-        s
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
-        let n = acc.len().min(v.len());
-        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
-        let wv = _mm512_set1_ps(w);
-        let mut i = 0;
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`: 16 floats readable in `v` and read-writable in `acc`.
-            unsafe {
-                let r = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pv.add(i)), _mm512_loadu_ps(pa.add(i)));
-                _mm512_storeu_ps(pa.add(i), r);
-            }
-            i += 16;
-        }
-        for j in i..n {
-            acc[j] += w * v[j];
-        }
-    }
-
     /// 16 lanes of a buffer of `dtype` from element `i`, widened to f32.
     ///
     /// # Safety
@@ -593,91 +484,119 @@ mod avx512 {
     }
 
     /// # Safety
-    /// The CPU must support AVX-512F; `q` must point at `n` f32 and `k` at `n` elements of
-    /// `dtype`.
+    /// The CPU must support AVX-512F; `q` must hold `R * n` f32, `k` `n` elements of
+    /// `dtype`, `out` `R` f32.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_mixed(q: *const f32, k: *const u8, dtype: DType, n: usize) -> f32 {
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 64 <= n {
-            for (j, c) in acc.iter_mut().enumerate() {
-                let o = i + 16 * j;
-                // SAFETY: `o + 16 <= n`: within both buffers.
-                unsafe { *c = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(o)), load16(k, dtype, o), *c) };
-            }
-            i += 64;
-        }
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`.
-            unsafe {
-                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i)), load16(k, dtype, i), acc[0]);
-            };
-            i += 16;
-        }
-        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(
-            _mm512_add_ps(acc[0], acc[1]),
-            _mm512_add_ps(acc[2], acc[3]),
-        ));
-        for j in i..n {
-            // SAFETY: `j < n`.
-            s += unsafe { *q.add(j) * super::load_one(k, dtype, j) };
-        }
-        s
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512F; `acc` must point at `n` f32 and `v` at `n` elements of
-    /// `dtype`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn axpy_mixed(acc: *mut f32, w: f32, v: *const u8, dtype: DType, n: usize) {
-        let wv = _mm512_set1_ps(w);
+    unsafe fn dot_rows_r<const R: usize>(
+        q: *const f32,
+        n: usize,
+        k: *const u8,
+        dtype: DType,
+        out: *mut f32,
+    ) {
+        let mut acc = [_mm512_setzero_ps(); R];
         let mut i = 0;
         while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`: within both buffers.
+            // SAFETY: `i + 16 <= n`: within `k` and within each of the `R` rows of `q`.
             unsafe {
-                let r = _mm512_fmadd_ps(wv, load16(v, dtype, i), _mm512_loadu_ps(acc.add(i)));
-                _mm512_storeu_ps(acc.add(i), r);
+                let kv = load16(k, dtype, i);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), kv, *a);
+                }
             }
             i += 16;
         }
-        for j in i..n {
-            // SAFETY: `j < n`.
-            unsafe { *acc.add(j) += w * super::load_one(v, dtype, j) };
+        for (r, a) in acc.iter().enumerate() {
+            let mut s = _mm512_reduce_add_ps(*a);
+            for j in i..n {
+                // SAFETY: `j < n`: within `k` and row `r` of `q`.
+                s += unsafe { *q.add(r * n + j) * super::load_one(k, dtype, j) };
+            }
+            // SAFETY: `r < R`.
+            unsafe { *out.add(r) = s };
         }
     }
 
     /// # Safety
-    /// The CPU must support AVX-512F; `src` must point at `n` readable u16 and `dst` at `n`
-    /// writable f32.
+    /// As `dot_rows_r`, for `rows` rows.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn widen_f16(src: *const u16, dst: *mut f32, n: usize) {
-        let mut i = 0;
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`: within both buffers; unaligned loads and stores.
+    pub(super) unsafe fn dot_rows(
+        q: *const f32,
+        n: usize,
+        k: *const u8,
+        dtype: DType,
+        out: *mut f32,
+        rows: usize,
+    ) {
+        super::row_blocks(rows, |r, block| {
+            // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
             unsafe {
-                let h = _mm256_loadu_si256(src.add(i).cast::<__m256i>());
-                _mm512_storeu_ps(dst.add(i), _mm512_cvtph_ps(h));
+                let (q, out) = (q.add(r * n), out.add(r));
+                match block {
+                    8 => dot_rows_r::<8>(q, n, k, dtype, out),
+                    4 => dot_rows_r::<4>(q, n, k, dtype, out),
+                    2 => dot_rows_r::<2>(q, n, k, dtype, out),
+                    _ => dot_rows_r::<1>(q, n, k, dtype, out),
+                }
             }
-            i += 16;
-        }
-        // SAFETY: the caller's contract.
-        unsafe { widen_tail(src, dst, i, n, true) };
+        });
     }
 
     /// # Safety
-    /// As [`widen_f16`].
+    /// The CPU must support AVX-512F; `acc` must hold `R * n` f32, `w` `R` f32, `v` `n`
+    /// elements of `dtype`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn widen_bf16(src: *const u16, dst: *mut f32, n: usize) {
+    unsafe fn axpy_rows_r<const R: usize>(
+        acc: *mut f32,
+        n: usize,
+        w: *const f32,
+        v: *const u8,
+        dtype: DType,
+    ) {
+        // SAFETY: `w` holds `R` weights.
+        let ws: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(unsafe { *w.add(r) }));
         let mut i = 0;
         while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`: within both buffers; unaligned loads and stores.
+            // SAFETY: `i + 16 <= n`: within `v` and within each of the `R` rows of `acc`.
             unsafe {
-                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.add(i).cast::<__m256i>()));
-                _mm512_storeu_ps(dst.add(i), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h)));
+                let vv = load16(v, dtype, i);
+                for (r, wr) in ws.iter().enumerate() {
+                    let p = acc.add(r * n + i);
+                    _mm512_storeu_ps(p, _mm512_fmadd_ps(*wr, vv, _mm512_loadu_ps(p)));
+                }
             }
             i += 16;
         }
-        // SAFETY: the caller's contract.
-        unsafe { widen_tail(src, dst, i, n, false) };
+        for r in 0..R {
+            for j in i..n {
+                // SAFETY: `j < n`, `r < R`.
+                unsafe { *acc.add(r * n + j) += *w.add(r) * super::load_one(v, dtype, j) };
+            }
+        }
+    }
+
+    /// # Safety
+    /// As `axpy_rows_r`, for `rows` rows.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn axpy_rows(
+        acc: *mut f32,
+        n: usize,
+        w: *const f32,
+        v: *const u8,
+        dtype: DType,
+        rows: usize,
+    ) {
+        super::row_blocks(rows, |r, block| {
+            // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
+            unsafe {
+                let (acc, w) = (acc.add(r * n), w.add(r));
+                match block {
+                    8 => axpy_rows_r::<8>(acc, n, w, v, dtype),
+                    4 => axpy_rows_r::<4>(acc, n, w, v, dtype),
+                    2 => axpy_rows_r::<2>(acc, n, w, v, dtype),
+                    _ => axpy_rows_r::<1>(acc, n, w, v, dtype),
+                }
+            }
+        });
     }
 }
