@@ -143,14 +143,17 @@ fn collect(dir: &Path, out: &mut BTreeMap<String, Bench>) -> Result<(), String> 
 }
 
 fn string_field(json: &str, key: &str) -> Option<String> {
-    let start = json.find(&format!("\"{key}\":\""))? + key.len() + 4;
-    let end = json[start..].find('"')?;
-    Some(json[start..start + end].to_owned())
+    let after = value_after(json, &format!("\"{key}\":"))?.strip_prefix('"')?;
+    Some(after[..after.find('"')?].to_owned())
+}
+
+/// The text after `marker` and any spaces (JSON from Python puts a space after colons).
+fn value_after<'a>(json: &'a str, marker: &str) -> Option<&'a str> {
+    Some(json[json.find(marker)? + marker.len()..].trim_start())
 }
 
 fn number_after(json: &str, marker: &str) -> Option<f64> {
-    let start = json.find(marker)? + marker.len();
-    let rest = &json[start..];
+    let rest = value_after(json, marker)?;
     let end = rest
         .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '-' | '+')))
         .unwrap_or(rest.len());
