@@ -113,37 +113,29 @@ fn attend<T: Element>(
     attend_body::<T, { simd::PORTABLE }>(kv, heads, group, q, pos, params, runs)
 }
 
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<T: Element>(
-    kv: &PagedKv<T>,
-    heads: (usize, usize),
-    group: usize,
-    q: &[f32],
-    pos: &[i64],
-    params: &AttnParams,
-    runs: &[Run],
-) -> Partial {
-    attend_body::<T, { simd::AVX2 }>(kv, heads, group, q, pos, params, runs)
+/// Defines `$name`: [`attend_body`] compiled for `$features` with build `$isa`.
+macro_rules! attend_with {
+    ($name:ident, $features:literal, $isa:expr) => {
+        /// # Safety
+        #[doc = concat!("The CPU must support ", $features, ".")]
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<T: Element>(
+            kv: &PagedKv<T>,
+            heads: (usize, usize),
+            group: usize,
+            q: &[f32],
+            pos: &[i64],
+            params: &AttnParams,
+            runs: &[Run],
+        ) -> Partial {
+            attend_body::<T, { $isa }>(kv, heads, group, q, pos, params, runs)
+        }
+    };
 }
 
-/// # Safety
-/// The CPU must support AVX-512F, AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn attend_avx512<T: Element>(
-    kv: &PagedKv<T>,
-    heads: (usize, usize),
-    group: usize,
-    q: &[f32],
-    pos: &[i64],
-    params: &AttnParams,
-    runs: &[Run],
-) -> Partial {
-    attend_body::<T, { simd::AVX512 }>(kv, heads, group, q, pos, params, runs)
-}
+attend_with!(attend_avx2, "avx2,fma,f16c", simd::AVX2);
+attend_with!(attend_avx512, "avx512f,avx2,fma,f16c", simd::AVX512);
 
 /// Attention of query rows (`q`: `rows x d`, already scaled; `pos`: each row's absolute
 /// position; rows ordered (query, KV head, head in group)) over `runs` of KV heads `h0..h1`.

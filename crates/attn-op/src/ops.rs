@@ -192,10 +192,23 @@ pub fn sparse_page_attention<T: Element>(
                 .collect(),
         );
     }
-    let kvh = layout.kv_heads;
-    let jobs = jobs_for(&seqs, kvh, group, false, |s, h| s * kvh + h);
-    execute(kv, q, params, group, &seqs, &jobs, &lists, dst.out, dst.lse);
+    run_per_head(kv, q, params, group, &seqs, &lists, dst);
     Ok(())
+}
+
+/// Runs attention with one run list per (sequence, KV head), in that order.
+fn run_per_head<T: Element>(
+    kv: &PagedKv<T>,
+    q: &[T],
+    params: &AttnParams,
+    group: usize,
+    seqs: &[Seq<'_>],
+    lists: &[Vec<Run>],
+    dst: AttnOut<'_>,
+) {
+    let kvh = kv.layout_ref().kv_heads;
+    let jobs = jobs_for(seqs, kvh, group, false, |s, h| s * kvh + h);
+    execute(kv, q, params, group, seqs, &jobs, lists, dst.out, dst.lse);
 }
 
 /// Token-level sparse attention (DSA / MLA style): for each (sequence, KV head), `tokens` lists
@@ -224,9 +237,7 @@ pub fn token_sparse_attention<T: Element>(
         let seq = &seqs[r / layout.kv_heads];
         lists.push(token_runs(seq, &sorted, bs));
     }
-    let kvh = layout.kv_heads;
-    let jobs = jobs_for(&seqs, kvh, group, false, |s, h| s * kvh + h);
-    execute(kv, q, params, group, &seqs, &jobs, &lists, dst.out, dst.lse);
+    run_per_head(kv, q, params, group, &seqs, &lists, dst);
     Ok(())
 }
 
