@@ -281,31 +281,36 @@ pub(crate) fn execute<T: Element>(
             (0..splits).map(move |s| (j, s * SPLIT_RUNS, ((s + 1) * SPLIT_RUNS).min(n)))
         })
         .collect();
+    // Each job's query rows are widened and scaled once, then shared by its KV splits.
+    let job_qs: Vec<(Vec<f32>, Vec<i64>)> = jobs
+        .par_iter()
+        .map(|job| job_rows(q, &seqs[job.seq], job, group, hq, d, params.scale))
+        .collect();
     let partials: Vec<Partial> = units
         .par_iter()
         .map(|&(j, lo, hi)| {
             let job = jobs[j];
-            let seq = &seqs[job.seq];
-            let (rows_q, pos) = job_rows(q, seq, &job, group, hq, d, params.scale);
+            let (rows_q, pos) = &job_qs[j];
             attend(
                 isa,
                 kv,
                 (job.h0, job.h1),
                 group,
-                &rows_q,
-                &pos,
+                rows_q,
+                pos,
                 params,
                 &lists[job.list][lo..hi],
             )
         })
         .collect();
-    let mut next = 0;
+    // Units are in job order, so each job's partials are consecutive; merge them in order.
+    let mut parts = units.iter().map(|u| u.0).zip(partials).peekable();
     for (j, job) in jobs.iter().enumerate() {
-        let mut merged = partials[next].clone();
-        next += 1;
-        while next < units.len() && units[next].0 == j {
-            merged.merge(&partials[next], d);
-            next += 1;
+        let (_, mut merged) = parts
+            .next()
+            .expect("invariant: every job has at least one unit");
+        while let Some((_, p)) = parts.next_if(|(u, _)| *u == j) {
+            merged.merge(&p, d);
         }
         let seq = &seqs[job.seq];
         let nh = job.h1 - job.h0;

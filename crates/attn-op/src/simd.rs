@@ -72,16 +72,7 @@ pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
         AVX2 => return unsafe { avx2::exp_weights(scores, m) },
         _ => {}
     }
-    let mut sum = 0.0;
-    for s in scores.iter_mut() {
-        *s = if *s == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (*s - m).exp()
-        };
-        sum += *s;
-    }
-    sum
+    exp_tail(scores, m)
 }
 
 /// `out[g] = q_g · k` for the `out.len()` rows of `q` (row-major, `n` per row), widening each
@@ -179,7 +170,7 @@ unsafe fn load_one(p: *const u8, dtype: DType, i: usize) -> f32 {
     }
 }
 
-/// `exp` of a lane for the tails of the SIMD loops, with the same masking rule.
+/// The scalar weights: the portable build, and the tails of the SIMD loops.
 #[inline(always)]
 fn exp_tail(scores: &mut [f32], m: f32) -> f32 {
     let mut total = 0.0;
