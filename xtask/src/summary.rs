@@ -75,6 +75,16 @@ pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
             );
         }
     }
+    for (id, sel) in benches.iter().filter(|(id, _)| id.starts_with("topk/")) {
+        let ctx = id.rsplit('/').next().unwrap_or("");
+        if let Some(dense) = benches.get(&format!("topk_dense/bf16/{ctx}")) {
+            let _ = writeln!(
+                derived,
+                "| {id}: time / dense attention time | {:.3} (goal < 0.15) |",
+                sel.mean_ns / dense.mean_ns
+            );
+        }
+    }
     for (id, peer) in benches.iter().filter(|(id, _)| id.starts_with("torch_")) {
         let ours_id = format!("decode/{}", id.split_once('/').map_or("", |(_, rest)| rest));
         if let Some(ours) = benches.get(&ours_id) {

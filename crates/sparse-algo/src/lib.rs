@@ -1,10 +1,79 @@
-//! The Algorithm layer of hierarchical sparse attention.
+//! The Algorithm layer of hierarchical sparse attention: which pages or tokens of the KV cache
+//! matter for a query, and what a selection loses.
 //!
-//! This crate will hold the pluggable top-k algorithms that answer "which pages or tokens of the
-//! KV cache matter for this query": a trait with `construct_representations`,
-//! `update_representations`, `retrieve_topk` and a prefill-time keep list, and the algorithms
-//! Full, StreamingLLM, Quest (with the per-dimension upper bound), SnapKV, RocketKV, a DSA-style
-//! indexer and an exact oracle, together with fidelity metrics. Selections are logical page or
-//! token ids as -1-padded `i32` arrays plus lengths; algorithms never see physical addresses.
-//! Nothing is implemented yet: see the sparse-algo issue.
+//! Every algorithm implements [`SparseAlgorithm`]: it builds per-page representations after
+//! prefill and extends them as decode appends tokens (kept in a [`RepPool`] indexed by layer,
+//! request slot and page), answers each decode step with a [`TopK`] of logical page or token ids
+//! per (sequence, KV head) in the shared -1-padded format, and, for compression algorithms,
+//! predicts at prefill which tokens to keep. It never sees physical addresses. The
+//! always-include rules ([`AlwaysInclude`]: sinks, recent tokens, the current page) are shared.
+//!
+//! | algorithm | granularity | decode | prefill keep |
+//! |---|---|---|---|
+//! | [`Full`] | page | all pages | |
+//! | [`StreamingLlm`] | token (or page) | sinks + window | |
+//! | [`Quest`] | page | per-dimension upper bound | |
+//! | [`SnapKv`] | token | | observation-window votes |
+//! | [`RocketKv`] | page | top-r channels, min/max pages | max-pooled votes |
+//! | [`Dsa`] | token | indexer `sum_j w_j relu(q_j · k)` | |
+//! | [`Oracle`] | page or token | exact attention mass | |
+//!
+//! [`metrics`] measures mass recall, top-k recall and output error against dense attention
+//! computed by attn-op. Selection is deterministic: ties between equal scores go to the lower
+//! id, NaN scores rank last, and no result depends on the thread count.
+//!
+//! ```
+//! use attn_op::{KvCache, KvLayout, PagedKv};
+//! use sparse_algo::{Decode, PagedKeys, Quest, QuestConfig, RepPool, SparseAlgorithm};
+//!
+//! // One sequence of 64 tokens, one KV head of dim 4, in 4 blocks of 16.
+//! let layout = KvLayout { num_blocks: 4, block_size: 16, kv_heads: 1, head_dim: 4 };
+//! let k: Vec<f32> = (0..64 * 4).map(|i| ((i * 37 % 11) as f32 - 5.0) / 8.0).collect();
+//! let kv = PagedKv::from_tensors(layout, k.clone(), k)?;
+//! let (lens, table) = ([64], [0, 1, 2, 3]);
+//! let keys = PagedKeys::new(&kv, &lens, &table, 4)?;
+//!
+//! let quest = Quest::new(QuestConfig { page_size: 16, budget_tokens: 32, ..Default::default() })?;
+//! let mut pool = RepPool::new(quest.rep_shape(1, 4), 1, 1, 64)?;
+//! quest.construct_representations(0, &keys, &[0], &mut pool)?;
+//! let step = Decode {
+//!     layer: 0, q: &[1.0, -1.0, 0.5, 0.0], q_heads: 1, kv_heads: 1, head_dim: 4,
+//!     seq_lens: &[64], slots: &[0], keys: None,
+//! };
+//! let top = quest.retrieve_topk(&step, &pool)?;
+//! assert_eq!(top.row(0, 0).len(), 2); // the budget: one estimated page plus the current one
+//! assert_eq!(top.row(0, 0)[1], 3);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![deny(missing_docs)]
+
+mod algo;
+mod basic;
+mod config;
+mod dsa;
+mod error;
+mod exact;
+mod keys;
+mod minmax;
+mod oracle;
+mod pool;
+mod quest;
+mod rocket;
+mod score;
+mod select;
+mod snap;
+
+pub mod metrics;
+
+pub use algo::{Caps, Decode, Prompt, SparseAlgorithm};
+pub use basic::{Full, FullConfig, StreamingConfig, StreamingLlm};
+pub use config::AlgoConfig;
+pub use dsa::{Dsa, DsaConfig, Indexer};
+pub use error::AlgoError;
+pub use keys::{KeySource, PagedKeys};
+pub use oracle::{Oracle, OracleConfig};
+pub use pool::{RepPool, RepShape};
+pub use quest::{Quest, QuestConfig, quest_bound};
+pub use rocket::{RocketConfig, RocketKv};
+pub use select::{AlwaysInclude, TopK};
+pub use snap::{Pooling, SnapKv, SnapKvConfig};

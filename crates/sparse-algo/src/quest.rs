@@ -1,0 +1,187 @@
+//! Quest: per-page key min/max and the per-dimension upper bound of `q · k`.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::score::{Weights, page_scores, sweep};
+use crate::select::{Plan, budget_pages, top_k};
+use crate::{
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, TopK,
+    minmax,
+};
+
+/// Quest (Tang et al., 2024): each page is summarized by the elementwise maximum and minimum of
+/// its keys; a page's score for query `q` is `sum_d max(q_d * kmin_d, q_d * kmax_d)`, an upper
+/// bound of `q · k` for every key `k` of the page (the max of the two whole dot products, as
+/// nano-vllm computes it, is not). Under GQA a page scores the maximum of the bounds of the
+/// group's query heads, so it still bounds every head's true logits. The budget is in tokens;
+/// the always-include pages (by default the current, possibly partial page) are attended and
+/// not estimated; a sequence with no more pages than the budget is selected whole without
+/// estimation.
+#[derive(Clone, Debug)]
+pub struct Quest {
+    config: QuestConfig,
+    budget_pages: usize,
+}
+
+/// Settings of [`Quest`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuestConfig {
+    /// Tokens per page (Quest's default 16).
+    pub page_size: usize,
+    /// Tokens attended per step, forced pages included.
+    pub budget_tokens: usize,
+    /// Pages selected regardless of score.
+    pub always: AlwaysInclude,
+}
+
+impl Default for QuestConfig {
+    fn default() -> Self {
+        QuestConfig {
+            page_size: 16,
+            budget_tokens: 2048,
+            always: AlwaysInclude::default(),
+        }
+    }
+}
+
+impl Quest {
+    /// Validates the configuration.
+    pub fn new(config: QuestConfig) -> Result<Self, AlgoError> {
+        Ok(Quest {
+            budget_pages: budget_pages(config.budget_tokens, config.page_size)?,
+            config,
+        })
+    }
+}
+
+/// Quest's page score for one query head: `sum_d max(q_d * kmin_d, q_d * kmax_d)`, computed
+/// exactly as [`Quest`] computes it (bit for bit), so callers can check its selections.
+pub fn quest_bound(q: &[f32], kmax: &[f32], kmin: &[f32]) -> f32 {
+    let d = q.len().min(kmax.len()).min(kmin.len());
+    let wmax: Vec<f32> = q[..d].iter().map(|&x| x.max(0.0)).collect();
+    let wmin: Vec<f32> = q[..d].iter().map(|&x| x.min(0.0)).collect();
+    let mut rep = kmax[..d].to_vec();
+    rep.extend_from_slice(&kmin[..d]);
+    let w = Weights {
+        wmax: &wmax,
+        wmin: &wmin,
+        g: 1,
+        d,
+    };
+    let mut out = [0.0f32];
+    page_scores(&w, &rep, 2 * d, 0, 0..1, &mut out);
+    out[0]
+}
+
+impl SparseAlgorithm for Quest {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "quest",
+            page_size: self.config.page_size,
+            decode: true,
+            prefill_keep: false,
+            reads_keys: false,
+        }
+    }
+
+    fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {
+        minmax::shape(self.config.page_size, kv_heads, head_dim)
+    }
+
+    fn update_representations(
+        &self,
+        layer: usize,
+        keys: &dyn KeySource,
+        slots: &[usize],
+        pool: &mut RepPool,
+    ) -> Result<(), AlgoError> {
+        check_pool(pool, self.rep_shape(keys.kv_heads(), keys.head_dim()))?;
+        crate::error::check_len("slots", slots.len(), keys.num_seqs())?;
+        minmax::update(layer, keys, slots, pool)
+    }
+
+    fn retrieve_topk(&self, step: &Decode<'_>, pool: &RepPool) -> Result<TopK, AlgoError> {
+        let g = step.validate()?;
+        let (kvh, d) = (step.kv_heads, step.head_dim);
+        check_pool(pool, self.rep_shape(kvh, d))?;
+        let ps = self.config.page_size;
+        let plans = plans(step, pool, ps, self.budget_pages, self.config.always)?;
+        let mut rows = Vec::with_capacity(step.num_seqs() * kvh);
+        for (s, plan) in plans.iter().enumerate() {
+            if plan.pick == 0 {
+                rows.extend((0..kvh).map(|_| plan.assemble(Vec::new())));
+                continue;
+            }
+            let split: Vec<(Vec<f32>, Vec<f32>)> = (0..kvh)
+                .map(|h| {
+                    let q = step.group_q(s, h);
+                    (
+                        q.iter().map(|&x| x.max(0.0)).collect(),
+                        q.iter().map(|&x| x.min(0.0)).collect(),
+                    )
+                })
+                .collect();
+            let w: Vec<Weights<'_>> = split
+                .iter()
+                .map(|(wmax, wmin)| Weights { wmax, wmin, g, d })
+                .collect();
+            let reps = pool.pages(step.layer, step.slots[s])?;
+            let scores = sweep(&w, reps, d, plan.mid.clone());
+            let n = plan.mid.len();
+            let per_head: Vec<Vec<i32>> = (0..kvh)
+                .into_par_iter()
+                .map(|h| {
+                    let group = &scores[h * g * n..(h + 1) * g * n];
+                    let mut best = group[..n].to_vec();
+                    for j in 1..g {
+                        for (b, &x) in best.iter_mut().zip(&group[j * n..(j + 1) * n]) {
+                            *b = b.max(x);
+                        }
+                    }
+                    plan.assemble(top_k(&best, plan.mid.start, plan.pick))
+                })
+                .collect();
+            rows.extend(per_head);
+        }
+        Ok(TopK::from_rows(&rows, kvh, ps))
+    }
+}
+
+/// Checks that the pool was made for this algorithm's shape.
+pub(crate) fn check_pool(pool: &RepPool, shape: RepShape) -> Result<(), AlgoError> {
+    if pool.shape() == shape {
+        Ok(())
+    } else {
+        Err(AlgoError::Invalid(format!(
+            "the pool holds {:?}, the algorithm needs {shape:?}",
+            pool.shape()
+        )))
+    }
+}
+
+/// One plan per sequence, checking that representations cover every page to be estimated.
+pub(crate) fn plans(
+    step: &Decode<'_>,
+    pool: &RepPool,
+    ps: usize,
+    budget_pages: usize,
+    always: AlwaysInclude,
+) -> Result<Vec<Plan>, AlgoError> {
+    step.seq_lens
+        .iter()
+        .zip(step.slots)
+        .map(|(&len, &slot)| {
+            let plan = Plan::new(len, ps, budget_pages, always);
+            let built = pool.tokens(step.layer, slot)?;
+            if plan.pick > 0 && built < plan.mid.end * ps {
+                return Err(AlgoError::Invalid(format!(
+                    "slot {slot}: representations cover {built} tokens, estimation needs {}",
+                    plan.mid.end * ps
+                )));
+            }
+            Ok(plan)
+        })
+        .collect()
+}

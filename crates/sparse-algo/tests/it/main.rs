@@ -1,0 +1,6 @@
+//! Integration tests of sparse-algo: one binary, one module per concern.
+
+mod errors;
+mod needles;
+mod quest;
+mod util;
