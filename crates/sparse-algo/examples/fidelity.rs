@@ -22,6 +22,8 @@
 
 use attn_op::{AttnParams, BatchMeta, KvLayout, PagedKv, compact_kv};
 use half::bf16;
+use proptest::prelude::RngExt;
+use proptest::test_runner::{RngAlgorithm, TestRng};
 use sparse_algo::metrics::{mass_recall, mean, output_error};
 use sparse_algo::{
     AlgoConfig, AlgoError, Decode, DsaConfig, FullConfig, OracleConfig, PagedKeys, Prompt,
@@ -219,7 +221,7 @@ struct Trace {
 
 impl Trace {
     fn new(seed: u64) -> Self {
-        let mut rng = SplitMix(seed);
+        let mut rng = Gen::new(seed);
         let topics: Vec<Vec<f32>> = (0..KVH * TOPICS).map(|_| rng.gauss_vec(D, 1.0)).collect();
         let sink: Vec<Vec<f32>> = (0..KVH).map(|_| rng.gauss_vec(D, 1.0)).collect();
         let questions: Vec<[usize; 3]> = (0..STEPS)
@@ -264,7 +266,7 @@ impl Trace {
                 }
             }
         }
-        let query = |rng: &mut SplitMix, qs: &[usize; 3]| -> Vec<f32> {
+        let query = |rng: &mut Gen, qs: &[usize; 3]| -> Vec<f32> {
             (0..QH)
                 .flat_map(|j| {
                     let h = j / GROUP;
@@ -305,28 +307,23 @@ impl Trace {
     }
 }
 
-/// SplitMix64 with a Box-Muller normal.
-struct SplitMix(u64);
+/// Proptest's seeded ChaCha generator with a Box-Muller normal.
+struct Gen(TestRng);
 
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+impl Gen {
+    fn new(seed: u64) -> Self {
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&seed.to_le_bytes());
+        Gen(TestRng::from_seed(RngAlgorithm::ChaCha, &bytes))
     }
 
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn uniform(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+        self.0.random_range(0..n)
     }
 
     fn gauss(&mut self) -> f32 {
-        let (a, b) = (self.uniform(), self.uniform());
+        let a: f32 = self.0.random_range(f32::EPSILON..1.0);
+        let b: f32 = self.0.random_range(0.0..1.0);
         (-2.0 * a.ln()).sqrt() * (std::f32::consts::TAU * b).cos()
     }
 

@@ -214,8 +214,9 @@ impl Prompt<'_> {
     }
 }
 
-/// Checks a construction batch against the pool.
-fn check_batch(
+/// Checks a construction batch against the pool: one slot per sequence, no slot twice, and
+/// a pool made for `shape`.
+pub(crate) fn check_batch(
     keys: &dyn KeySource,
     slots: &[usize],
     pool: &RepPool,

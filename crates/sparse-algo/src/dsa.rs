@@ -5,6 +5,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::algo::check_batch;
 use crate::exact::logits;
 use crate::quest::check_pool;
 use crate::score::dots;
@@ -154,8 +155,12 @@ impl SparseAlgorithm for Dsa {
         slots: &[usize],
         pool: &mut RepPool,
     ) -> Result<(), AlgoError> {
-        check_pool(pool, self.rep_shape(keys.kv_heads(), keys.head_dim()))?;
-        crate::error::check_len("slots", slots.len(), keys.num_seqs())?;
+        check_batch(
+            keys,
+            slots,
+            pool,
+            self.rep_shape(keys.kv_heads(), keys.head_dim()),
+        )?;
         let Some(ix) = &self.indexer else {
             return Ok(());
         };

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::algo::check_batch;
 use crate::{AlgoError, KeySource, RepPool, RepShape};
 
 /// The shape of min/max representations: per page and KV head, `[kmax ‖ kmin]`.
@@ -14,13 +15,15 @@ pub(crate) fn shape(page_size: usize, kv_heads: usize, head_dim: usize) -> RepSh
 }
 
 /// Extends every slot's min/max pages to its sequence's length, recomputing the last page it
-/// had (which may have been partial) from the keys.
+/// had (which may have been partial) from the keys. Checks the batch against the pool first.
 pub(crate) fn update(
     layer: usize,
     keys: &dyn KeySource,
     slots: &[usize],
     pool: &mut RepPool,
+    shape: RepShape,
 ) -> Result<(), AlgoError> {
+    check_batch(keys, slots, pool, shape)?;
     let RepShape {
         page_size: ps,
         heads,

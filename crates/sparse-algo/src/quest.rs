@@ -97,9 +97,8 @@ impl SparseAlgorithm for Quest {
         slots: &[usize],
         pool: &mut RepPool,
     ) -> Result<(), AlgoError> {
-        check_pool(pool, self.rep_shape(keys.kv_heads(), keys.head_dim()))?;
-        crate::error::check_len("slots", slots.len(), keys.num_seqs())?;
-        minmax::update(layer, keys, slots, pool)
+        let shape = self.rep_shape(keys.kv_heads(), keys.head_dim());
+        minmax::update(layer, keys, slots, pool, shape)
     }
 
     fn retrieve_topk(&self, step: &Decode<'_>, pool: &RepPool) -> Result<TopK, AlgoError> {

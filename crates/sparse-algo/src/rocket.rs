@@ -100,9 +100,8 @@ impl SparseAlgorithm for RocketKv {
         slots: &[usize],
         pool: &mut RepPool,
     ) -> Result<(), AlgoError> {
-        check_pool(pool, self.rep_shape(keys.kv_heads(), keys.head_dim()))?;
-        crate::error::check_len("slots", slots.len(), keys.num_seqs())?;
-        minmax::update(layer, keys, slots, pool)
+        let shape = self.rep_shape(keys.kv_heads(), keys.head_dim());
+        minmax::update(layer, keys, slots, pool, shape)
     }
 
     fn predict_keep(&self, prompt: &Prompt<'_>) -> Result<TopK, AlgoError> {

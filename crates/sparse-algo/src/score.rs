@@ -16,14 +16,33 @@ pub(crate) fn page_scores(
     pages: std::ops::Range<usize>,
     out: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA, checked just above.
-        unsafe { page_scores_avx2(w, reps, page_len, head_off, pages, out) };
-        return;
-    }
-    page_scores_generic(w, reps, page_len, head_off, pages, out);
+    dispatch!(page_scores_generic(
+        w: &Weights<'_>,
+        reps: &[f32],
+        page_len: usize,
+        head_off: usize,
+        pages: std::ops::Range<usize>,
+        out: &mut [f32]
+    ));
 }
+
+/// Calls a generic `#[inline(always)]` body through an AVX2 + FMA build when the CPU has both.
+macro_rules! dispatch {
+    ($f:ident($($arg:ident: $ty:ty),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            #[target_feature(enable = "avx2,fma")]
+            fn wide($($arg: $ty),*) {
+                $f($($arg),*)
+            }
+            // SAFETY: the CPU has AVX2 and FMA, checked just above.
+            unsafe { wide($($arg),*) };
+            return;
+        }
+        $f($($arg),*);
+    }};
+}
+use dispatch;
 
 /// Query weights of a group: `wmax` and `wmin`, each `[g, d]`.
 pub(crate) struct Weights<'a> {
@@ -31,19 +50,6 @@ pub(crate) struct Weights<'a> {
     pub(crate) wmin: &'a [f32],
     pub(crate) g: usize,
     pub(crate) d: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn page_scores_avx2(
-    w: &Weights<'_>,
-    reps: &[f32],
-    page_len: usize,
-    head_off: usize,
-    pages: std::ops::Range<usize>,
-    out: &mut [f32],
-) {
-    page_scores_generic(w, reps, page_len, head_off, pages, out);
 }
 
 #[inline(always)]
@@ -95,19 +101,7 @@ fn dot2(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> f32 {
 
 /// `a · b` with 16 independent lanes, same build choice and order rules as [`page_scores`].
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA, checked just above.
-        unsafe { dots_avx2(q, keys, d, out) };
-        return;
-    }
-    dots_generic(q, keys, d, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn dots_avx2(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
-    dots_generic(q, keys, d, out);
+    dispatch!(dots_generic(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]));
 }
 
 /// `out[i] = q · keys[i * d..(i + 1) * d]` for every row of `keys`.

@@ -367,3 +367,39 @@ fn the_oracle_has_the_best_recall_and_full_budget_loses_nothing() {
         "a partial selection changes the output: {err_o}"
     );
 }
+
+#[test]
+fn ties_go_to_the_lower_page() {
+    // Every key equal (and not zero): every page scores the same, so the lowest pages win.
+    let mut rng = Rng::new(17);
+    let keys = vec![vec![0.25f32; 200 * KV_HEADS * D]];
+    let q = rng.vec(KV_HEADS * GROUP * D, 1.0);
+    let case = Case::<f32>::new(&keys, q, KV_HEADS * GROUP, KV_HEADS, D, 16, &mut rng);
+    let view = case.keys();
+    for config in [
+        AlgoConfig::Quest(QuestConfig {
+            budget_tokens: 64,
+            ..Default::default()
+        }),
+        AlgoConfig::Oracle(OracleConfig {
+            budget_tokens: 64,
+            ..Default::default()
+        }),
+        AlgoConfig::RocketKv(RocketConfig {
+            topk: 64,
+            page_size: 16,
+            ..Default::default()
+        }),
+    ] {
+        let algo = config.build(None).expect("valid");
+        let mut pool = RepPool::new(algo.rep_shape(KV_HEADS, D), 1, 1, 200).expect("pool");
+        algo.construct_representations(0, &view, &[0], &mut pool)
+            .expect("construct");
+        let top = algo
+            .retrieve_topk(&case.step(Some(&view)), &pool)
+            .expect("select");
+        for h in 0..KV_HEADS {
+            assert_eq!(top.row(0, h), &[0, 1, 2, 12], "{config:?}");
+        }
+    }
+}

@@ -1,32 +1,28 @@
 //! Seeded random data and the paged KV cases the tests share.
 
 use attn_op::{Element, KvLayout, PagedKv};
+use proptest::prelude::RngExt;
+use proptest::test_runner::{RngAlgorithm, TestRng};
 use sparse_algo::{Decode, KeySource, PagedKeys};
 
-/// SplitMix64: a small seeded generator, so cases are reproducible from their seed.
-pub(crate) struct Rng(u64);
+/// A seeded generator (proptest's ChaCha), so cases are reproducible from their seed.
+pub(crate) struct Rng(TestRng);
 
 impl Rng {
     pub(crate) fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&seed.to_le_bytes());
+        Rng(TestRng::from_seed(RngAlgorithm::ChaCha, &bytes))
     }
 
     /// Uniform in `lo..hi` (`hi > lo`).
     pub(crate) fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo) as u64) as usize
+        self.0.random_range(lo..hi)
     }
 
     /// Uniform in [-1, 1).
     pub(crate) fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        self.0.random_range(-1.0f32..1.0)
     }
 
     pub(crate) fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
