@@ -85,11 +85,16 @@ fn bench(extra: &[String]) -> Result<(), String> {
     let out_dir = target_dir().join("bench-report");
     std::fs::create_dir_all(&out_dir)
         .map_err(|e| format!("creating {}: {e}", out_dir.display()))?;
+    let peers_json = out_dir.join("peers.json");
     if peers {
         run_peers(&out_dir)?;
+    } else if peers_json.exists() {
+        // Peers count only when measured in the same run as ours.
+        std::fs::remove_file(&peers_json)
+            .map_err(|e| format!("removing stale {}: {e}", peers_json.display()))?;
     }
     let reports = target_dir().join("criterion");
-    let table = summary::render(&reports, &out_dir.join("peers.json"))?;
+    let table = summary::render(&reports, &peers_json)?;
     let out = out_dir.join("summary.md");
     std::fs::write(&out, &table).map_err(|e| format!("writing {}: {e}", out.display()))?;
     println!();
