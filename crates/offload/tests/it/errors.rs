@@ -1,0 +1,103 @@
+//! Bad input gives typed errors and loses nothing.
+
+use kv_blocks::RequestId;
+use offload::{HostLayout, OffloadConfig, OffloadError, SparseKvCacheManager};
+
+use crate::util::{config, tokens};
+
+#[test]
+fn bad_input_is_rejected_and_nothing_is_lost() {
+    let bad = OffloadConfig {
+        hot_pages: 0,
+        ..config(2, 4, HostLayout::LayerFirst)
+    };
+    assert!(matches!(
+        SparseKvCacheManager::<f32>::new(bad),
+        Err(OffloadError::Config(_))
+    ));
+    let big = OffloadConfig {
+        host_pages: usize::MAX / 2,
+        ..config(2, 4, HostLayout::LayerFirst)
+    };
+    assert!(matches!(
+        SparseKvCacheManager::<f32>::new(big),
+        Err(OffloadError::Config(_))
+    ));
+
+    let cfg = config(2, 4, HostLayout::PageHead);
+    let stride = cfg.kv_heads * cfg.head_dim;
+    let mut m = SparseKvCacheManager::<f32>::new(cfg).expect("valid");
+    let (a, b) = (RequestId(1), RequestId(2));
+    m.begin_request(a).expect("free");
+    assert_eq!(m.begin_request(a), Err(OffloadError::DuplicateRequest(a)));
+    assert_eq!(m.end_request(b), Err(OffloadError::UnknownRequest(b)));
+    assert!(
+        matches!(m.step(a, 0, &[0]), Err(OffloadError::Invalid(_))),
+        "no tokens yet"
+    );
+    let (k, v) = (
+        tokens(1, 0, 0, 10, 0, stride),
+        tokens(1, 0, 0, 10, 1, stride),
+    );
+    m.append(a, 0, &k, &v).expect("3 of 4 pages");
+    assert!(
+        matches!(
+            m.append(a, 0, &k[..5], &v[..5]),
+            Err(OffloadError::Invalid(_))
+        ),
+        "partial token"
+    );
+    assert!(
+        matches!(m.append(a, 5, &k, &v), Err(OffloadError::Invalid(_))),
+        "layer out of range"
+    );
+    // Host pool exhausted: 10 more tokens need 3 more pages, 1 is free; nothing changes.
+    m.begin_request(b).expect("free");
+    let (k2, v2) = (
+        tokens(2, 0, 0, 10, 0, stride),
+        tokens(2, 0, 0, 10, 1, stride),
+    );
+    assert_eq!(
+        m.append(b, 0, &k2, &v2),
+        Err(OffloadError::HostExhausted { needed: 3, free: 1 })
+    );
+    assert_eq!((m.free_host_pages(), m.len(b, 0).expect("live")), (1, 0));
+    // Selections: out of range, unsorted, duplicated, larger than the hot buffer.
+    let hot_before = m.hot_buffer(a, 0).expect("live").clone();
+    assert!(matches!(m.step(a, 0, &[3]), Err(OffloadError::Invalid(_))));
+    assert!(matches!(
+        m.step(a, 0, &[-1, 2]),
+        Err(OffloadError::Invalid(_))
+    ));
+    assert!(matches!(
+        m.step(a, 0, &[1, 0]),
+        Err(OffloadError::Invalid(_))
+    ));
+    assert!(matches!(
+        m.step(a, 0, &[1, 1]),
+        Err(OffloadError::Invalid(_))
+    ));
+    let mut cfg3 = config(1, 8, HostLayout::LayerFirst);
+    cfg3.max_requests = 1;
+    let mut small = SparseKvCacheManager::<f32>::new(cfg3).expect("valid");
+    small.begin_request(a).expect("free");
+    assert_eq!(small.begin_request(b), Err(OffloadError::NoDeviceBuffer(1)));
+    small.append(a, 0, &k, &v).expect("room");
+    assert_eq!(
+        small.step(a, 0, &[0, 1, 2]),
+        Err(OffloadError::HotTooSmall {
+            selected: 2,
+            hot: 1
+        })
+    );
+    assert_eq!(
+        m.hot_buffer(a, 0).expect("live"),
+        &hot_before,
+        "failed steps change nothing"
+    );
+    // The good path still works after every refusal.
+    assert_eq!(m.step(a, 0, &[0, 2]).expect("valid").stats.misses, 1);
+    m.end_request(a).expect("live");
+    m.end_request(b).expect("live");
+    assert_eq!(m.free_host_pages(), 4);
+}
