@@ -2,5 +2,6 @@
 
 mod decode;
 mod errors;
+mod exec;
 mod machine;
 mod util;
