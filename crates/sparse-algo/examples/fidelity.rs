@@ -196,18 +196,7 @@ impl Compacted {
                 sel.row(0, h).iter().map(|&t| map[t as usize]).collect()
             })
             .collect();
-        let max_len = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let mut ids = vec![-1; KVH * max_len];
-        for (h, r) in rows.iter().enumerate() {
-            ids[h * max_len..h * max_len + r.len()].copy_from_slice(r);
-        }
-        Ok(TopK {
-            ids,
-            lens: rows.iter().map(|r| r.len() as i32).collect(),
-            max_len,
-            kv_heads: KVH,
-            page_size: 1,
-        })
+        Ok(TopK::from_rows(&rows, KVH, 1))
     }
 }
 

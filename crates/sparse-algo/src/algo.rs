@@ -223,12 +223,7 @@ pub(crate) fn check_batch(
     shape: RepShape,
 ) -> Result<(), AlgoError> {
     check_len("slots", slots.len(), keys.num_seqs())?;
-    if pool.shape() != shape {
-        return Err(AlgoError::Invalid(format!(
-            "the pool holds {:?}, the algorithm needs {shape:?}",
-            pool.shape()
-        )));
-    }
+    check_pool(pool, shape)?;
     let mut seen = slots.to_vec();
     seen.sort_unstable();
     if seen.windows(2).any(|w| w[0] == w[1]) {
@@ -263,4 +258,16 @@ fn check_keys(
         }
     }
     Ok(())
+}
+
+/// Checks that the pool was made for this algorithm's shape.
+pub(crate) fn check_pool(pool: &RepPool, shape: RepShape) -> Result<(), AlgoError> {
+    if pool.shape() == shape {
+        Ok(())
+    } else {
+        Err(AlgoError::Invalid(format!(
+            "the pool holds {:?}, the algorithm needs {shape:?}",
+            pool.shape()
+        )))
+    }
 }

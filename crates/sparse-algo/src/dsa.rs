@@ -5,9 +5,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::algo::check_batch;
+use crate::algo::{check_batch, check_pool};
 use crate::exact::logits;
-use crate::quest::check_pool;
 use crate::score::dots;
 use crate::select::{Plan, top_k};
 use crate::{

@@ -3,8 +3,9 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::algo::check_pool;
 use crate::score::{Weights, page_scores, sweep};
-use crate::select::{Plan, budget_pages, top_k};
+use crate::select::{budget_pages, plans, top_k};
 use crate::{
     AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, TopK,
     minmax,
@@ -146,41 +147,4 @@ impl SparseAlgorithm for Quest {
         }
         Ok(TopK::from_rows(&rows, kvh, ps))
     }
-}
-
-/// Checks that the pool was made for this algorithm's shape.
-pub(crate) fn check_pool(pool: &RepPool, shape: RepShape) -> Result<(), AlgoError> {
-    if pool.shape() == shape {
-        Ok(())
-    } else {
-        Err(AlgoError::Invalid(format!(
-            "the pool holds {:?}, the algorithm needs {shape:?}",
-            pool.shape()
-        )))
-    }
-}
-
-/// One plan per sequence, checking that representations cover every page to be estimated.
-pub(crate) fn plans(
-    step: &Decode<'_>,
-    pool: &RepPool,
-    ps: usize,
-    budget_pages: usize,
-    always: AlwaysInclude,
-) -> Result<Vec<Plan>, AlgoError> {
-    step.seq_lens
-        .iter()
-        .zip(step.slots)
-        .map(|(&len, &slot)| {
-            let plan = Plan::new(len, ps, budget_pages, always);
-            let built = pool.tokens(step.layer, slot)?;
-            if plan.pick > 0 && built < plan.mid.end * ps {
-                return Err(AlgoError::Invalid(format!(
-                    "slot {slot}: representations cover {built} tokens, estimation needs {}",
-                    plan.mid.end * ps
-                )));
-            }
-            Ok(plan)
-        })
-        .collect()
 }

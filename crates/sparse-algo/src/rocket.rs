@@ -3,9 +3,9 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::quest::{check_pool, plans};
+use crate::algo::check_pool;
 use crate::score::{Weights, sweep};
-use crate::select::{budget_pages, top_k};
+use crate::select::{budget_pages, plans, top_k};
 use crate::snap::{Pooling, check_votes, keep_by_votes};
 use crate::{
     AlgoError, AlwaysInclude, Caps, Decode, KeySource, Prompt, RepPool, RepShape, SparseAlgorithm,

@@ -6,7 +6,7 @@ use std::ops::Range;
 use attn_op::Selection;
 use serde::{Deserialize, Serialize};
 
-use crate::AlgoError;
+use crate::{AlgoError, Decode, RepPool};
 
 /// Per (sequence, KV head) selected logical ids, ascending: `ids` is `[num_seqs, kv_heads,
 /// max_len]` padded with -1 and `lens` is `[num_seqs, kv_heads]` (the shared selection format).
@@ -26,8 +26,8 @@ pub struct TopK {
 }
 
 impl TopK {
-    /// Packs ascending rows (one per (sequence, KV head)) into the padded format.
-    pub(crate) fn from_rows(rows: &[Vec<i32>], kv_heads: usize, page_size: usize) -> TopK {
+    /// Packs rows (one per (sequence, KV head), each ascending) into the padded format.
+    pub fn from_rows(rows: &[Vec<i32>], kv_heads: usize, page_size: usize) -> TopK {
         let max_len = rows.iter().map(Vec::len).max().unwrap_or(0);
         let mut ids = vec![-1; rows.len() * max_len];
         for (r, row) in rows.iter().enumerate() {
@@ -190,4 +190,29 @@ pub(crate) fn budget_pages(budget_tokens: usize, page_size: usize) -> Result<usi
         )));
     }
     Ok(budget_tokens / page_size)
+}
+
+/// One plan per sequence, checking that representations cover every page to be estimated.
+pub(crate) fn plans(
+    step: &Decode<'_>,
+    pool: &RepPool,
+    ps: usize,
+    budget_pages: usize,
+    always: AlwaysInclude,
+) -> Result<Vec<Plan>, AlgoError> {
+    step.seq_lens
+        .iter()
+        .zip(step.slots)
+        .map(|(&len, &slot)| {
+            let plan = Plan::new(len, ps, budget_pages, always);
+            let built = pool.tokens(step.layer, slot)?;
+            if plan.pick > 0 && built < plan.mid.end * ps {
+                return Err(AlgoError::Invalid(format!(
+                    "slot {slot}: representations cover {built} tokens, estimation needs {}",
+                    plan.mid.end * ps
+                )));
+            }
+            Ok(plan)
+        })
+        .collect()
 }

@@ -2,12 +2,12 @@
 //! in-memory sparse attention with the same selections, and against dense attention.
 
 use attn_op::{
-    AttnOut, AttnParams, BatchMeta, KvCache, KvLayout, PagedKv, Selection, paged_attention,
+    AttnOut, AttnParams, BatchMeta, KvCache, KvLayout, PagedKv, paged_attention,
     sparse_page_attention,
 };
 use kv_blocks::RequestId;
 use offload::{HostLayout, OffloadConfig, SparseKvCacheManager, StepStats};
-use sparse_algo::{Decode, PagedKeys, Quest, QuestConfig, RepPool, SparseAlgorithm};
+use sparse_algo::{Decode, PagedKeys, Quest, QuestConfig, RepPool, SparseAlgorithm, TopK};
 
 use crate::util::token;
 
@@ -186,11 +186,7 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
                 })
                 .collect();
             let width = union.len();
-            let mut flat = vec![-1; KVH * width];
-            for (h, row) in ids.iter().enumerate() {
-                flat[h * width..h * width + row.len()].copy_from_slice(row);
-            }
-            let counts: Vec<i32> = ids.iter().map(|r| r.len() as i32).collect();
+            let compact = TopK::from_rows(&ids, KVH, PS);
             let device = m.device(l);
             let device = device.read();
             let compact_len = [plan.seq_len as i32];
@@ -206,11 +202,7 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
                 &q,
                 &device,
                 &meta,
-                &Selection {
-                    ids: &flat,
-                    lens: &counts,
-                    max_len: width,
-                },
+                &compact.as_selection(),
                 &params,
                 AttnOut {
                     out: &mut ours,
