@@ -27,6 +27,15 @@ pub enum OffloadError {
         /// Pages free.
         free: usize,
     },
+    /// The request's host page table (given by the caller, [`HostAlloc::External`]) is too
+    /// short for the tokens.
+    ///
+    /// [`HostAlloc::External`]: crate::HostAlloc::External
+    #[error("{needed} more host pages are needed; give them with extend_host_pages")]
+    MissingHostPages {
+        /// Pages missing.
+        needed: usize,
+    },
     /// A selection larger than the hot buffer (HiSparse requires HOT >= top-k).
     #[error("{selected} selected pages do not fit a hot buffer of {hot}")]
     HotTooSmall {

@@ -21,7 +21,7 @@ pub use error::OffloadError;
 pub use exec::{Job, Load, Pipeline, Ticket, execute_block_transfers, execute_loads};
 pub use host::{HostLayout, HostPool, HostShape, HostStore};
 pub use hot::{Diff, HotBuffer};
-pub use manager::{OffloadConfig, SparseKvCacheManager, StepPlan};
+pub use manager::{HostAlloc, OffloadConfig, SparseKvCacheManager, StepPlan};
 
 /// Counts of one step, or totals over many.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -38,6 +38,8 @@ pub struct StepStats {
     pub bytes: u64,
     /// Loads that refreshed the reserved slot (the current page after prefill).
     pub reserved_loads: u64,
+    /// Layer steps that reused another layer's diff ([`SparseKvCacheManager::step_layers`]).
+    pub reused_plans: u64,
 }
 
 impl StepStats {
@@ -49,6 +51,7 @@ impl StepStats {
         self.loaded_pages += o.loaded_pages;
         self.bytes += o.bytes;
         self.reserved_loads += o.reserved_loads;
+        self.reused_plans += o.reused_plans;
     }
 
     /// Hits over selected pages (1 when nothing was selected).

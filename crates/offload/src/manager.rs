@@ -33,6 +33,23 @@ pub struct OffloadConfig {
     pub max_requests: usize,
     /// Layout of the host pool.
     pub layout: HostLayout,
+    /// Who picks a request's host pages.
+    #[serde(default)]
+    pub host_alloc: HostAlloc,
+}
+
+/// Who picks the host pages of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostAlloc {
+    /// The manager keeps a free list and takes pages as tokens arrive.
+    #[default]
+    Own,
+    /// The caller gives them ([`SparseKvCacheManager::begin_request_with_prefix`],
+    /// [`SparseKvCacheManager::extend_host_pages`]): host page `i` is kv-blocks' secondary
+    /// (host tier) block `i`, so a prefix cached in the host tier is used where it lies, and
+    /// the pages are the caller's to free.
+    External,
 }
 
 /// The device page table of one (request, layer) step, ready for attention over the device
@@ -45,6 +62,9 @@ pub struct StepPlan {
     pub block_table: Vec<i32>,
     /// Tokens covered by the selected pages.
     pub seq_len: usize,
+    /// Device slots (`block * page_size + offset`) of the step's new tokens, in order, for the
+    /// engine's `set_kv` before attention (empty for [`SparseKvCacheManager::step`]).
+    pub new_slots: Vec<i32>,
     /// The loads this step needs (already executed by [`SparseKvCacheManager::step`]).
     pub loads: Vec<Load>,
     /// Hits, misses and bytes of the step.
@@ -123,10 +143,11 @@ impl<T: Element> SparseKvCacheManager<T> {
         let device = (0..c.layers)
             .map(|_| PagedKv::new(layout).map(|kv| Arc::new(RwLock::new(kv))))
             .collect::<Result<_, _>>()?;
+        let own = c.host_alloc == HostAlloc::Own;
         Ok(SparseKvCacheManager {
             config,
             host: Arc::new(RwLock::new(host)),
-            free_host: (0..c.host_pages as u32).rev().collect(),
+            free_host: (0..c.host_pages as u32).rev().filter(|_| own).collect(),
             device,
             free_bases: (0..c.max_requests)
                 .rev()
@@ -169,6 +190,65 @@ impl<T: Element> SparseKvCacheManager<T> {
 
     /// Starts a sparse-mode request: takes a device hot buffer for it in every layer.
     pub fn begin_request(&mut self, id: RequestId) -> Result<(), OffloadError> {
+        self.begin(id, Vec::new(), 0)
+    }
+
+    /// Starts a sparse-mode request whose first `tokens` tokens already lie in the host pool,
+    /// every layer, in `pages` (logical order; [`HostAlloc::External`] only): a prefix reused
+    /// from kv-blocks' host tier. Nothing is copied; the first decode step loads only what its
+    /// selection needs.
+    pub fn begin_request_with_prefix(
+        &mut self,
+        id: RequestId,
+        pages: &[u32],
+        tokens: usize,
+    ) -> Result<(), OffloadError> {
+        self.check_external(pages)?;
+        if tokens > pages.len() * self.config.page_size {
+            return Err(OffloadError::Invalid(format!(
+                "{tokens} prefix tokens in {} pages of {}",
+                pages.len(),
+                self.config.page_size
+            )));
+        }
+        self.begin(id, pages.to_vec(), tokens)
+    }
+
+    /// Gives a request more host pages, after those it has ([`HostAlloc::External`] only).
+    pub fn extend_host_pages(&mut self, id: RequestId, pages: &[u32]) -> Result<(), OffloadError> {
+        self.check_external(pages)?;
+        self.requests
+            .get_mut(&id)
+            .ok_or(OffloadError::UnknownRequest(id))?
+            .host_pages
+            .extend_from_slice(pages);
+        Ok(())
+    }
+
+    fn check_external(&self, pages: &[u32]) -> Result<(), OffloadError> {
+        if self.config.host_alloc != HostAlloc::External {
+            return Err(OffloadError::Config(
+                "host pages are given by the caller only with host_alloc = external".into(),
+            ));
+        }
+        match pages
+            .iter()
+            .find(|&&p| p as usize >= self.config.host_pages)
+        {
+            Some(p) => Err(OffloadError::Invalid(format!(
+                "host page {p} outside the pool of {}",
+                self.config.host_pages
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn begin(
+        &mut self,
+        id: RequestId,
+        host_pages: Vec<u32>,
+        tokens: usize,
+    ) -> Result<(), OffloadError> {
         if self.requests.contains_key(&id) {
             return Err(OffloadError::DuplicateRequest(id));
         }
@@ -181,21 +261,24 @@ impl<T: Element> SparseKvCacheManager<T> {
             id,
             Request {
                 base,
-                host_pages: Vec::new(),
-                lens: vec![0; c.layers],
+                host_pages,
+                lens: vec![tokens; c.layers],
                 hot: vec![HotBuffer::new(c.hot_pages); c.layers],
             },
         );
         Ok(())
     }
 
-    /// Ends a request: its host pages and device buffer go back to the pools.
+    /// Ends a request: its device buffer goes back, and its host pages too unless the caller
+    /// gave them ([`HostAlloc::External`]).
     pub fn end_request(&mut self, id: RequestId) -> Result<(), OffloadError> {
         let r = self
             .requests
             .remove(&id)
             .ok_or(OffloadError::UnknownRequest(id))?;
-        self.free_host.extend(r.host_pages.iter().rev());
+        if self.config.host_alloc == HostAlloc::Own {
+            self.free_host.extend(r.host_pages.iter().rev());
+        }
         self.free_bases.push(r.base);
         Ok(())
     }
@@ -245,6 +328,9 @@ impl<T: Element> SparseKvCacheManager<T> {
         let need = (start + n)
             .div_ceil(c.page_size)
             .saturating_sub(r.host_pages.len());
+        if need > 0 && c.host_alloc == HostAlloc::External {
+            return Err(OffloadError::MissingHostPages { needed: need });
+        }
         if need > self.free_host.len() {
             return Err(OffloadError::HostExhausted {
                 needed: need,
@@ -286,29 +372,112 @@ impl<T: Element> SparseKvCacheManager<T> {
         Ok(())
     }
 
-    /// One decode step of (request, layer): `pages` are the selected logical pages, ascending
-    /// and unique (the union over KV heads of a selection). Brings the current page up to date
-    /// in the reserved slot, diffs the rest against the hot buffer, executes the loads, and
-    /// returns the device page table.
+    /// One decode step of (request, layer) after the step's tokens were appended: see
+    /// [`step_with_new`](Self::step_with_new) with no new tokens.
     pub fn step(
         &mut self,
         id: RequestId,
         layer: usize,
         pages: &[i32],
     ) -> Result<StepPlan, OffloadError> {
-        let c = self.config;
+        self.step_with_new(id, layer, pages, 0)
+    }
+
+    /// One decode step of (request, layer). `pages` are the selected logical pages, ascending
+    /// and unique (the union over KV heads of a selection), over the request's tokens plus
+    /// `new_tokens` that the forward is about to write: their device slots come back in
+    /// [`StepPlan::new_slots`] (the engine writes them there, then hands them to
+    /// [`append`](Self::append) for the host backup, which then skips the device). The new
+    /// tokens must fall in the current page. Brings the current page up to date in the reserved
+    /// slot, diffs the rest against the hot buffer, executes the loads, and returns the device
+    /// page table.
+    pub fn step_with_new(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        pages: &[i32],
+        new_tokens: usize,
+    ) -> Result<StepPlan, OffloadError> {
         let layer = self.check_layer(layer)?;
-        let r = self
-            .requests
-            .get_mut(&id)
-            .ok_or(OffloadError::UnknownRequest(id))?;
+        let len = self.check_step(id, layer, pages, new_tokens)?;
+        let plan = self.plan(id, layer, pages, len, new_tokens);
+        self.finish(layer, plan)
+    }
+
+    /// One decode step of several layers that share a selection (one selection per step, as
+    /// many engines use for every layer of a group): the diff runs once, and every later
+    /// layer whose hot buffer and length equal the first's takes the same plan (same slots,
+    /// same loads from its own layer), counted in [`StepStats::reused_plans`]. A layer whose
+    /// buffer differs gets its own diff. Every layer is checked before any changes.
+    pub fn step_layers(
+        &mut self,
+        id: RequestId,
+        layers: &[usize],
+        pages: &[i32],
+        new_tokens: usize,
+    ) -> Result<Vec<StepPlan>, OffloadError> {
+        let mut lens = Vec::with_capacity(layers.len());
+        for &l in layers {
+            let l = self.check_layer(l)?;
+            lens.push(self.check_step(id, l, pages, new_tokens)?);
+        }
+        let mut out: Vec<StepPlan> = Vec::with_capacity(layers.len());
+        // The first layer's buffer before and after its diff, and its plan.
+        let mut shared: Option<(HotBuffer, HotBuffer, usize, usize)> = None;
+        for (i, (&layer, &len)) in layers.iter().zip(&lens).enumerate() {
+            let r = self
+                .requests
+                .get_mut(&id)
+                .expect("checked above, and nothing removed it since");
+            let plan = match &shared {
+                Some((before, after, first_len, j))
+                    if *first_len == len && r.hot[layer] == *before =>
+                {
+                    r.hot[layer] = after.clone();
+                    let mut plan = out[*j].clone();
+                    for l in &mut plan.loads {
+                        l.layer = layer;
+                    }
+                    plan.stats.reused_plans = 1;
+                    plan
+                }
+                _ => {
+                    let before = r.hot[layer].clone();
+                    let plan = self.plan(id, layer, pages, len, new_tokens);
+                    let after = self.requests[&id].hot[layer].clone();
+                    shared = Some((before, after, len, i));
+                    plan
+                }
+            };
+            out.push(self.finish(layer, plan)?);
+        }
+        Ok(out)
+    }
+
+    /// Checks a step; returns the request's length in `layer`.
+    fn check_step(
+        &self,
+        id: RequestId,
+        layer: usize,
+        pages: &[i32],
+        new_tokens: usize,
+    ) -> Result<usize, OffloadError> {
+        let c = self.config;
+        let r = self.request(id)?;
         let len = r.lens[layer];
-        let num_pages = len.div_ceil(c.page_size);
-        if len == 0 {
+        let total = len + new_tokens;
+        if total == 0 {
             return Err(OffloadError::Invalid(format!(
                 "{id:?} layer {layer} holds no tokens"
             )));
         }
+        if new_tokens > 0 && len / c.page_size != (total - 1) / c.page_size {
+            return Err(OffloadError::Invalid(format!(
+                "{new_tokens} new tokens after {len} cross a page boundary of {}",
+                c.page_size
+            )));
+        }
+        let num_pages = total.div_ceil(c.page_size);
         if let Some(w) = pages.windows(2).find(|w| w[0] >= w[1]) {
             return Err(OffloadError::Invalid(format!(
                 "selection not ascending and unique at {w:?}"
@@ -327,25 +496,46 @@ impl<T: Element> SparseKvCacheManager<T> {
                 hot: c.hot_pages,
             });
         }
+        Ok(len)
+    }
+
+    /// Runs the diff of a checked step and builds its plan (loads not yet executed).
+    fn plan(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        pages: &[i32],
+        len: usize,
+        new_tokens: usize,
+    ) -> StepPlan {
+        let c = self.config;
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("the step was checked, so the request is live");
+        let total = len + new_tokens;
+        let current = (total.div_ceil(c.page_size) - 1) as i32;
         let hb = &mut r.hot[layer];
         let mut loads = Vec::new();
-        // The current page: whatever of it the reserved slot lacks comes from the host.
-        let reserved_block = (r.base + c.hot_pages) as u32;
-        let valid = len - current as usize * c.page_size;
+        // The current page: whatever of it the reserved slot lacks comes from the host; the new
+        // tokens will be written straight into it.
+        let reserved_block = r.base + c.hot_pages;
+        let valid = total - current as usize * c.page_size;
+        let on_host = len - current as usize * c.page_size;
         if hb.reserved_page != current {
             hb.reserved_page = current;
             hb.reserved_tokens = 0;
         }
-        if hb.reserved_tokens < valid {
+        if hb.reserved_tokens < on_host {
             loads.push(Load {
                 layer,
                 host_page: r.host_pages[current as usize],
                 first: hb.reserved_tokens as u32,
-                tokens: (valid - hb.reserved_tokens) as u32,
-                device_block: reserved_block,
+                tokens: (on_host - hb.reserved_tokens) as u32,
+                device_block: reserved_block as u32,
             });
-            hb.reserved_tokens = valid;
         }
+        hb.reserved_tokens = valid;
         let reserved_loads = loads.len();
         let diff = hb.diff(pages, current);
         for &(page, slot) in &diff.misses {
@@ -376,15 +566,28 @@ impl<T: Element> SparseKvCacheManager<T> {
             loaded_pages: diff.misses.len() as u64,
             bytes: loads.iter().map(|l| u64::from(l.tokens)).sum::<u64>() * token_bytes as u64,
             reserved_loads: reserved_loads as u64,
+            reused_plans: 0,
         };
-        execute_loads(&*self.host.read(), &loads, &mut self.device[layer].write())?;
-        self.totals.add(&stats);
-        Ok(StepPlan {
+        StepPlan {
             block_table,
             seq_len,
+            new_slots: (on_host..valid)
+                .map(|off| (reserved_block * c.page_size + off) as i32)
+                .collect(),
             loads,
             stats,
-        })
+        }
+    }
+
+    /// Executes a plan's loads and counts its statistics.
+    fn finish(&mut self, layer: usize, plan: StepPlan) -> Result<StepPlan, OffloadError> {
+        execute_loads(
+            &*self.host.read(),
+            &plan.loads,
+            &mut self.device[layer].write(),
+        )?;
+        self.totals.add(&plan.stats);
+        Ok(plan)
     }
 
     fn request(&self, id: RequestId) -> Result<&Request, OffloadError> {

@@ -6,7 +6,7 @@ use attn_op::{
     sparse_page_attention,
 };
 use kv_blocks::RequestId;
-use offload::{HostLayout, OffloadConfig, SparseKvCacheManager, StepStats};
+use offload::{HostAlloc, HostLayout, OffloadConfig, SparseKvCacheManager, StepStats};
 use sparse_algo::{Decode, PagedKeys, Quest, QuestConfig, RepPool, SparseAlgorithm, TopK};
 
 use crate::util::token;
@@ -60,7 +60,14 @@ fn query(layer: usize, s: usize) -> Vec<f32> {
 }
 
 /// Runs the loop with a Quest budget; returns the totals and checks every step's outputs.
-fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats, Vec<Vec<u32>>) {
+/// With `write_through`, each step runs as an engine does: the step is planned before the new
+/// token's append, the token is written into its device slot, then appended for the backup.
+fn run(
+    budget_tokens: usize,
+    hot_pages: usize,
+    layout: HostLayout,
+    write_through: bool,
+) -> (StepStats, Vec<Vec<u32>>) {
     let cfg = OffloadConfig {
         page_size: PS,
         hot_pages,
@@ -70,6 +77,7 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
         host_pages: MAX.div_ceil(PS),
         max_requests: 1,
         layout,
+        host_alloc: HostAlloc::Own,
     };
     let mut m = SparseKvCacheManager::<f32>::new(cfg).expect("valid config");
     let id = RequestId(1);
@@ -106,7 +114,9 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
             reference.kv[l]
                 .set_kv(&[pos as i32], &k, &v)
                 .expect("in range");
-            m.append(id, l, &k, &v).expect("host room");
+            if !write_through {
+                m.append(id, l, &k, &v).expect("host room");
+            }
             // Select with Quest over the reference keys.
             let lens = [len as i32];
             let keys = PagedKeys::new(
@@ -135,7 +145,17 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
             let mut union: Vec<i32> = (0..KVH).flat_map(|h| top.row(0, h).to_vec()).collect();
             union.sort_unstable();
             union.dedup();
-            let plan = m.step(id, l, &union).expect("a valid step");
+            let plan = if write_through {
+                let plan = m.step_with_new(id, l, &union, 1).expect("a valid step");
+                m.device(l)
+                    .write()
+                    .set_kv(&plan.new_slots, &k, &v)
+                    .expect("slots in the pool");
+                m.append(id, l, &k, &v).expect("host room");
+                plan
+            } else {
+                m.step(id, l, &union).expect("a valid step")
+            };
             // Independent count: an LRU of pages kept by the test, oldest first.
             let lru = &mut model_lru[l];
             let current = ((len - 1) / PS) as u32;
@@ -258,7 +278,7 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
     let loaded_tokens: u64 = totals.bytes / (2 * STRIDE * 4) as u64;
     assert_eq!(
         loaded_tokens,
-        totals.loaded_pages * PS as u64 + reserved_tokens(&totals),
+        totals.loaded_pages * PS as u64 + reserved_tokens(&totals, write_through),
         "bytes match the loads"
     );
     m.end_request(id).expect("live");
@@ -267,25 +287,41 @@ fn run(budget_tokens: usize, hot_pages: usize, layout: HostLayout) -> (StepStats
 }
 
 /// Tokens moved by reserved-slot refreshes: once per layer at the first step, the prompt's
-/// partial last page and the first decode token (appended before the reserved slot existed).
-/// Later tokens are written straight into the reserved slot.
-fn reserved_tokens(t: &StepStats) -> u64 {
+/// partial last page, and the first decode token if it was appended before the reserved slot
+/// existed. Later tokens are written straight into the reserved slot.
+fn reserved_tokens(t: &StepStats, write_through: bool) -> u64 {
     assert_eq!(
         t.reserved_loads, LAYERS as u64,
         "one refresh per layer, after the prompt"
     );
-    (LAYERS * (PROMPT % PS + 1)) as u64
+    (LAYERS * (PROMPT % PS + usize::from(!write_through))) as u64
 }
 
 #[test]
 fn hierarchical_sparse_equals_in_memory_sparse() {
-    let (t, _) = run(32, 16, HostLayout::LayerFirst);
+    let (t, _) = run(32, 16, HostLayout::LayerFirst, false);
     assert!(t.misses > 0 && t.hits > t.misses, "a realistic mix: {t:?}");
 }
 
 #[test]
+fn planning_before_the_append_writes_new_tokens_through() {
+    let (a, lru_a) = run(32, 16, HostLayout::LayerFirst, false);
+    let (b, lru_b) = run(32, 16, HostLayout::LayerFirst, true);
+    assert_eq!(
+        (a.hits, a.misses, a.loaded_pages),
+        (b.hits, b.misses, b.loaded_pages)
+    );
+    assert_eq!(lru_a, lru_b);
+    assert_eq!(
+        a.bytes - b.bytes,
+        (LAYERS * 2 * STRIDE * 4) as u64,
+        "only the first decode token's reserved-slot load is saved"
+    );
+}
+
+#[test]
 fn a_full_budget_equals_dense() {
-    let (t, _) = run(MAX + PS, MAX.div_ceil(PS), HostLayout::PageFirst);
+    let (t, _) = run(MAX + PS, MAX.div_ceil(PS), HostLayout::PageFirst, true);
     // Every page is loaded once, then always hits.
     assert_eq!(
         t.loaded_pages as usize,
@@ -295,9 +331,9 @@ fn a_full_budget_equals_dense() {
 
 #[test]
 fn the_three_host_layouts_give_identical_loads() {
-    let a = run(32, 12, HostLayout::LayerFirst);
-    let b = run(32, 12, HostLayout::PageFirst);
-    let c = run(32, 12, HostLayout::PageHead);
+    let a = run(32, 12, HostLayout::LayerFirst, false);
+    let b = run(32, 12, HostLayout::PageFirst, false);
+    let c = run(32, 12, HostLayout::PageHead, false);
     assert_eq!(a, b);
     assert_eq!(a, c);
 }

@@ -3,7 +3,7 @@
 
 use attn_op::KvCache;
 use kv_blocks::RequestId;
-use offload::{HostLayout, OffloadError, SparseKvCacheManager};
+use offload::{HostLayout, OffloadConfig, OffloadError, SparseKvCacheManager};
 use proptest::prelude::*;
 
 use crate::util::{config, token, tokens};
@@ -45,10 +45,14 @@ struct Model {
     lens: [usize; 2],
 }
 
-fn run(ops: &[Op], hot: usize, layout: HostLayout) -> Result<(), TestCaseError> {
-    let cfg = config(hot, 40, layout);
+/// Runs `ops` on pages of `ps` tokens (1: token granularity) and a host pool of 160 tokens.
+fn run(ops: &[Op], hot: usize, layout: HostLayout, ps: usize) -> Result<(), TestCaseError> {
+    let host_pages = 160 / ps;
+    let cfg = OffloadConfig {
+        page_size: ps,
+        ..config(hot, host_pages, layout)
+    };
     let stride = cfg.kv_heads * cfg.head_dim;
-    let ps = cfg.page_size;
     let mut m = SparseKvCacheManager::<f32>::new(cfg).expect("valid config");
     let mut live: std::collections::BTreeMap<u64, Model> = Default::default();
     for op in ops {
@@ -180,7 +184,7 @@ fn run(ops: &[Op], hot: usize, layout: HostLayout) -> Result<(), TestCaseError> 
     }
     prop_assert_eq!(
         m.free_host_pages(),
-        40,
+        host_pages,
         "the host pool frees everything at request end"
     );
     prop_assert_eq!(m.num_requests(), 0);
@@ -195,7 +199,8 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..60),
         hot in 2..7usize,
         layout in prop_oneof![Just(HostLayout::LayerFirst), Just(HostLayout::PageFirst), Just(HostLayout::PageHead)],
+        ps in prop_oneof![Just(1usize), Just(4)],
     ) {
-        run(&ops, hot, layout)?;
+        run(&ops, hot, layout, ps)?;
     }
 }

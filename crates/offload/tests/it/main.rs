@@ -4,4 +4,5 @@ mod decode;
 mod errors;
 mod exec;
 mod machine;
+mod shared;
 mod util;

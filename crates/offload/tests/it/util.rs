@@ -1,6 +1,6 @@
 //! Shared helpers: a small manager configuration and the expected value of every token.
 
-use offload::{HostLayout, OffloadConfig};
+use offload::{HostAlloc, HostLayout, OffloadConfig};
 
 /// A small configuration: pages of 4, 2 layers, 2 KV heads of 4.
 pub(crate) fn config(hot_pages: usize, host_pages: usize, layout: HostLayout) -> OffloadConfig {
@@ -13,6 +13,7 @@ pub(crate) fn config(hot_pages: usize, host_pages: usize, layout: HostLayout) ->
         host_pages,
         max_requests: 3,
         layout,
+        host_alloc: HostAlloc::Own,
     }
 }
 
