@@ -43,6 +43,9 @@ pub trait HostStore<T: Element>: Send + Sync {
     fn write_token(&mut self, layer: usize, page: usize, offset: usize, k: &[T], v: &[T]);
     /// Reads tokens `0..n` of `page` in `layer` into `k` and `v` (`[n, kv_heads, head_dim]`).
     fn read_page(&self, layer: usize, page: usize, k: &mut [T], v: &mut [T]);
+    /// Reads the keys of tokens `first..first + n` of `page` in `layer` into `k`
+    /// (`[n, kv_heads, head_dim]`): what algorithms build representations from.
+    fn read_keys(&self, layer: usize, page: usize, first: usize, k: &mut [T]);
 }
 
 /// A host pool in plain memory with a chosen [`HostLayout`].
@@ -113,6 +116,16 @@ impl<T: Element> HostStore<T> for HostPool<T> {
             let o = self.offset(layer, page, offset, h);
             self.k[o..o + d].copy_from_slice(&k[h * d..(h + 1) * d]);
             self.v[o..o + d].copy_from_slice(&v[h * d..(h + 1) * d]);
+        }
+    }
+
+    fn read_keys(&self, layer: usize, page: usize, first: usize, k: &mut [T]) {
+        let (hh, d) = (self.shape.kv_heads, self.shape.head_dim);
+        for (t, dst) in k.chunks_exact_mut(hh * d).enumerate() {
+            for (h, dst) in dst.chunks_exact_mut(d).enumerate() {
+                let o = self.offset(layer, page, first + t, h);
+                dst.copy_from_slice(&self.k[o..o + d]);
+            }
         }
     }
 

@@ -15,7 +15,8 @@ use crate::{
 /// its keys; a page's score for query `q` is `sum_d max(q_d * kmin_d, q_d * kmax_d)`, an upper
 /// bound of `q · k` for every key `k` of the page (the max of the two whole dot products, as
 /// nano-vllm computes it, is not). Under GQA a page scores the maximum of the bounds of the
-/// group's query heads, so it still bounds every head's true logits. The budget is in tokens;
+/// group's query heads, so it still bounds every head's true logits (with
+/// [`QuestConfig::shared_heads`], of all query heads, and every KV head gets one selection). The budget is in tokens;
 /// the always-include pages (by default the current, possibly partial page) are attended and
 /// not estimated; a sequence with no more pages than the budget is selected whole without
 /// estimation.
@@ -35,6 +36,10 @@ pub struct QuestConfig {
     pub budget_tokens: usize,
     /// Pages selected regardless of score.
     pub always: AlwaysInclude,
+    /// One selection for every KV head of a sequence, by the maximum of the bounds over all
+    /// query heads (still an upper bound for each head): a hierarchical cache then moves at
+    /// most the budget per step instead of up to the budget times the KV heads.
+    pub shared_heads: bool,
 }
 
 impl Default for QuestConfig {
@@ -43,6 +48,7 @@ impl Default for QuestConfig {
             page_size: 16,
             budget_tokens: 2048,
             always: AlwaysInclude::default(),
+            shared_heads: false,
         }
     }
 }
@@ -130,19 +136,24 @@ impl SparseAlgorithm for Quest {
             let reps = pool.pages(step.layer, step.slots[s])?;
             let scores = sweep(&w, reps, d, plan.mid.clone());
             let n = plan.mid.len();
-            let per_head: Vec<Vec<i32>> = (0..kvh)
-                .into_par_iter()
-                .map(|h| {
-                    let group = &scores[h * g * n..(h + 1) * g * n];
-                    let mut best = group[..n].to_vec();
-                    for j in 1..g {
-                        for (b, &x) in best.iter_mut().zip(&group[j * n..(j + 1) * n]) {
-                            *b = b.max(x);
-                        }
+            // The best bound of a row range (a KV head's group, or every query head).
+            let best_of = |rows: std::ops::Range<usize>| {
+                let mut best = scores[rows.start * n..(rows.start + 1) * n].to_vec();
+                for j in rows.start + 1..rows.end {
+                    for (b, &x) in best.iter_mut().zip(&scores[j * n..(j + 1) * n]) {
+                        *b = b.max(x);
                     }
-                    plan.assemble(top_k(&best, plan.mid.start, plan.pick))
-                })
-                .collect();
+                }
+                plan.assemble(top_k(&best, plan.mid.start, plan.pick))
+            };
+            let per_head: Vec<Vec<i32>> = if self.config.shared_heads {
+                vec![best_of(0..kvh * g); kvh]
+            } else {
+                (0..kvh)
+                    .into_par_iter()
+                    .map(|h| best_of(h * g..(h + 1) * g))
+                    .collect()
+            };
             rows.extend(per_head);
         }
         Ok(TopK::from_rows(&rows, kvh, ps))

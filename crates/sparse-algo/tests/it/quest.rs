@@ -91,7 +91,7 @@ fn check_bound<T: Element>(sh: Shape, seed: u64) -> Result<(), TestCaseError> {
     let quest = Quest::new(QuestConfig {
         page_size: ps,
         budget_tokens: ps,
-        always: AlwaysInclude::default(),
+        ..Default::default()
     })
     .expect("valid config");
     let pool = built(&quest, &c, sh);
@@ -141,14 +141,21 @@ fn check_bound<T: Element>(sh: Shape, seed: u64) -> Result<(), TestCaseError> {
 
 /// Quest's selection equals a brute-force one: forced pages, then the best pages by the
 /// maximum over the group of [`quest_bound`], ties to the lower page; and with a budget that
-/// covers the context, every page.
-fn check_selection(sh: Shape, seed: u64, budget_pages: usize) -> Result<(), TestCaseError> {
+/// covers the context, every page. With `shared_heads` the maximum runs over every query head
+/// and every KV head gets the same pages.
+fn check_selection(
+    sh: Shape,
+    seed: u64,
+    budget_pages: usize,
+    shared_heads: bool,
+) -> Result<(), TestCaseError> {
     let c = case::<f32>(sh, seed);
     let ps = sh.page_size;
     let quest = Quest::new(QuestConfig {
         page_size: ps,
         budget_tokens: budget_pages * ps,
         always: AlwaysInclude::default(),
+        shared_heads,
     })
     .expect("valid config");
     let pool = built(&quest, &c, sh);
@@ -167,14 +174,23 @@ fn check_selection(sh: Shape, seed: u64, budget_pages: usize) -> Result<(), Test
                 let current = (len - 1) / ps;
                 let mut scored: Vec<(f32, usize)> = (0..current)
                     .map(|p| {
-                        let base = (p * sh.kv_heads + h) * 2 * d;
-                        let (kmax, kmin) = reps[base..base + 2 * d].split_at(d);
-                        let best = (h * sh.group..(h + 1) * sh.group)
-                            .map(|j| {
-                                let q = &c.q[(s * q_heads + j) * d..(s * q_heads + j + 1) * d];
-                                quest_bound(q, kmax, kmin)
-                            })
-                            .fold(f32::NEG_INFINITY, f32::max);
+                        let bound = |h: usize| {
+                            let base = (p * sh.kv_heads + h) * 2 * d;
+                            let (kmax, kmin) = reps[base..base + 2 * d].split_at(d);
+                            (h * sh.group..(h + 1) * sh.group)
+                                .map(|j| {
+                                    let q = &c.q[(s * q_heads + j) * d..(s * q_heads + j + 1) * d];
+                                    quest_bound(q, kmax, kmin)
+                                })
+                                .fold(f32::NEG_INFINITY, f32::max)
+                        };
+                        let best = if shared_heads {
+                            (0..sh.kv_heads)
+                                .map(bound)
+                                .fold(f32::NEG_INFINITY, f32::max)
+                        } else {
+                            bound(h)
+                        };
                         (best, p)
                     })
                     .collect();
@@ -214,10 +230,10 @@ proptest! {
 
     #[test]
     fn quest_selects_by_the_bound_and_everything_within_budget(
-        sh in shape(), seed in any::<u64>(), budget in 1..12usize,
+        sh in shape(), seed in any::<u64>(), budget in 1..12usize, shared in any::<bool>(),
     ) {
-        check_selection(sh, seed, budget)?;
-        check_selection(sh, seed, sh.max_len.div_ceil(sh.page_size))?;
+        check_selection(sh, seed, budget, shared)?;
+        check_selection(sh, seed, sh.max_len.div_ceil(sh.page_size), shared)?;
     }
 
     #[test]

@@ -1,0 +1,256 @@
+//! The user's sparse configuration and its lowering into per-layer parameters.
+
+use std::sync::Arc;
+
+use offload::HostLayout;
+use serde::{Deserialize, Serialize};
+use sparse_algo::{AlgoConfig, AlwaysInclude, Caps, Indexer, QuestConfig, SparseAlgorithm};
+
+use crate::{CoordError, ModelShape};
+
+/// What a user writes: the algorithm, the hot buffer, which layers stay dense, and per-layer
+/// overrides. In TOML:
+///
+/// ```
+/// use coordinator::{ModelShape, SparseConfig};
+///
+/// let c: SparseConfig = toml::from_str(r#"
+///     hot_tokens = 4096
+///     dense_layers = [0, 1]
+///     [algo]
+///     algorithm = "quest"
+///     budget_tokens = 1024
+///     shared_heads = true
+///     [[layer]]
+///     layers = [5]
+///     budget_tokens = 2048
+/// "#)?;
+/// let lowered = c.lower(ModelShape { layers: 8, q_heads: 8, kv_heads: 2, head_dim: 64 }, None)?;
+/// assert!(lowered.layers[0].is_none() && lowered.layers[2].is_some());
+/// assert_eq!(lowered.layers[5].as_ref().map(|p| p.max_pages), Some(130));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// Backends never read this type: [`SparseConfig::lower`] turns it into [`Lowered`] once.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SparseConfig {
+    /// The algorithm of every sparse layer. Default: Quest, pages of 16, 2048 tokens, one
+    /// selection shared by the KV heads.
+    pub algo: AlgoConfig,
+    /// Device hot-buffer tokens per (request, layer), besides the current page. Default: twice
+    /// what one step can select. Must hold at least that.
+    pub hot_tokens: Option<usize>,
+    /// Shortest prompt that runs in sparse mode; shorter ones stay dense. Default: the hot
+    /// buffer size (a shorter prompt fits in the hot buffer whole).
+    pub min_prompt_tokens: Option<usize>,
+    /// Layers attended densely (their KV stays on the device).
+    pub dense_layers: Vec<usize>,
+    /// Per-layer overrides, applied in order (TOML `[[layer]]`).
+    pub layer: Vec<LayerOverride>,
+    /// Layout of the host KV pool.
+    pub host_layout: HostLayout,
+}
+
+impl Default for SparseConfig {
+    fn default() -> Self {
+        SparseConfig {
+            algo: AlgoConfig::Quest(QuestConfig {
+                shared_heads: true,
+                ..QuestConfig::default()
+            }),
+            hot_tokens: None,
+            min_prompt_tokens: None,
+            dense_layers: Vec::new(),
+            layer: Vec::new(),
+            host_layout: HostLayout::default(),
+        }
+    }
+}
+
+/// Settings of some layers that differ from the rest.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LayerOverride {
+    /// The layers it applies to.
+    pub layers: Vec<usize>,
+    /// Another algorithm (the page size must stay the same).
+    pub algo: Option<AlgoConfig>,
+    /// Another budget in tokens.
+    pub budget_tokens: Option<usize>,
+    /// Attend these layers densely.
+    pub dense: bool,
+}
+
+/// The lowered configuration: what backends read.
+#[derive(Clone)]
+pub struct Lowered {
+    /// Per layer, its sparse parameters; `None`: a dense layer.
+    pub layers: Vec<Option<LayerParams>>,
+    /// Tokens per page of every sparse layer (1: token-level).
+    pub page_size: usize,
+    /// Hot-buffer pages per (request, layer).
+    pub hot_pages: usize,
+    /// Shortest prompt that runs in sparse mode.
+    pub min_prompt_tokens: usize,
+    /// Layout of the host KV pool.
+    pub host_layout: HostLayout,
+}
+
+impl std::fmt::Debug for Lowered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lowered")
+            .field("layers", &self.layers)
+            .field("page_size", &self.page_size)
+            .field("hot_pages", &self.hot_pages)
+            .field("min_prompt_tokens", &self.min_prompt_tokens)
+            .field("host_layout", &self.host_layout)
+            .finish()
+    }
+}
+
+/// One sparse layer's parameters.
+#[derive(Clone)]
+pub struct LayerParams {
+    /// The built algorithm.
+    pub algo: Arc<dyn SparseAlgorithm>,
+    /// Its capabilities.
+    pub caps: Caps,
+    /// Most distinct pages one decode step can select over all KV heads (the hot buffer must
+    /// hold them).
+    pub max_pages: usize,
+}
+
+impl std::fmt::Debug for LayerParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerParams")
+            .field("caps", &self.caps)
+            .field("max_pages", &self.max_pages)
+            .finish()
+    }
+}
+
+impl SparseConfig {
+    /// Validates the configuration for a model and builds each sparse layer's algorithm.
+    /// `indexer` is the model's trained DSA indexer, if any.
+    pub fn lower(
+        &self,
+        model: ModelShape,
+        indexer: Option<&Arc<dyn Indexer>>,
+    ) -> Result<Lowered, CoordError> {
+        model.validate()?;
+        let mut per_layer: Vec<Option<AlgoConfig>> = vec![Some(self.algo.clone()); model.layers];
+        let check = |l: usize| {
+            if l < model.layers {
+                Ok(l)
+            } else {
+                Err(CoordError::Config(format!(
+                    "layer {l} of a model of {} layers",
+                    model.layers
+                )))
+            }
+        };
+        for &l in &self.dense_layers {
+            per_layer[check(l)?] = None;
+        }
+        for o in &self.layer {
+            for &l in &o.layers {
+                let slot = &mut per_layer[check(l)?];
+                if o.dense {
+                    *slot = None;
+                    continue;
+                }
+                let mut c = o
+                    .algo
+                    .clone()
+                    .or_else(|| slot.clone())
+                    .unwrap_or_else(|| self.algo.clone());
+                if let Some(b) = o.budget_tokens {
+                    c = c.with_budget(b);
+                }
+                *slot = Some(c);
+            }
+        }
+        let mut layers = Vec::with_capacity(model.layers);
+        let mut page_size = None;
+        for (l, c) in per_layer.iter().enumerate() {
+            let Some(c) = c else {
+                layers.push(None);
+                continue;
+            };
+            let algo: Arc<dyn SparseAlgorithm> = Arc::from(c.build(indexer.cloned())?);
+            let caps = algo.caps();
+            let max_pages = max_pages(c, model.kv_heads).ok_or_else(|| {
+                CoordError::Config(format!(
+                    "layer {l}: {} has no bounded decode selection; list the layer in \
+                     dense_layers",
+                    caps.name
+                ))
+            })?;
+            match page_size {
+                None => page_size = Some(caps.page_size),
+                Some(p) if p != caps.page_size => {
+                    return Err(CoordError::Config(format!(
+                        "layer {l}: pages of {} tokens, other sparse layers use {p}",
+                        caps.page_size
+                    )));
+                }
+                Some(_) => {}
+            }
+            layers.push(Some(LayerParams {
+                algo,
+                caps,
+                max_pages,
+            }));
+        }
+        let page_size = page_size.unwrap_or(1);
+        let need = layers
+            .iter()
+            .flatten()
+            .map(|p| p.max_pages)
+            .max()
+            .unwrap_or(1);
+        let hot_pages = match self.hot_tokens {
+            None => 2 * need,
+            Some(t) if t / page_size >= need => t / page_size,
+            Some(t) => {
+                return Err(CoordError::Config(format!(
+                    "hot_tokens {t} hold {} pages; one step can select {need} (HOT >= top-k)",
+                    t / page_size
+                )));
+            }
+        };
+        Ok(Lowered {
+            layers,
+            page_size,
+            hot_pages,
+            min_prompt_tokens: self.min_prompt_tokens.unwrap_or(hot_pages * page_size),
+            host_layout: self.host_layout,
+        })
+    }
+}
+
+/// Pages a step of `c` can select over all KV heads; `None` when unbounded.
+fn max_pages(c: &AlgoConfig, kv_heads: usize) -> Option<usize> {
+    let forced = |a: &AlwaysInclude, ps: usize| {
+        (a.sink_tokens as usize).div_ceil(ps) + (a.recent_tokens as usize).div_ceil(ps) + 1
+    };
+    let per_head = |budget: usize, a: &AlwaysInclude, ps: usize| {
+        kv_heads * (budget.div_ceil(ps) + forced(a, ps))
+    };
+    Some(match c {
+        AlgoConfig::Full(_) | AlgoConfig::SnapKv(_) => return None,
+        AlgoConfig::StreamingLlm(s) => {
+            (s.sink_tokens as usize).div_ceil(s.page_size)
+                + (s.window_tokens as usize).div_ceil(s.page_size)
+                + 1
+        }
+        AlgoConfig::Quest(q) if q.shared_heads => {
+            q.budget_tokens.div_ceil(q.page_size) + forced(&q.always, q.page_size)
+        }
+        AlgoConfig::Quest(q) => per_head(q.budget_tokens, &q.always, q.page_size),
+        AlgoConfig::RocketKv(r) => per_head(r.topk, &r.always, r.page_size),
+        AlgoConfig::Dsa(d) => per_head(d.topk, &d.always, 1),
+        AlgoConfig::Oracle(o) => per_head(o.budget_tokens, &o.always, o.page_size),
+    })
+}

@@ -1,0 +1,638 @@
+//! The SparseCoordinator and its hooks.
+
+use std::sync::Arc;
+
+use attn_op::{Element, KvCache, PagedKv};
+use kv_blocks::RequestId;
+use offload::{HostAlloc, OffloadConfig, SparseKvCacheManager, StepStats};
+use rustc_hash::FxHashMap;
+use sparse_algo::{Decode, KeySource, RepPool, TopK};
+
+use crate::adaptor::{AttentionMeta, BackendAdaptor, MetaRow, PageTableAdaptor, TokenAdaptor};
+use crate::keys::{HostKeys, HostSeq};
+use crate::{CoordError, Lowered, Mode, ModelShape, Phase, RequestTracker, SparseConfig};
+
+/// Drives hierarchical sparse attention through an engine's forward passes: see the crate
+/// documentation for the order of the hooks.
+pub struct SparseCoordinator<T: Element> {
+    model: ModelShape,
+    lowered: Lowered,
+    /// Model layer → index among the sparse layers.
+    sparse_of: Vec<Option<usize>>,
+    /// The hierarchical KV of sparse-mode requests (absent when every layer is dense).
+    manager: Option<SparseKvCacheManager<T>>,
+    /// Representations per sparse layer: one pool layer, one slot per sparse-mode request.
+    pools: Vec<RepPool>,
+    free_slots: Vec<usize>,
+    trackers: FxHashMap<RequestId, RequestTracker>,
+    adaptor: Box<dyn BackendAdaptor>,
+    forward: Option<Forward>,
+}
+
+/// Sizes of the memory a coordinator manages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    /// Sparse-mode requests at once (device hot buffers and representation slots).
+    pub max_requests: usize,
+    /// Longest sequence, prompt and generation.
+    pub max_tokens: usize,
+    /// Pages of the host pool.
+    pub host_pages: usize,
+    /// Who picks host pages: the manager, or the caller (kv-blocks' host tier).
+    pub host_alloc: HostAlloc,
+}
+
+/// How one request of the batch attends in one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Densely, over the engine's own device KV (dense requests and layers, and prefill).
+    Dense,
+    /// Over the device hot buffer, through row `i` of [`LayerPlan::meta`].
+    Sparse(usize),
+}
+
+/// What [`SparseCoordinator::attention_begin`] decided for one layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerPlan {
+    /// Per request of the batch, in batch order.
+    pub routes: Vec<Route>,
+    /// Attention metadata of the sparse rows over [`SparseCoordinator::device`].
+    pub meta: Option<AttentionMeta>,
+    /// What the algorithm selected for the sparse rows, in logical ids.
+    pub selection: Option<TopK>,
+    /// Hits, misses and bytes of the layer's steps.
+    pub stats: StepStats,
+}
+
+/// The batch of the forward in progress.
+struct Forward {
+    batch: Vec<(RequestId, usize)>,
+    /// First token row of each request in the batch's q/k/v.
+    offsets: Vec<usize>,
+    tokens: usize,
+    ended: Vec<bool>,
+}
+
+impl<T: Element> SparseCoordinator<T> {
+    /// Lowers `config` and builds the coordinator.
+    pub fn from_config(
+        model: ModelShape,
+        config: &SparseConfig,
+        capacity: Capacity,
+    ) -> Result<Self, CoordError> {
+        Self::new(model, config.lower(model, None)?, capacity)
+    }
+
+    /// A coordinator for lowered parameters, with the adaptor the granularity asks for (pages
+    /// of one token: [`TokenAdaptor`]; else [`PageTableAdaptor`]).
+    pub fn new(
+        model: ModelShape,
+        lowered: Lowered,
+        capacity: Capacity,
+    ) -> Result<Self, CoordError> {
+        model.validate()?;
+        if lowered.layers.len() != model.layers {
+            return Err(CoordError::Config(format!(
+                "parameters of {} layers for a model of {}",
+                lowered.layers.len(),
+                model.layers
+            )));
+        }
+        let mut sparse_of = Vec::with_capacity(model.layers);
+        let mut pools = Vec::new();
+        for p in &lowered.layers {
+            sparse_of.push(p.as_ref().map(|_| pools.len()));
+            if let Some(p) = p {
+                let shape = p.algo.rep_shape(model.kv_heads, model.head_dim);
+                pools.push(RepPool::new(
+                    shape,
+                    1,
+                    capacity.max_requests,
+                    capacity.max_tokens,
+                )?);
+            }
+        }
+        let manager = if pools.is_empty() {
+            None
+        } else {
+            Some(SparseKvCacheManager::new(OffloadConfig {
+                page_size: lowered.page_size,
+                hot_pages: lowered.hot_pages,
+                layers: pools.len(),
+                kv_heads: model.kv_heads,
+                head_dim: model.head_dim,
+                host_pages: capacity.host_pages,
+                max_requests: capacity.max_requests,
+                layout: lowered.host_layout,
+                host_alloc: capacity.host_alloc,
+            })?)
+        };
+        let adaptor: Box<dyn BackendAdaptor> = if lowered.page_size == 1 {
+            Box::new(TokenAdaptor)
+        } else {
+            Box::new(PageTableAdaptor)
+        };
+        Ok(SparseCoordinator {
+            model,
+            lowered,
+            sparse_of,
+            manager,
+            pools,
+            free_slots: (0..capacity.max_requests).rev().collect(),
+            trackers: FxHashMap::default(),
+            adaptor,
+            forward: None,
+        })
+    }
+
+    /// Replaces the backend adaptor.
+    pub fn with_adaptor(mut self, adaptor: Box<dyn BackendAdaptor>) -> Self {
+        self.adaptor = adaptor;
+        self
+    }
+
+    /// The lowered parameters.
+    pub fn lowered(&self) -> &Lowered {
+        &self.lowered
+    }
+
+    /// A request's tracker.
+    pub fn tracker(&self, id: RequestId) -> Option<&RequestTracker> {
+        self.trackers.get(&id)
+    }
+
+    /// The offload manager (absent when every layer is dense).
+    pub fn manager(&self) -> Option<&SparseKvCacheManager<T>> {
+        self.manager.as_ref()
+    }
+
+    /// The device pool that [`LayerPlan::meta`] of `layer` addresses; `None` for a dense layer.
+    pub fn device(&self, layer: usize) -> Option<Arc<parking_lot::RwLock<PagedKv<T>>>> {
+        let sl = (*self.sparse_of.get(layer)?)?;
+        Some(self.manager.as_ref()?.device(sl))
+    }
+
+    /// Device bytes a sparse-mode request holds: hot buffers and reserved slots of every sparse
+    /// layer, plus representations for `tokens` tokens.
+    pub fn sparse_device_bytes(&self, tokens: usize) -> usize {
+        let m = self.model;
+        let slots = (self.lowered.hot_pages + 1) * self.lowered.page_size;
+        let kv = self.pools.len() * slots * 2 * m.kv_heads * m.head_dim * size_of::<T>();
+        let reps: usize = self
+            .pools
+            .iter()
+            .map(|p| p.shape().page_len() * tokens.div_ceil(self.lowered.page_size) * 4)
+            .sum();
+        kv + reps
+    }
+
+    /// Starts a request: sparse mode if some layer is sparse and the prompt holds at least
+    /// [`Lowered::min_prompt_tokens`], dense otherwise.
+    pub fn on_request_begin(
+        &mut self,
+        id: RequestId,
+        prompt_len: usize,
+    ) -> Result<Mode, CoordError> {
+        self.check_new(id, prompt_len)?;
+        let mode = self.mode_for(prompt_len);
+        let slot = match mode {
+            Mode::Dense => None,
+            Mode::Sparse => {
+                let slot = self.take_slot()?;
+                if let Err(e) = self.manager_mut().begin_request(id) {
+                    self.free_slots.push(slot);
+                    return Err(e.into());
+                }
+                Some(slot)
+            }
+        };
+        self.trackers.insert(
+            id,
+            RequestTracker {
+                prompt_len,
+                len: 0,
+                mode,
+                phase: Phase::Prefill,
+                slot,
+                reused_tokens: 0,
+                represented: false,
+            },
+        );
+        Ok(mode)
+    }
+
+    /// Starts a sparse-mode request whose first `reused_tokens` tokens already lie, every
+    /// layer, in the host pool pages `host_pages` (kv-blocks' host-tier blocks of a cached
+    /// prefix; [`HostAlloc::External`]). Nothing is recomputed or copied: the representations
+    /// are built from the host pool, and the request decodes from there, its remaining prompt
+    /// tokens one per forward.
+    pub fn on_request_begin_with_prefix(
+        &mut self,
+        id: RequestId,
+        prompt_len: usize,
+        host_pages: &[u32],
+        reused_tokens: usize,
+    ) -> Result<Mode, CoordError> {
+        self.check_new(id, prompt_len)?;
+        if self.mode_for(prompt_len) != Mode::Sparse {
+            return Err(CoordError::Invalid(format!(
+                "a prompt of {prompt_len} tokens runs densely; its prefix belongs on the device"
+            )));
+        }
+        if reused_tokens == 0 || reused_tokens >= prompt_len {
+            return Err(CoordError::Invalid(format!(
+                "{reused_tokens} reused tokens of a {prompt_len}-token prompt (the last one is \
+                 always computed)"
+            )));
+        }
+        let slot = self.take_slot()?;
+        if let Err(e) = self
+            .manager_mut()
+            .begin_request_with_prefix(id, host_pages, reused_tokens)
+        {
+            self.free_slots.push(slot);
+            return Err(e.into());
+        }
+        let built =
+            (0..self.pools.len()).try_for_each(|sl| self.build_reps(sl, &[(id, slot)], false));
+        if let Err(e) = built {
+            self.manager_mut()
+                .end_request(id)
+                .expect("begun just above, so it is live");
+            self.free_slots.push(slot);
+            return Err(e);
+        }
+        self.trackers.insert(
+            id,
+            RequestTracker {
+                prompt_len,
+                len: reused_tokens,
+                mode: Mode::Sparse,
+                phase: Phase::Decode,
+                slot: Some(slot),
+                reused_tokens,
+                represented: true,
+            },
+        );
+        Ok(Mode::Sparse)
+    }
+
+    /// Gives a sparse-mode request more host pages ([`HostAlloc::External`]): kv-blocks'
+    /// host-tier blocks for the tokens it is about to store.
+    pub fn extend_host_pages(&mut self, id: RequestId, pages: &[u32]) -> Result<(), CoordError> {
+        self.tracked(id)?;
+        Ok(self.manager_mut().extend_host_pages(id, pages)?)
+    }
+
+    /// Begins a forward over `batch`: each request with its new tokens (a prefill chunk, or one
+    /// decode token; a sparse-mode request past its prefill takes one token per forward).
+    pub fn forward_begin(&mut self, batch: &[(RequestId, usize)]) -> Result<(), CoordError> {
+        if self.forward.is_some() {
+            return Err(CoordError::Invalid("a forward is in progress".into()));
+        }
+        let mut offsets = Vec::with_capacity(batch.len());
+        let mut tokens = 0;
+        for (i, &(id, n)) in batch.iter().enumerate() {
+            let t = self.tracked(id)?;
+            if batch[..i].iter().any(|&(other, _)| other == id) {
+                return Err(CoordError::Invalid(format!("{id:?} twice in one batch")));
+            }
+            let ok = match (t.mode, t.phase) {
+                (Mode::Dense, _) => n > 0,
+                (Mode::Sparse, Phase::Prefill) => n > 0 && t.len + n <= t.prompt_len,
+                (Mode::Sparse, Phase::Decode) => n == 1,
+            };
+            if !ok {
+                return Err(CoordError::Invalid(format!(
+                    "{id:?} ({:?}, {:?}, {} of {} prompt tokens) cannot take {n} new tokens",
+                    t.mode, t.phase, t.len, t.prompt_len
+                )));
+            }
+            offsets.push(tokens);
+            tokens += n;
+        }
+        self.forward = Some(Forward {
+            batch: batch.to_vec(),
+            offsets,
+            tokens,
+            ended: vec![false; self.model.layers],
+        });
+        Ok(())
+    }
+
+    /// Before layer `layer`'s attention: `q` is the batch's new tokens' queries
+    /// `[tokens, q_heads, head_dim]` (f32, as scoring runs in f32), `k` and `v` their keys and
+    /// values `[tokens, kv_heads, head_dim]`. For each sparse-mode decode request of a sparse
+    /// layer: writes the new token into its device slot, selects, diffs against the hot
+    /// buffer, loads the misses, and adds its row to the plan's metadata.
+    pub fn attention_begin(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+    ) -> Result<LayerPlan, CoordError> {
+        self.check_layer_io(layer, Some(q), k, v)?;
+        let f = self.forward.as_ref().expect("checked by check_layer_io");
+        let mut routes = vec![Route::Dense; f.batch.len()];
+        let Some(sl) = self.sparse_of[layer] else {
+            return Ok(LayerPlan {
+                routes,
+                meta: None,
+                selection: None,
+                stats: StepStats::default(),
+            });
+        };
+        // Sparse-mode decode requests: (batch index, id, token row, length, slot).
+        let rows: Vec<(usize, RequestId, usize, usize, usize)> = f
+            .batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &(id, _))| {
+                let t = &self.trackers[&id];
+                (t.mode == Mode::Sparse && t.phase == Phase::Decode).then(|| {
+                    let slot = t.slot.expect("a sparse-mode request holds a slot");
+                    (i, id, f.offsets[i], t.len, slot)
+                })
+            })
+            .collect();
+        if rows.is_empty() {
+            return Ok(LayerPlan {
+                routes,
+                meta: None,
+                selection: None,
+                stats: StepStats::default(),
+            });
+        }
+        let m = self.model;
+        let (qs, kvs) = (m.q_heads * m.head_dim, m.kv_heads * m.head_dim);
+        let params = self.lowered.layers[layer]
+            .as_ref()
+            .expect("a sparse layer has parameters");
+        let q_rows: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| q[r.2 * qs..(r.2 + 1) * qs].iter().copied())
+            .collect();
+        let seq_lens: Vec<usize> = rows.iter().map(|r| r.3 + 1).collect();
+        let slots: Vec<usize> = rows.iter().map(|r| r.4).collect();
+        let manager = self.manager.as_mut().expect("sparse layers have a manager");
+        let top = {
+            let host = manager.host();
+            let host = host.read();
+            let keys = HostKeys {
+                host: &host,
+                layer: sl,
+                seqs: rows
+                    .iter()
+                    .map(|r| {
+                        Ok(HostSeq {
+                            pages: manager.host_pages(r.1)?,
+                            on_host: r.3,
+                            pending: &k[r.2 * kvs..(r.2 + 1) * kvs],
+                        })
+                    })
+                    .collect::<Result<_, CoordError>>()?,
+            };
+            let step = Decode {
+                layer: 0,
+                q: &q_rows,
+                q_heads: m.q_heads,
+                kv_heads: m.kv_heads,
+                head_dim: m.head_dim,
+                seq_lens: &seq_lens,
+                slots: &slots,
+                keys: params.caps.reads_keys.then_some(&keys as &dyn KeySource),
+            };
+            params.algo.retrieve_topk(&step, &self.pools[sl])?
+        };
+        let mut meta_rows: Vec<MetaRow> = Vec::with_capacity(rows.len());
+        let mut stats = StepStats::default();
+        for (j, r) in rows.iter().enumerate() {
+            let heads: Vec<&[i32]> = (0..m.kv_heads).map(|h| top.row(j, h)).collect();
+            let mut union: Vec<i32> = heads.iter().flat_map(|h| h.iter().copied()).collect();
+            union.sort_unstable();
+            union.dedup();
+            let plan = manager.step_with_new(r.1, sl, &union, 1)?;
+            manager.device(sl).write().set_kv(
+                &plan.new_slots,
+                &k[r.2 * kvs..(r.2 + 1) * kvs],
+                &v[r.2 * kvs..(r.2 + 1) * kvs],
+            )?;
+            stats.add(&plan.stats);
+            meta_rows.push(self.adaptor.row(&heads, &union, &plan)?);
+            routes[r.0] = Route::Sparse(j);
+        }
+        Ok(LayerPlan {
+            routes,
+            meta: Some(AttentionMeta::from_rows(
+                self.adaptor.kind(),
+                m.kv_heads,
+                params.caps.page_size,
+                &meta_rows,
+            )),
+            selection: Some(top),
+            stats,
+        })
+    }
+
+    /// After layer `layer`'s attention, with the same `k` and `v` as
+    /// [`attention_begin`](Self::attention_begin): in a sparse layer, backs every sparse-mode
+    /// request's new tokens up to the host pool, updates the representations of decode
+    /// requests, and builds them for requests whose prompt this forward completes.
+    pub fn attention_end(&mut self, layer: usize, k: &[T], v: &[T]) -> Result<(), CoordError> {
+        self.check_layer_io(layer, None, k, v)?;
+        let kvs = self.model.kv_heads * self.model.head_dim;
+        if let Some(sl) = self.sparse_of[layer] {
+            let f = self.forward.as_ref().expect("checked by check_layer_io");
+            let mut decode = Vec::new();
+            let mut complete = Vec::new();
+            let manager = self.manager.as_mut().expect("sparse layers have a manager");
+            for (&(id, n), &off) in f.batch.iter().zip(&f.offsets) {
+                let t = &self.trackers[&id];
+                if t.mode != Mode::Sparse {
+                    continue;
+                }
+                let range = off * kvs..(off + n) * kvs;
+                manager.append(id, sl, &k[range.clone()], &v[range])?;
+                let slot = t.slot.expect("a sparse-mode request holds a slot");
+                match t.phase {
+                    Phase::Decode => decode.push((id, slot)),
+                    Phase::Prefill if t.len + n == t.prompt_len => complete.push((id, slot)),
+                    Phase::Prefill => {}
+                }
+            }
+            self.build_reps(sl, &decode, true)?;
+            self.build_reps(sl, &complete, false)?;
+        }
+        self.forward
+            .as_mut()
+            .expect("checked by check_layer_io")
+            .ended[layer] = true;
+        Ok(())
+    }
+
+    /// Ends the forward: every layer must have ended; lengths advance, and sparse-mode
+    /// requests whose prompt is complete move to decode.
+    pub fn forward_end(&mut self) -> Result<(), CoordError> {
+        let f = self
+            .forward
+            .as_ref()
+            .ok_or_else(|| CoordError::Invalid("no forward in progress".into()))?;
+        if let Some(l) = f.ended.iter().position(|e| !e) {
+            return Err(CoordError::Invalid(format!(
+                "layer {l} has not ended its attention"
+            )));
+        }
+        let f = self.forward.take().expect("checked just above");
+        for (id, n) in f.batch {
+            let t = self
+                .trackers
+                .get_mut(&id)
+                .expect("requests of a forward stay live until it ends");
+            t.len += n;
+            if t.phase == Phase::Prefill && t.len == t.prompt_len {
+                t.phase = Phase::Decode;
+                t.represented = t.mode == Mode::Sparse;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a request: its hot buffers, host pages (unless the caller owns them) and
+    /// representation slot go back.
+    pub fn on_request_end(&mut self, id: RequestId) -> Result<RequestTracker, CoordError> {
+        self.tracked(id)?;
+        if self
+            .forward
+            .as_ref()
+            .is_some_and(|f| f.batch.iter().any(|&(b, _)| b == id))
+        {
+            return Err(CoordError::Invalid(format!(
+                "{id:?} is in the forward in progress"
+            )));
+        }
+        let t = self.trackers.remove(&id).expect("checked just above");
+        if let Some(slot) = t.slot {
+            self.manager_mut()
+                .end_request(id)
+                .expect("a sparse-mode request is live in the manager");
+            self.free_slots.push(slot);
+        }
+        Ok(t)
+    }
+
+    /// Builds (`update` false) or extends the representations of `reqs` in sparse layer `sl`
+    /// from the host pool.
+    fn build_reps(
+        &mut self,
+        sl: usize,
+        reqs: &[(RequestId, usize)],
+        update: bool,
+    ) -> Result<(), CoordError> {
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        let layer = self
+            .sparse_of
+            .iter()
+            .position(|&s| s == Some(sl))
+            .expect("every sparse index comes from a layer");
+        let algo = &self.lowered.layers[layer]
+            .as_ref()
+            .expect("a sparse layer has parameters")
+            .algo;
+        let manager = self.manager.as_ref().expect("sparse layers have a manager");
+        let host = manager.host();
+        let host = host.read();
+        let keys = HostKeys {
+            host: &host,
+            layer: sl,
+            seqs: reqs
+                .iter()
+                .map(|&(id, _)| {
+                    Ok(HostSeq {
+                        pages: manager.host_pages(id)?,
+                        on_host: manager.len(id, sl)?,
+                        pending: &[],
+                    })
+                })
+                .collect::<Result<_, CoordError>>()?,
+        };
+        let slots: Vec<usize> = reqs.iter().map(|r| r.1).collect();
+        let pool = &mut self.pools[sl];
+        if update {
+            algo.update_representations(0, &keys, &slots, pool)?;
+        } else {
+            algo.construct_representations(0, &keys, &slots, pool)?;
+        }
+        Ok(())
+    }
+
+    fn check_new(&self, id: RequestId, prompt_len: usize) -> Result<(), CoordError> {
+        if self.trackers.contains_key(&id) {
+            return Err(CoordError::DuplicateRequest(id));
+        }
+        if prompt_len == 0 {
+            return Err(CoordError::Invalid(format!("{id:?} has an empty prompt")));
+        }
+        Ok(())
+    }
+
+    fn mode_for(&self, prompt_len: usize) -> Mode {
+        if self.manager.is_some() && prompt_len >= self.lowered.min_prompt_tokens {
+            Mode::Sparse
+        } else {
+            Mode::Dense
+        }
+    }
+
+    fn take_slot(&mut self) -> Result<usize, CoordError> {
+        let cap = self.pools.first().map_or(0, RepPool::slots);
+        self.free_slots.pop().ok_or(CoordError::Full(cap))
+    }
+
+    fn manager_mut(&mut self) -> &mut SparseKvCacheManager<T> {
+        self.manager
+            .as_mut()
+            .expect("only sparse-mode requests reach the manager, and they need sparse layers")
+    }
+
+    fn tracked(&self, id: RequestId) -> Result<&RequestTracker, CoordError> {
+        self.trackers.get(&id).ok_or(CoordError::UnknownRequest(id))
+    }
+
+    /// Checks a layer hook: a forward in progress, the layer not ended, and the batch's shapes.
+    fn check_layer_io(
+        &self,
+        layer: usize,
+        q: Option<&[f32]>,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), CoordError> {
+        let f = self
+            .forward
+            .as_ref()
+            .ok_or_else(|| CoordError::Invalid("no forward in progress".into()))?;
+        if layer >= self.model.layers || f.ended[layer] {
+            return Err(CoordError::Invalid(format!(
+                "layer {layer} is out of range or has ended"
+            )));
+        }
+        let m = self.model;
+        let want = |what: &str, got: usize, heads: usize| {
+            if got == f.tokens * heads * m.head_dim {
+                Ok(())
+            } else {
+                Err(CoordError::Invalid(format!(
+                    "{what} of {got} elements for {} tokens of {heads} heads of {}",
+                    f.tokens, m.head_dim
+                )))
+            }
+        };
+        if let Some(q) = q {
+            want("q", q.len(), m.q_heads)?;
+        }
+        want("k", k.len(), m.kv_heads)?;
+        want("v", v.len(), m.kv_heads)
+    }
+}

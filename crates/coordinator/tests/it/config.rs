@@ -1,0 +1,116 @@
+//! The user config in TOML, lowered once into per-layer parameters.
+
+use coordinator::{Lowered, ModelShape, SparseConfig};
+
+const MODEL: ModelShape = ModelShape {
+    layers: 4,
+    q_heads: 8,
+    kv_heads: 2,
+    head_dim: 32,
+};
+
+/// Parses and lowers `toml`; `Ok` with a summary per layer (`-` dense, else the algorithm's
+/// name and its most pages per step), the hot pages and the sparse-mode threshold, or `Err`
+/// with the error text.
+fn lower(toml: &str) -> Result<(Vec<String>, usize, usize), String> {
+    let c: SparseConfig = toml::from_str(toml).map_err(|e| e.to_string())?;
+    let l: Lowered = c.lower(MODEL, None).map_err(|e| e.to_string())?;
+    let layers = l
+        .layers
+        .iter()
+        .map(|p| {
+            p.as_ref().map_or("-".to_owned(), |p| {
+                format!("{}:{}", p.caps.name, p.max_pages)
+            })
+        })
+        .collect();
+    Ok((layers, l.hot_pages, l.min_prompt_tokens))
+}
+
+fn check(toml: &str, want: Result<(&[&str], usize, usize), &str>) {
+    let got = lower(toml);
+    match (&got, want) {
+        (Ok((layers, hot, min)), Ok((w, wh, wm))) => {
+            assert_eq!(
+                (layers.as_slice(), *hot, *min),
+                (
+                    w.iter()
+                        .map(|s| s.to_string())
+                        .collect::<Vec<_>>()
+                        .as_slice(),
+                    wh,
+                    wm
+                ),
+                "{toml}"
+            );
+        }
+        (Err(e), Err(w)) => assert!(e.contains(w), "{toml}: {e:?} lacks {w:?}"),
+        _ => panic!("{toml}: got {got:?}, want {want:?}"),
+    }
+}
+
+#[test]
+fn configs_lower_to_per_layer_parameters() {
+    // Defaults: Quest, pages of 16, 2048 tokens shared by the heads: 128 + 2 forced pages;
+    // the hot buffer holds twice that, and shorter prompts stay dense.
+    let q = "quest:130";
+    check("", Ok((&[q, q, q, q], 260, 260 * 16)));
+    check(
+        "dense_layers = [0, 3]\nhot_tokens = 4160\nmin_prompt_tokens = 100",
+        Ok((&["-", q, q, "-"], 260, 100)),
+    );
+    // Per-layer overrides: a budget, a dense layer, another algorithm of the same page size.
+    check(
+        r#"
+        [algo]
+        algorithm = "quest"
+        budget_tokens = 512
+        [[layer]]
+        layers = [1]
+        budget_tokens = 1024
+        [[layer]]
+        layers = [2]
+        dense = true
+        [[layer]]
+        layers = [3]
+        algo = { algorithm = "streaming_llm", page_size = 16 }
+        "#,
+        // Per-head Quest: 2 heads x (32 + 2); layer 1: 2 x (64 + 2); StreamingLLM: 1 sink
+        // page, 128 window pages and the partial one.
+        Ok((
+            &["quest:68", "quest:132", "-", "streaming_llm:130"],
+            264,
+            264 * 16,
+        )),
+    );
+    // Token-level selection: pages of one token.
+    check(
+        "[algo]\nalgorithm = \"dsa\"\ntopk = 64",
+        Ok((&["dsa:132"; 4], 264, 264)),
+    );
+    // Everything dense: no sparse layer, nothing to hold.
+    check("dense_layers = [0, 1, 2, 3]", Ok((&["-"; 4], 2, 2)));
+}
+
+#[test]
+fn bad_configs_are_rejected_with_the_reason() {
+    check("hot_tokens = 1024", Err("one step can select 130"));
+    check("dense_layers = [4]", Err("layer 4 of a model of 4 layers"));
+    check(
+        "[algo]\nalgorithm = \"full\"",
+        Err("no bounded decode selection"),
+    );
+    check(
+        "[algo]\nalgorithm = \"snapkv\"",
+        Err("no bounded decode selection"),
+    );
+    check(
+        "[[layer]]\nlayers = [2]\nalgo = { algorithm = \"quest\", page_size = 8 }",
+        Err("other sparse layers use 16"),
+    );
+    check("hot_token = 4096", Err("unknown field"));
+    check(
+        "[algo]\nalgorithm = \"quest\"\nbudget_tokens = 0",
+        Err("budget"),
+    );
+}

@@ -1,0 +1,117 @@
+//! Hooks called out of order or with bad input give typed errors and change nothing.
+
+use coordinator::{CoordError, Mode, Phase, SparseConfig};
+use kv_blocks::RequestId;
+use offload::HostAlloc;
+use sparse_algo::{AlgoConfig, QuestConfig};
+
+use crate::util::{Engine, MODEL};
+
+fn engine() -> Engine {
+    let config = SparseConfig {
+        algo: AlgoConfig::Quest(QuestConfig {
+            page_size: 4,
+            budget_tokens: 16,
+            shared_heads: true,
+            ..Default::default()
+        }),
+        min_prompt_tokens: Some(20),
+        ..Default::default()
+    };
+    Engine::new(&config, HostAlloc::Own, 40)
+}
+
+fn invalid<T: std::fmt::Debug>(r: Result<T, CoordError>) -> bool {
+    matches!(r.err(), Some(CoordError::Invalid(_)))
+}
+
+#[test]
+fn out_of_order_and_malformed_calls_change_nothing() {
+    let mut e = engine();
+    let (a, b, z) = (RequestId(1), RequestId(2), RequestId(9));
+    e.add(a);
+    assert_eq!(e.coord.on_request_begin(a, 24), Ok(Mode::Sparse));
+    assert_eq!(
+        e.coord.on_request_begin(a, 24),
+        Err(CoordError::DuplicateRequest(a))
+    );
+    assert!(invalid(e.coord.on_request_begin(b, 0)));
+    assert_eq!(
+        e.coord.on_request_end(z),
+        Err(CoordError::UnknownRequest(z))
+    );
+    let (kvs, qs) = (
+        MODEL.kv_heads * MODEL.head_dim,
+        MODEL.q_heads * MODEL.head_dim,
+    );
+    let (k, q) = (vec![0.5f32; 24 * kvs], vec![0.25f32; 24 * qs]);
+    // Layer hooks need a forward.
+    assert!(invalid(e.coord.attention_begin(0, &q, &k, &k)));
+    assert!(invalid(e.coord.forward_end()));
+    // Batches: unknown, twice, past the prompt.
+    assert_eq!(
+        e.coord.forward_begin(&[(z, 1)]),
+        Err(CoordError::UnknownRequest(z))
+    );
+    assert!(invalid(e.coord.forward_begin(&[(a, 1), (a, 1)])));
+    assert!(invalid(e.coord.forward_begin(&[(a, 25)])));
+    e.coord.forward_begin(&[(a, 24)]).expect("the whole prompt");
+    assert!(
+        invalid(e.coord.forward_begin(&[(a, 1)])),
+        "one forward at a time"
+    );
+    assert!(
+        invalid(e.coord.attention_begin(0, &q[..qs], &k, &k)),
+        "short q"
+    );
+    assert!(invalid(e.coord.attention_end(0, &k, &k[..kvs])), "short v");
+    assert!(
+        invalid(e.coord.attention_begin(3, &q, &k, &k)),
+        "no layer 3"
+    );
+    assert!(invalid(e.coord.on_request_end(a)), "a is in the forward");
+    assert!(invalid(e.coord.forward_end()), "no layer has ended");
+    let t = *e.coord.tracker(a).expect("live");
+    assert_eq!((t.len, t.phase), (0, Phase::Prefill), "nothing changed");
+    for l in 0..MODEL.layers {
+        e.coord.attention_begin(l, &q, &k, &k).expect("valid");
+        e.coord.attention_end(l, &k, &k).expect("valid");
+    }
+    assert!(
+        invalid(e.coord.attention_end(0, &k, &k)),
+        "layer 0 has ended"
+    );
+    e.coord.forward_end().expect("every layer ended");
+    let t = *e.coord.tracker(a).expect("live");
+    assert_eq!((t.len, t.phase, t.represented), (24, Phase::Decode, true));
+    // Decode takes one token per forward.
+    assert!(invalid(e.coord.forward_begin(&[(a, 2)])));
+    // Representation slots run out: the third sparse request is refused, nothing taken.
+    for id in [RequestId(3), RequestId(4)] {
+        e.coord.on_request_begin(id, 20).expect("a slot");
+    }
+    assert_eq!(e.coord.on_request_begin(b, 20), Err(CoordError::Full(3)));
+    assert_eq!(
+        e.coord.on_request_begin(b, 19),
+        Ok(Mode::Dense),
+        "short prompts stay dense"
+    );
+    // A prefix needs caller-given host pages (HostAlloc::External); nothing is left behind.
+    assert!(matches!(
+        e.coord.on_request_begin_with_prefix(z, 30, &[0], 4),
+        Err(CoordError::Full(3))
+    ));
+    e.coord.on_request_end(RequestId(4)).expect("live");
+    assert!(matches!(
+        e.coord.on_request_begin_with_prefix(z, 30, &[0], 4),
+        Err(CoordError::Offload(offload::OffloadError::Config(_)))
+    ));
+    assert!(invalid(e.coord.on_request_begin_with_prefix(
+        z,
+        30,
+        &[0],
+        30
+    )));
+    assert!(e.coord.tracker(z).is_none());
+    e.coord.on_request_begin(z, 20).expect("the slot came back");
+}

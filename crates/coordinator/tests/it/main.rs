@@ -1,0 +1,7 @@
+//! Integration tests of the coordinator: one binary, one module per concern.
+
+mod config;
+mod decode;
+mod errors;
+mod prefix;
+mod util;
