@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use attn_op::{Element, KvCache, PagedKv};
 use kv_blocks::RequestId;
-use offload::{HostAlloc, OffloadConfig, SparseKvCacheManager, StepStats};
+use offload::{HostAlloc, OffloadConfig, OffloadError, SparseKvCacheManager, StepStats};
 use rustc_hash::FxHashMap;
 use sparse_algo::{Decode, KeySource, RepPool, TopK};
 
@@ -444,6 +444,7 @@ impl<T: Element> SparseCoordinator<T> {
         let kvs = self.model.kv_heads * self.model.head_dim;
         if let Some(sl) = self.sparse_of[layer] {
             let f = self.forward.as_ref().expect("checked by check_layer_io");
+            self.check_host_room(sl, f)?;
             let mut decode = Vec::new();
             let mut complete = Vec::new();
             let manager = self.manager.as_mut().expect("sparse layers have a manager");
@@ -564,6 +565,30 @@ impl<T: Element> SparseCoordinator<T> {
             algo.update_representations(0, &keys, &slots, pool)?;
         } else {
             algo.construct_representations(0, &keys, &slots, pool)?;
+        }
+        Ok(())
+    }
+
+    /// Checks that the host pool can take every sparse-mode request's new tokens of the
+    /// forward in sparse layer `sl`, so that no request is backed up while another fails.
+    fn check_host_room(&self, sl: usize, f: &Forward) -> Result<(), CoordError> {
+        let manager = self.manager.as_ref().expect("sparse layers have a manager");
+        let mut need = 0;
+        for &(id, n) in &f.batch {
+            if self.trackers[&id].mode == Mode::Sparse {
+                let pages = manager.host_pages_needed(id, sl, n)?;
+                if pages > 0 && manager.config().host_alloc == HostAlloc::External {
+                    return Err(OffloadError::MissingHostPages { needed: pages }.into());
+                }
+                need += pages;
+            }
+        }
+        if need > manager.free_host_pages() && manager.config().host_alloc == HostAlloc::Own {
+            return Err(OffloadError::HostExhausted {
+                needed: need,
+                free: manager.free_host_pages(),
+            }
+            .into());
         }
         Ok(())
     }

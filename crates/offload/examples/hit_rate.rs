@@ -10,7 +10,8 @@
 //! a generation drifts), and each generated token's key is about the query's topics. Quest
 //! (pages of 16, budget 2048 tokens, so 128 pages per KV head) selects every step; its
 //! representations grow with the decode. Each KV head's selection is diffed against its own
-//! hot buffer of HOT tokens (HiSparse: HOT >= top-k), as the device would per (layer, head).
+//! hot buffer of HOT tokens (HiSparse: HOT >= top-k); Quest with `shared_heads` gives one
+//! selection, diffed against one buffer of whole pages per layer, as the offload manager does.
 #![allow(clippy::print_stdout, reason = "an example that prints its table")]
 
 use attn_op::{KvCache, KvLayout, PagedKv};
@@ -73,14 +74,25 @@ fn main() -> Result<(), AlgoError> {
         budget_tokens: BUDGET,
         ..Default::default()
     })?;
+    let shared = Quest::new(QuestConfig {
+        page_size: PS,
+        budget_tokens: BUDGET,
+        shared_heads: true,
+        ..Default::default()
+    })?;
     let mut pool = RepPool::new(quest.rep_shape(KVH, D), 1, 1, total)?;
     let mut active: [usize; 3] = [0, 1, 2].map(|_| pick.random_range(0..TOPICS));
     let mut incoming = pick.random_range(0..TOPICS);
-    let mut buffers: Vec<Vec<HotBuffer>> = HOTS
+    // Per mode (per-head selections, one buffer per KV head; one shared selection, one buffer
+    // per layer) and HOT size: the buffers and their counts.
+    let mut buffers: Vec<Vec<HotBuffer>> = [KVH, 1]
         .iter()
-        .map(|&hot| vec![HotBuffer::new(hot / PS); KVH])
+        .flat_map(|&n| {
+            HOTS.iter()
+                .map(move |&hot| vec![HotBuffer::new(hot / PS); n])
+        })
         .collect();
-    let mut stats = vec![StepStats::default(); HOTS.len()];
+    let mut stats = vec![StepStats::default(); 2 * HOTS.len()];
     let mut after_first = stats.clone();
     let mut union_pages = 0usize;
     for s in 0..STEPS {
@@ -135,6 +147,7 @@ fn main() -> Result<(), AlgoError> {
             keys: None,
         };
         let top = quest.retrieve_topk(&step, &pool)?;
+        let one = shared.retrieve_topk(&step, &pool)?;
         let current = ((len - 1) / PS) as i32;
         let mut union: Vec<i32> = (0..KVH).flat_map(|h| top.row(0, h).to_vec()).collect();
         union.sort_unstable();
@@ -144,14 +157,20 @@ fn main() -> Result<(), AlgoError> {
             after_first.clone_from(&stats);
         }
         for (bufs, st) in buffers.iter_mut().zip(&mut stats) {
+            // A page of one head, or of every head, K and V in bf16.
+            let (sel, page_bytes) = if bufs.len() == KVH {
+                (&top, PS * 2 * D * 2)
+            } else {
+                (&one, PS * 2 * KVH * D * 2)
+            };
             for (h, buf) in bufs.iter_mut().enumerate() {
-                let diff = buf.diff(top.row(0, h), current);
+                let diff = buf.diff(sel.row(0, h), current);
                 st.add(&StepStats {
                     steps: 1,
                     hits: u64::from(diff.hits),
                     misses: diff.misses.len() as u64,
                     loaded_pages: diff.misses.len() as u64,
-                    bytes: (diff.misses.len() * PS * 2 * D * 2) as u64,
+                    bytes: (diff.misses.len() * page_bytes) as u64,
                     ..Default::default()
                 });
             }
@@ -159,21 +178,29 @@ fn main() -> Result<(), AlgoError> {
     }
     println!(
         "Quest (pages of {PS}, budget {BUDGET} tokens) over a drifting synthetic trace: \
-         {PROMPT}-token prompt, {STEPS} decode steps, {QH} q / {KVH} kv heads, D {D}; \
-         one hot buffer per KV head. Union of the {KVH} heads' selections: {:.0} pages per \
-         step on average.\n",
+         {PROMPT}-token prompt, {STEPS} decode steps, {QH} q / {KVH} kv heads, D {D}. \
+         Per-head selections go to one hot buffer per KV head (their union averages {:.0} \
+         pages per step); a selection shared by the heads goes to one buffer per layer of \
+         whole pages (what the offload manager moves).\n",
         union_pages as f64 / STEPS as f64
     );
     println!(
-        "| HOT (tokens) | HOT / top-k | hit rate | hit rate after step 1 | pages loaded per head-step | KiB per layer-step (bf16 K+V) |"
+        "| selection | HOT (tokens) | HOT / top-k | hit rate | hit rate after step 1 | \
+         pages loaded per buffer-step | KiB per layer-step (bf16 K+V) |"
     );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
-    for ((&hot, st), first) in HOTS.iter().zip(&stats).zip(&after_first) {
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (i, (st, first)) in stats.iter().zip(&after_first).enumerate() {
+        let hot = HOTS[i % HOTS.len()];
+        let mode = if i < HOTS.len() {
+            "per KV head"
+        } else {
+            "shared by the heads"
+        };
         // The first step loads every selected page; the rest is the steady state.
         let (hits, misses) = (st.hits - first.hits, st.misses - first.misses);
         let steady = hits as f64 / (hits + misses) as f64;
         println!(
-            "| {hot} | {:.0}x | {:.3} | {:.3} | {:.1} | {:.0} |",
+            "| {mode} | {hot} | {:.0}x | {:.3} | {:.3} | {:.1} | {:.0} |",
             hot as f64 / BUDGET as f64,
             st.hit_rate(),
             steady,
@@ -183,7 +210,6 @@ fn main() -> Result<(), AlgoError> {
     }
     Ok(())
 }
-
 /// Writes the key of position `pos` (V stays zero: hit rates read keys only).
 fn write(kv: &mut PagedKv<f32>, pos: usize, k: &[f32]) -> Result<(), AlgoError> {
     let v = vec![0.0; k.len()];

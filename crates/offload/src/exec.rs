@@ -28,6 +28,54 @@ pub struct Load {
     pub device_block: u32,
 }
 
+/// Whatever moves KV between tiers: the CPU executor copies memory ([`CpuExecutor`]); the CUDA
+/// backend implements it with its zero-copy gather kernel. The manager hands every step's load
+/// list to its executor ([`SparseKvCacheManager::with_executor`]).
+///
+/// [`SparseKvCacheManager::with_executor`]: crate::SparseKvCacheManager::with_executor
+pub trait TransferExecutor<T: Element>: Send + Sync + std::fmt::Debug {
+    /// Executes a step's loads (host page ranges into device blocks of one layer); checks them
+    /// all before copying any.
+    fn loads(
+        &self,
+        host: &dyn HostStore<T>,
+        loads: &[Load],
+        device: &mut PagedKv<T>,
+    ) -> Result<(), OffloadError>;
+
+    /// Executes kv-blocks' tier moves for one window group over per-layer block tensors.
+    fn block_transfers(
+        &self,
+        transfers: &[Transfer],
+        primary: &mut [PagedKv<T>],
+        secondary: &mut [PagedKv<T>],
+    ) -> Result<(), OffloadError>;
+}
+
+/// The CPU executor: [`execute_loads`] and [`execute_block_transfers`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuExecutor;
+
+impl<T: Element> TransferExecutor<T> for CpuExecutor {
+    fn loads(
+        &self,
+        host: &dyn HostStore<T>,
+        loads: &[Load],
+        device: &mut PagedKv<T>,
+    ) -> Result<(), OffloadError> {
+        execute_loads(host, loads, device)
+    }
+
+    fn block_transfers(
+        &self,
+        transfers: &[Transfer],
+        primary: &mut [PagedKv<T>],
+        secondary: &mut [PagedKv<T>],
+    ) -> Result<(), OffloadError> {
+        execute_block_transfers(transfers, primary, secondary)
+    }
+}
+
 /// Executes loads with plain memory copies (the CPU executor; the CUDA backend runs a zero-copy
 /// kernel over the same list). Checks every load before copying any.
 pub fn execute_loads<T: Element>(

@@ -18,7 +18,10 @@ mod hot;
 mod manager;
 
 pub use error::OffloadError;
-pub use exec::{Job, Load, Pipeline, Ticket, execute_block_transfers, execute_loads};
+pub use exec::{
+    CpuExecutor, Job, Load, Pipeline, Ticket, TransferExecutor, execute_block_transfers,
+    execute_loads,
+};
 pub use host::{HostLayout, HostPool, HostShape, HostStore};
 pub use hot::{Diff, HotBuffer};
 pub use manager::{HostAlloc, OffloadConfig, SparseKvCacheManager, StepPlan};

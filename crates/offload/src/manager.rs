@@ -8,7 +8,7 @@ use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::exec::{Load, execute_loads};
+use crate::exec::{CpuExecutor, Load, TransferExecutor};
 use crate::host::{HostLayout, HostPool, HostShape, HostStore};
 use crate::hot::HotBuffer;
 use crate::{OffloadError, StepStats};
@@ -100,6 +100,7 @@ pub struct SparseKvCacheManager<T: Element> {
     free_bases: Vec<usize>,
     requests: FxHashMap<RequestId, Request>,
     totals: StepStats,
+    executor: Box<dyn TransferExecutor<T>>,
 }
 
 impl<T: Element> SparseKvCacheManager<T> {
@@ -155,7 +156,14 @@ impl<T: Element> SparseKvCacheManager<T> {
                 .collect(),
             requests: FxHashMap::default(),
             totals: StepStats::default(),
+            executor: Box::new(CpuExecutor),
         })
+    }
+
+    /// Replaces the executor that runs each step's loads (the default is [`CpuExecutor`]).
+    pub fn with_executor(mut self, executor: Box<dyn TransferExecutor<T>>) -> Self {
+        self.executor = executor;
+        self
     }
 
     /// The configuration.
@@ -296,6 +304,20 @@ impl<T: Element> SparseKvCacheManager<T> {
     /// The hot buffer of (request, layer).
     pub fn hot_buffer(&self, id: RequestId, layer: usize) -> Result<&HotBuffer, OffloadError> {
         Ok(&self.request(id)?.hot[self.check_layer(layer)?])
+    }
+
+    /// Host pages an append of `n` tokens to (request, layer) would take.
+    pub fn host_pages_needed(
+        &self,
+        id: RequestId,
+        layer: usize,
+        n: usize,
+    ) -> Result<usize, OffloadError> {
+        let r = self.request(id)?;
+        let len = r.lens[self.check_layer(layer)?];
+        Ok((len + n)
+            .div_ceil(self.config.page_size)
+            .saturating_sub(r.host_pages.len()))
     }
 
     /// Appends tokens to the host copy of `layer` (`k` and `v` are `[n, kv_heads, head_dim]`):
@@ -581,7 +603,7 @@ impl<T: Element> SparseKvCacheManager<T> {
 
     /// Executes a plan's loads and counts its statistics.
     fn finish(&mut self, layer: usize, plan: StepPlan) -> Result<StepPlan, OffloadError> {
-        execute_loads(
+        self.executor.loads(
             &*self.host.read(),
             &plan.loads,
             &mut self.device[layer].write(),

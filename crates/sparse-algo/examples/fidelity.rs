@@ -67,6 +67,13 @@ fn main() -> Result<(), AlgoError> {
                 AlgoConfig::StreamingLlm(StreamingConfig::default()),
             ),
             ("quest", AlgoConfig::Quest(QuestConfig::default())),
+            (
+                "quest (shared heads)",
+                AlgoConfig::Quest(QuestConfig {
+                    shared_heads: true,
+                    ..Default::default()
+                }),
+            ),
             ("dsa (fallback)", AlgoConfig::Dsa(DsaConfig::default())),
             (
                 "oracle (pages of 16)",

@@ -115,3 +115,46 @@ fn out_of_order_and_malformed_calls_change_nothing() {
     assert!(e.coord.tracker(z).is_none());
     e.coord.on_request_begin(z, 20).expect("the slot came back");
 }
+
+#[test]
+fn a_full_host_pool_backs_up_no_request_of_the_batch() {
+    let config = SparseConfig {
+        algo: AlgoConfig::Quest(QuestConfig {
+            page_size: 4,
+            budget_tokens: 16,
+            shared_heads: true,
+            ..Default::default()
+        }),
+        min_prompt_tokens: Some(20),
+        ..Default::default()
+    };
+    // 13 host pages: two prompts of 24 tokens take 12; their 25th tokens need 2 more.
+    let mut e = Engine::new(&config, HostAlloc::Own, 13);
+    let (a, c) = (RequestId(1), RequestId(3));
+    for id in [a, c] {
+        e.add(id);
+        e.coord.on_request_begin(id, 24).expect("a slot");
+    }
+    e.forward(&[(a, 24), (c, 24)]);
+    let (kvs, qs) = (
+        MODEL.kv_heads * MODEL.head_dim,
+        MODEL.q_heads * MODEL.head_dim,
+    );
+    let (k, q) = (vec![0.5f32; 2 * kvs], vec![0.25f32; 2 * qs]);
+    e.coord.forward_begin(&[(a, 1), (c, 1)]).expect("valid");
+    e.coord.attention_begin(0, &q, &k, &k).expect("valid");
+    assert!(matches!(
+        e.coord.attention_end(0, &k, &k),
+        Err(CoordError::Offload(offload::OffloadError::HostExhausted {
+            needed: 2,
+            free: 1
+        }))
+    ));
+    let m = e.coord.manager().expect("sparse");
+    assert_eq!(
+        (m.len(a, 0), m.len(c, 0)),
+        (Ok(24), Ok(24)),
+        "neither was backed up"
+    );
+    assert_eq!(m.free_host_pages(), 1);
+}

@@ -1,12 +1,13 @@
-//! The IO pipeline and kv-blocks' transfers move the same bytes as direct copies.
+//! The IO pipeline and kv-blocks' transfers move the same bytes as direct copies, and the
+//! manager runs every load through its executor.
 
 use std::sync::Arc;
 
 use attn_op::{KvLayout, PagedKv};
-use kv_blocks::{BlockId, BlockLoc, GroupId, Tier, Transfer, TransferKind};
+use kv_blocks::{BlockId, BlockLoc, GroupId, RequestId, Tier, Transfer, TransferKind};
 use offload::{
-    HostLayout, HostPool, HostShape, HostStore, Job, Load, Pipeline, execute_block_transfers,
-    execute_loads,
+    CpuExecutor, HostLayout, HostPool, HostShape, HostStore, Job, Load, OffloadError, Pipeline,
+    SparseKvCacheManager, TransferExecutor, execute_block_transfers, execute_loads,
 };
 use parking_lot::RwLock;
 
@@ -160,4 +161,55 @@ fn kv_blocks_transfers_move_blocks_between_tiers() {
         kind: TransferKind::Offload,
     }];
     assert!(execute_block_transfers(&out, &mut primary, &mut secondary).is_err());
+}
+
+/// An executor that records what it runs, then copies like the CPU one.
+#[derive(Debug, Default)]
+struct Recording(Arc<parking_lot::Mutex<Vec<Load>>>);
+
+impl TransferExecutor<f32> for Recording {
+    fn loads(
+        &self,
+        host: &dyn HostStore<f32>,
+        loads: &[Load],
+        device: &mut PagedKv<f32>,
+    ) -> Result<(), OffloadError> {
+        self.0.lock().extend_from_slice(loads);
+        CpuExecutor.loads(host, loads, device)
+    }
+
+    fn block_transfers(
+        &self,
+        transfers: &[Transfer],
+        primary: &mut [PagedKv<f32>],
+        secondary: &mut [PagedKv<f32>],
+    ) -> Result<(), OffloadError> {
+        CpuExecutor.block_transfers(transfers, primary, secondary)
+    }
+}
+
+#[test]
+fn every_step_runs_its_loads_through_the_executor() {
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let cfg = crate::util::config(4, 8, HostLayout::PageFirst);
+    let stride = cfg.kv_heads * cfg.head_dim;
+    let mut m = SparseKvCacheManager::<f32>::new(cfg)
+        .expect("valid")
+        .with_executor(Box::new(Recording(Arc::clone(&seen))));
+    let id = RequestId(1);
+    m.begin_request(id).expect("free");
+    for l in 0..cfg.layers {
+        let (k, v) = (
+            crate::util::tokens(1, l, 0, 14, 0, stride),
+            crate::util::tokens(1, l, 0, 14, 1, stride),
+        );
+        m.append(id, l, &k, &v).expect("room");
+    }
+    let mut expected = Vec::new();
+    for (l, sel) in [(0, vec![0, 2, 3]), (1, vec![1, 3]), (0, vec![1, 2, 3])] {
+        expected.extend(m.step(id, l, &sel).expect("valid").loads);
+    }
+    assert_eq!(*seen.lock(), expected);
+    // Per step: a reserved refresh (first step of each layer), then the misses.
+    assert_eq!(expected.len(), (1 + 2) + (1 + 1) + 1);
 }
