@@ -9,7 +9,7 @@ use rustc_hash::FxHashMap;
 use sparse_algo::{Decode, KeySource, RepPool, TopK};
 
 use crate::adaptor::{AttentionMeta, BackendAdaptor, MetaRow, PageTableAdaptor, TokenAdaptor};
-use crate::keys::{HostKeys, HostSeq};
+use crate::keys::{HostKeys, host_seqs};
 use crate::{CoordError, Lowered, Mode, ModelShape, Phase, RequestTracker, SparseConfig};
 
 /// Drives hierarchical sparse attention through an engine's forward passes: see the crate
@@ -382,16 +382,11 @@ impl<T: Element> SparseCoordinator<T> {
             let keys = HostKeys {
                 host: &host,
                 layer: sl,
-                seqs: rows
-                    .iter()
-                    .map(|r| {
-                        Ok(HostSeq {
-                            pages: manager.host_pages(r.1)?,
-                            on_host: r.3,
-                            pending: &k[r.2 * kvs..(r.2 + 1) * kvs],
-                        })
-                    })
-                    .collect::<Result<_, CoordError>>()?,
+                seqs: host_seqs(
+                    manager,
+                    rows.iter()
+                        .map(|r| (r.1, r.3, &k[r.2 * kvs..(r.2 + 1) * kvs])),
+                )?,
             };
             let step = Decode {
                 layer: 0,
@@ -548,16 +543,12 @@ impl<T: Element> SparseCoordinator<T> {
         let keys = HostKeys {
             host: &host,
             layer: sl,
-            seqs: reqs
-                .iter()
-                .map(|&(id, _)| {
-                    Ok(HostSeq {
-                        pages: manager.host_pages(id)?,
-                        on_host: manager.len(id, sl)?,
-                        pending: &[],
-                    })
-                })
-                .collect::<Result<_, CoordError>>()?,
+            seqs: host_seqs(
+                manager,
+                reqs.iter()
+                    .map(|&(id, _)| Ok((id, manager.len(id, sl)?, &[] as &[T])))
+                    .collect::<Result<Vec<_>, CoordError>>()?,
+            )?,
         };
         let slots: Vec<usize> = reqs.iter().map(|r| r.1).collect();
         let pool = &mut self.pools[sl];

@@ -1,8 +1,11 @@
 //! Keys read from the host pool, with the step's new tokens not yet backed up.
 
 use attn_op::Element;
-use offload::{HostPool, HostStore};
+use kv_blocks::RequestId;
+use offload::{HostPool, HostStore, SparseKvCacheManager};
 use sparse_algo::KeySource;
+
+use crate::CoordError;
 
 /// One layer's keys of a batch of requests, read from the host pool by logical position; a
 /// sequence's positions past what the host holds come from `pending` (the new tokens' keys of
@@ -21,6 +24,22 @@ pub(crate) struct HostSeq<'a, T> {
     pub(crate) on_host: usize,
     /// Keys of the tokens after them.
     pub(crate) pending: &'a [T],
+}
+
+/// The sequences of `reqs` (request, tokens on the host, pending keys) in `manager`.
+pub(crate) fn host_seqs<'a, T: Element>(
+    manager: &'a SparseKvCacheManager<T>,
+    reqs: impl IntoIterator<Item = (RequestId, usize, &'a [T])>,
+) -> Result<Vec<HostSeq<'a, T>>, CoordError> {
+    reqs.into_iter()
+        .map(|(id, on_host, pending)| {
+            Ok(HostSeq {
+                pages: manager.host_pages(id)?,
+                on_host,
+                pending,
+            })
+        })
+        .collect()
 }
 
 impl<T: Element> KeySource for HostKeys<'_, T> {

@@ -7,8 +7,9 @@ use sparse_algo::{AlgoConfig, QuestConfig};
 
 use crate::util::{Engine, MODEL};
 
-fn engine() -> Engine {
-    let config = SparseConfig {
+/// Quest over pages of 4 with a shared budget of 16 tokens; prompts of 20 go sparse.
+fn config() -> SparseConfig {
+    SparseConfig {
         algo: AlgoConfig::Quest(QuestConfig {
             page_size: 4,
             budget_tokens: 16,
@@ -17,8 +18,11 @@ fn engine() -> Engine {
         }),
         min_prompt_tokens: Some(20),
         ..Default::default()
-    };
-    Engine::new(&config, HostAlloc::Own, 40)
+    }
+}
+
+fn engine() -> Engine {
+    Engine::new(&config(), HostAlloc::Own, 40)
 }
 
 fn invalid<T: std::fmt::Debug>(r: Result<T, CoordError>) -> bool {
@@ -118,18 +122,8 @@ fn out_of_order_and_malformed_calls_change_nothing() {
 
 #[test]
 fn a_full_host_pool_backs_up_no_request_of_the_batch() {
-    let config = SparseConfig {
-        algo: AlgoConfig::Quest(QuestConfig {
-            page_size: 4,
-            budget_tokens: 16,
-            shared_heads: true,
-            ..Default::default()
-        }),
-        min_prompt_tokens: Some(20),
-        ..Default::default()
-    };
     // 13 host pages: two prompts of 24 tokens take 12; their 25th tokens need 2 more.
-    let mut e = Engine::new(&config, HostAlloc::Own, 13);
+    let mut e = Engine::new(&config(), HostAlloc::Own, 13);
     let (a, c) = (RequestId(1), RequestId(3));
     for id in [a, c] {
         e.add(id);
