@@ -1,7 +1,11 @@
-//! The engine of hierarchical sparse attention.
+//! The engine: a Llama-family model from GGUF, run through the hierarchical sparse attention
+//! layers.
 //!
-//! This crate will compose every layer into something a user runs: a Llama-family model loaded
-//! from GGUF or safetensors, a continuous-batching scheduler with chunked prefill, kv-blocks for
-//! allocation and prefix reuse, the coordinator for sparse decode, and a command-line interface
-//! with `generate`, `run` and `eval`. Nothing is implemented yet: see the engine issue.
+//! So far it reads GGUF model files ([`gguf`]); the forward pass, the scheduler and the CLI
+//! follow (see the engine issue).
 #![deny(missing_docs)]
+
+mod error;
+pub mod gguf;
+
+pub use error::EngineError;
