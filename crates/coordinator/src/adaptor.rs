@@ -19,7 +19,7 @@ pub trait BackendAdaptor: Send + Sync {
 
     /// One request's metadata row. `rows[h]` are KV head `h`'s ascending logical ids, each
     /// in `union` (ascending, unique), and `plan` is the offload step over `union`.
-    fn row(&self, rows: &[&[i32]], union: &[i32], plan: &StepPlan) -> Result<MetaRow, CoordError> {
+    fn row(&self, rows: &[&[i32]], union: &[i32], plan: StepPlan) -> Result<MetaRow, CoordError> {
         let ids = rows
             .iter()
             .map(|row| {
@@ -33,7 +33,7 @@ pub trait BackendAdaptor: Send + Sync {
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(MetaRow {
-            block_table: plan.block_table.clone(),
+            block_table: plan.block_table,
             seq_len: plan.seq_len,
             ids,
         })

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use offload::HostLayout;
 use serde::{Deserialize, Serialize};
-use sparse_algo::{AlgoConfig, AlwaysInclude, Caps, Indexer, QuestConfig, SparseAlgorithm};
+use sparse_algo::{AlgoConfig, Caps, Indexer, QuestConfig, SparseAlgorithm};
 
 use crate::{CoordError, ModelShape};
 
@@ -180,7 +180,7 @@ impl SparseConfig {
             };
             let algo: Arc<dyn SparseAlgorithm> = Arc::from(c.build(indexer.cloned())?);
             let caps = algo.caps();
-            let max_pages = max_pages(c, model.kv_heads).ok_or_else(|| {
+            let max_pages = algo.max_pages(model.kv_heads).ok_or_else(|| {
                 CoordError::Config(format!(
                     "layer {l}: {} has no bounded decode selection; list the layer in \
                      dense_layers",
@@ -228,29 +228,4 @@ impl SparseConfig {
             host_layout: self.host_layout,
         })
     }
-}
-
-/// Pages a step of `c` can select over all KV heads; `None` when unbounded.
-fn max_pages(c: &AlgoConfig, kv_heads: usize) -> Option<usize> {
-    let forced = |a: &AlwaysInclude, ps: usize| {
-        (a.sink_tokens as usize).div_ceil(ps) + (a.recent_tokens as usize).div_ceil(ps) + 1
-    };
-    let per_head = |budget: usize, a: &AlwaysInclude, ps: usize| {
-        kv_heads * (budget.div_ceil(ps) + forced(a, ps))
-    };
-    Some(match c {
-        AlgoConfig::Full(_) | AlgoConfig::SnapKv(_) => return None,
-        AlgoConfig::StreamingLlm(s) => {
-            (s.sink_tokens as usize).div_ceil(s.page_size)
-                + (s.window_tokens as usize).div_ceil(s.page_size)
-                + 1
-        }
-        AlgoConfig::Quest(q) if q.shared_heads => {
-            q.budget_tokens.div_ceil(q.page_size) + forced(&q.always, q.page_size)
-        }
-        AlgoConfig::Quest(q) => per_head(q.budget_tokens, &q.always, q.page_size),
-        AlgoConfig::RocketKv(r) => per_head(r.topk, &r.always, r.page_size),
-        AlgoConfig::Dsa(d) => per_head(d.topk, &d.always, 1),
-        AlgoConfig::Oracle(o) => per_head(o.budget_tokens, &o.always, o.page_size),
-    })
 }

@@ -17,8 +17,9 @@ use crate::{CoordError, Lowered, Mode, ModelShape, Phase, RequestTracker, Sparse
 pub struct SparseCoordinator<T: Element> {
     model: ModelShape,
     lowered: Lowered,
-    /// Model layer → index among the sparse layers.
+    /// Model layer → index among the sparse layers, and back.
     sparse_of: Vec<Option<usize>>,
+    sparse_layers: Vec<usize>,
     /// The hierarchical KV of sparse-mode requests (absent when every layer is dense).
     manager: Option<SparseKvCacheManager<T>>,
     /// Representations per sparse layer: one pool layer, one slot per sparse-mode request.
@@ -99,10 +100,12 @@ impl<T: Element> SparseCoordinator<T> {
             )));
         }
         let mut sparse_of = Vec::with_capacity(model.layers);
+        let mut sparse_layers = Vec::new();
         let mut pools = Vec::new();
-        for p in &lowered.layers {
+        for (layer, p) in lowered.layers.iter().enumerate() {
             sparse_of.push(p.as_ref().map(|_| pools.len()));
             if let Some(p) = p {
+                sparse_layers.push(layer);
                 let shape = p.algo.rep_shape(model.kv_heads, model.head_dim);
                 pools.push(RepPool::new(
                     shape,
@@ -136,6 +139,7 @@ impl<T: Element> SparseCoordinator<T> {
             model,
             lowered,
             sparse_of,
+            sparse_layers,
             manager,
             pools,
             free_slots: (0..capacity.max_requests).rev().collect(),
@@ -414,7 +418,7 @@ impl<T: Element> SparseCoordinator<T> {
                 &v[r.2 * kvs..(r.2 + 1) * kvs],
             )?;
             stats.add(&plan.stats);
-            meta_rows.push(self.adaptor.row(&heads, &union, &plan)?);
+            meta_rows.push(self.adaptor.row(&heads, &union, plan)?);
             routes[r.0] = Route::Sparse(j);
         }
         Ok(LayerPlan {
@@ -528,12 +532,7 @@ impl<T: Element> SparseCoordinator<T> {
         if reqs.is_empty() {
             return Ok(());
         }
-        let layer = self
-            .sparse_of
-            .iter()
-            .position(|&s| s == Some(sl))
-            .expect("every sparse index comes from a layer");
-        let algo = &self.lowered.layers[layer]
+        let algo = &self.lowered.layers[self.sparse_layers[sl]]
             .as_ref()
             .expect("a sparse layer has parameters")
             .algo;

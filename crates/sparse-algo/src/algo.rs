@@ -18,6 +18,14 @@ pub trait SparseAlgorithm: Send + Sync {
     /// Name, granularity and supported phases.
     fn caps(&self) -> Caps;
 
+    /// An upper bound on the distinct ids one decode step selects for a sequence over all
+    /// `kv_heads` heads (what a hot buffer must hold); `None` when the selection is not bounded
+    /// (Full) or there is no decode selection (SnapKV).
+    fn max_pages(&self, kv_heads: usize) -> Option<usize> {
+        let _ = kv_heads;
+        None
+    }
+
     /// What the algorithm keeps per page for a layer of `kv_heads` heads of `head_dim`.
     fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {
         let _ = (kv_heads, head_dim);

@@ -111,6 +111,16 @@ impl SparseAlgorithm for StreamingLlm {
         }
     }
 
+    fn max_pages(&self, _kv_heads: usize) -> Option<usize> {
+        // Every head keeps the same pages: the sinks, the window and a straddled page.
+        let c = self.config;
+        Some(
+            (c.sink_tokens as usize).div_ceil(c.page_size)
+                + (c.window_tokens as usize).div_ceil(c.page_size)
+                + 1,
+        )
+    }
+
     fn retrieve_topk(&self, step: &Decode<'_>, _pool: &RepPool) -> Result<TopK, AlgoError> {
         step.validate()?;
         let c = self.config;

@@ -136,6 +136,10 @@ impl SparseAlgorithm for Dsa {
         }
     }
 
+    fn max_pages(&self, kv_heads: usize) -> Option<usize> {
+        Some(kv_heads * self.config.always.max_row_pages(self.config.topk, 1))
+    }
+
     fn rep_shape(&self, _kv_heads: usize, _head_dim: usize) -> RepShape {
         match &self.indexer {
             Some(ix) => RepShape {

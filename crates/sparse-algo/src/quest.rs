@@ -93,6 +93,12 @@ impl SparseAlgorithm for Quest {
         }
     }
 
+    fn max_pages(&self, kv_heads: usize) -> Option<usize> {
+        let c = self.config;
+        let row = c.always.max_row_pages(c.budget_tokens, c.page_size);
+        Some(if c.shared_heads { row } else { kv_heads * row })
+    }
+
     fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {
         minmax::shape(self.config.page_size, kv_heads, head_dim)
     }

@@ -89,6 +89,11 @@ impl SparseAlgorithm for RocketKv {
         }
     }
 
+    fn max_pages(&self, kv_heads: usize) -> Option<usize> {
+        let c = self.config;
+        Some(kv_heads * c.always.max_row_pages(c.topk, c.page_size))
+    }
+
     fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {
         minmax::shape(self.config.page_size, kv_heads, head_dim)
     }

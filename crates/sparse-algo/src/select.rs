@@ -105,6 +105,19 @@ impl Default for AlwaysInclude {
     }
 }
 
+impl AlwaysInclude {
+    /// An upper bound on the forced pages of a row with pages of `ps` tokens: the sink pages,
+    /// the recent pages, and one more where the recent tokens straddle a page boundary.
+    pub fn max_forced_pages(&self, ps: usize) -> usize {
+        (self.sink_tokens as usize).div_ceil(ps) + (self.recent_tokens as usize).div_ceil(ps) + 1
+    }
+
+    /// An upper bound on the pages of one row under a budget of `budget_tokens`.
+    pub(crate) fn max_row_pages(&self, budget_tokens: usize, ps: usize) -> usize {
+        budget_tokens.div_ceil(ps) + self.max_forced_pages(ps)
+    }
+}
+
 /// How one (sequence, KV head) row of a decode selection is assembled: pages `0..head.end` and
 /// `tail.start..num_pages` are forced, `pick` more are chosen by score from `mid`.
 #[derive(Clone, Debug, PartialEq, Eq)]
