@@ -19,4 +19,16 @@ pub enum EngineError {
     /// A valid file with something this engine does not support (a tensor type, a version).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// Text that could not be encoded or ids that could not be decoded.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A request or call the engine rejects; the message says why.
+    #[error("invalid: {0}")]
+    Invalid(String),
+    /// The attention op rejected a batch.
+    #[error(transparent)]
+    Attn(#[from] attn_op::AttnError),
+    /// The sparse coordinator rejected a step.
+    #[error(transparent)]
+    Coord(#[from] coordinator::CoordError),
 }

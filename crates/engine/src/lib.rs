@@ -6,6 +6,21 @@
 #![deny(missing_docs)]
 
 mod error;
+pub mod eval;
+mod generate;
 pub mod gguf;
+mod kv;
+mod linear;
+mod model;
+mod sample;
+mod sparse;
+mod tokenizer;
 
 pub use error::EngineError;
+pub use generate::{GenerateStats, PREFILL_CHUNK, generate};
+pub use kv::{Batch, DenseAttention, KvStore};
+pub use linear::Linear;
+pub use model::{Attention, Model, ModelConfig};
+pub use sample::{Sampler, Sampling};
+pub use sparse::SparseAttention;
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""llama.cpp peer of the engine (llama-cpp-python from PyPI, on the same GGUF file).
+
+Two jobs:
+
+- `top1 --tokens T.json [--ours A.json]`: evaluates the token ids in T.json (a JSON list, the
+  engine's own tokenization) in one pass with every position's logits, and prints llama.cpp's
+  perplexity over them. With the engine's arg-max file (`hsa eval --argmax-out A.json`: a JSON
+  object {"start": s, "argmax": [...]}, the engine's prediction after each position s, s+1, ...)
+  it prints the share of positions where both predict the same next token.
+- `decode --context N [N ...]`: dense decode speed: a prompt of N tokens, then 64 generated
+  tokens (greedy), timed; prints tokens/s of the generation.
+
+Every result is also one JSON line on stdout, prefixed "RESULT ".
+"""
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+from llama_cpp import Llama
+
+
+def load(path, n_ctx, logits_all=False):
+    return Llama(
+        model_path=path,
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_threads=os.cpu_count(),
+        logits_all=logits_all,
+        verbose=False,
+    )
+
+
+def top1(args):
+    tokens = json.load(open(args.tokens))
+    llm = load(args.model, len(tokens) + 16, logits_all=True)
+    llm.eval(tokens)
+    logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
+    m = logits.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+    nll = lse[:-1] - logits[np.arange(len(tokens) - 1), tokens[1:]]
+    result = {"job": "top1", "tokens": len(tokens), "llama_cpp_ppl": float(np.exp(nll.mean()))}
+    if args.ours:
+        ours = json.load(open(args.ours))
+        start, pred = ours["start"], ours["argmax"]
+        theirs = logits[start : start + len(pred)].argmax(axis=1)
+        same = int((theirs == np.asarray(pred)).sum())
+        result.update({"positions": len(pred), "agree": same, "top1_agreement": same / len(pred)})
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def decode(args):
+    gen = 64
+    for n in args.context:
+        llm = load(args.model, n + gen + 16)
+        rng = np.random.default_rng(7)
+        prompt = [int(t) for t in rng.integers(100, llm.n_vocab(), size=n)]
+        llm.eval(prompt)
+        t0 = time.perf_counter()
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        for _ in range(gen):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        dt = time.perf_counter() - t0
+        print("RESULT " + json.dumps({"job": "decode", "context": n, "tokens_per_s": gen / dt}), flush=True)
+        del llm
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    sub = p.add_subparsers(dest="job", required=True)
+    t = sub.add_parser("top1")
+    t.add_argument("--tokens", required=True)
+    t.add_argument("--ours")
+    d = sub.add_parser("decode")
+    d.add_argument("--context", type=int, nargs="+", required=True)
+    args = p.parse_args()
+    {"top1": top1, "decode": decode}[args.job](args)
+
+
+if __name__ == "__main__":
+    main()

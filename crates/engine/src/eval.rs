@@ -1,0 +1,475 @@
+//! Fidelity evaluation: one text, dense and sparse variants side by side.
+//!
+//! The text's first `prefill` tokens are prefilled once (densely: every variant's prefill is
+//! dense attention), then every variant decodes the rest teacher-forced, in lockstep: at each
+//! position each variant predicts the next token of the text, and its logits are compared with
+//! the dense variant's at the same position.
+
+use std::time::Instant;
+
+use attn_op::Element;
+use coordinator::{Capacity, Mode, SparseConfig, SparseCoordinator};
+use kv_blocks::RequestId;
+use offload::{HostAlloc, StepStats};
+
+use crate::EngineError;
+use crate::kv::{Batch, DenseAttention, KvStore};
+use crate::model::{Attention, Model};
+use crate::sparse::SparseAttention;
+
+/// How the evaluation runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvalOptions {
+    /// Tokens prefilled before the teacher-forced decode starts.
+    pub prefill: usize,
+    /// Tokens per prefill forward (chunked prefill).
+    pub chunk: usize,
+    /// Tokens per block of the engine's own cache.
+    pub block_size: usize,
+    /// Measure the attention-mass recall of every sparse selection (costs a dense pass over
+    /// the keys per sparse row).
+    pub recall: bool,
+}
+
+/// What one variant did over the decoded positions.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VariantReport {
+    /// The variant's name.
+    pub name: String,
+    /// Whether the request ran in sparse mode (a prompt shorter than the sparse threshold
+    /// stays dense).
+    pub sparse: bool,
+    /// Positions decoded (each predicts the next token of the text).
+    pub positions: usize,
+    /// Mean negative log-likelihood of the text's next token (nats).
+    pub nll: f64,
+    /// Share of positions whose arg-max equals the dense variant's.
+    pub top1_agreement: f64,
+    /// Largest `|logit - dense logit|` over every position and token.
+    pub max_logit_diff: f32,
+    /// Mean attention-mass recall of the selections (sparse rows, every query head).
+    pub recall: Option<f64>,
+    /// Hot-buffer hits, misses and bytes moved over the decode.
+    pub stats: StepStats,
+    /// Device bytes the request holds at its full length: KV of dense layers, hot buffers
+    /// and representations of sparse ones.
+    pub device_bytes: usize,
+    /// Host bytes the request holds (the sparse layers' full KV).
+    pub host_bytes: usize,
+    /// Decode tokens per second (one request, teacher-forced).
+    pub tokens_per_s: f64,
+}
+
+impl VariantReport {
+    /// Perplexity over the decoded positions.
+    pub fn perplexity(&self) -> f64 {
+        self.nll.exp()
+    }
+}
+
+/// A variant in progress.
+struct Run<T: Element> {
+    report: VariantReport,
+    store: KvStore<T>,
+    coord: Option<SparseCoordinator<T>>,
+    /// Tokens in its cache.
+    len: usize,
+    argmax: Vec<u32>,
+    nll: f64,
+    recall: (f64, usize),
+    seconds: f64,
+}
+
+const ID: RequestId = RequestId(1);
+
+/// Evaluates dense (always first in the result) and every `(name, config)` sparse variant
+/// on `tokens`; `progress(done, total)` is called after every decode position.
+pub fn teacher_forced<T: Element>(
+    model: &Model,
+    tokens: &[u32],
+    variants: &[(String, SparseConfig)],
+    opts: &EvalOptions,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<VariantReport>, EngineError> {
+    let n = tokens.len();
+    if opts.prefill >= n {
+        return Err(EngineError::Invalid(format!(
+            "a prefill of {} leaves nothing to decode in {n} tokens",
+            opts.prefill
+        )));
+    }
+    let mut lock = Lockstep::<T>::prefill(model, &tokens[..opts.prefill], n, variants, opts)?;
+    let total = n - 1 - opts.prefill;
+    for p in opts.prefill..n - 1 {
+        let mut dense_logits = Vec::new();
+        for i in 0..lock.runs.len() {
+            let logits = lock.step(model, i, tokens[p], opts.recall)?;
+            let run = &mut lock.runs[i];
+            run.nll += nll(&logits, tokens[p + 1] as usize);
+            run.argmax.push(argmax(&logits));
+            if i == 0 {
+                dense_logits = logits;
+            } else {
+                let d = logits
+                    .iter()
+                    .zip(&dense_logits)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                run.report.max_logit_diff = run.report.max_logit_diff.max(d);
+            }
+        }
+        progress(p + 1 - opts.prefill, total);
+    }
+    let reference = lock.runs[0].argmax.clone();
+    Ok(lock
+        .runs
+        .into_iter()
+        .map(|r| {
+            let mut rep = r.report;
+            rep.positions = total;
+            rep.nll = r.nll / total.max(1) as f64;
+            let same = r
+                .argmax
+                .iter()
+                .zip(&reference)
+                .filter(|(a, b)| a == b)
+                .count();
+            rep.top1_agreement = same as f64 / total.max(1) as f64;
+            rep.recall = (r.recall.1 > 0).then(|| r.recall.0 / r.recall.1 as f64);
+            rep.tokens_per_s = total as f64 / r.seconds.max(1e-9);
+            rep
+        })
+        .collect())
+}
+
+/// Greedy continuation of one prompt by dense (first) and every sparse variant, sharing the
+/// prefill: `new_tokens` tokens each.
+pub fn greedy<T: Element>(
+    model: &Model,
+    prompt: &[u32],
+    new_tokens: usize,
+    variants: &[(String, SparseConfig)],
+    opts: &EvalOptions,
+) -> Result<Vec<Vec<u32>>, EngineError> {
+    let n = prompt.len() + new_tokens;
+    let mut lock = Lockstep::<T>::prefill(model, prompt, n, variants, opts)?;
+    let mut out = vec![Vec::with_capacity(new_tokens); lock.runs.len()];
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut tok = argmax(&lock.last);
+        o.push(tok);
+        while o.len() < new_tokens {
+            tok = argmax(&lock.step(model, i, tok, false)?);
+            o.push(tok);
+        }
+    }
+    Ok(out)
+}
+
+/// Variants that share one dense prefill, then decode separately.
+struct Lockstep<T: Element> {
+    runs: Vec<Run<T>>,
+    /// The prefill's last logits.
+    last: Vec<f32>,
+    table: Vec<i32>,
+}
+
+impl<T: Element> Lockstep<T> {
+    /// Prefills `prompt` once for dense and every variant, with room for `n` tokens.
+    fn prefill(
+        model: &Model,
+        prompt: &[u32],
+        n: usize,
+        variants: &[(String, SparseConfig)],
+        opts: &EvalOptions,
+    ) -> Result<Self, EngineError> {
+        if prompt.is_empty() || opts.chunk == 0 || opts.block_size == 0 {
+            return Err(EngineError::Invalid(format!(
+                "an evaluation with a prefill of {} in chunks of {}, blocks of {}",
+                prompt.len(),
+                opts.chunk,
+                opts.block_size
+            )));
+        }
+        let c = &model.config;
+        let blocks = n.div_ceil(opts.block_size);
+        let table: Vec<i32> = (0..blocks as i32).collect();
+        let mut store = KvStore::<T>::new(c, blocks, opts.block_size)?;
+        let mut coords = Vec::with_capacity(variants.len());
+        for (_, cfg) in variants {
+            let lowered = cfg.lower(c.shape(), None)?;
+            let page = lowered.page_size;
+            let mut coord = SparseCoordinator::<T>::new(
+                c.shape(),
+                lowered,
+                Capacity {
+                    max_requests: 1,
+                    max_tokens: n,
+                    host_pages: n.div_ceil(page) + 1,
+                    host_alloc: HostAlloc::Own,
+                },
+            )?;
+            coord.on_request_begin(ID, prompt.len())?;
+            coords.push(coord);
+        }
+        let mut last = Vec::new();
+        let mut pos = 0;
+        while pos < prompt.len() {
+            let e = (pos + opts.chunk).min(prompt.len());
+            let batch = Batch {
+                cu_seqlens_q: vec![0, (e - pos) as i32],
+                seq_lens_kv: vec![e as i32],
+                block_table: table.clone(),
+                max_blocks: blocks,
+                slots: (pos as i32..e as i32).collect(),
+            };
+            for coord in &mut coords {
+                coord.forward_begin(&[(ID, e - pos)])?;
+            }
+            let positions: Vec<usize> = (pos..e).collect();
+            let mut fan = Fanout {
+                dense: DenseAttention {
+                    store: &mut store,
+                    batch: &batch,
+                },
+                coords: &mut coords,
+            };
+            last = model.forward(&prompt[pos..e], &positions, &mut fan, &[e - pos - 1])?;
+            for coord in &mut coords {
+                coord.forward_end()?;
+            }
+            pos = e;
+        }
+        let kv_token = c.kv_bytes_per_token(size_of::<T>());
+        let layer_token = kv_token / c.layers;
+        let mut runs = Vec::with_capacity(variants.len() + 1);
+        for (i, coord) in std::iter::once(None)
+            .chain(coords.into_iter().map(Some))
+            .enumerate()
+        {
+            let (sparse, device_bytes, host_bytes) = match &coord {
+                Some(co) if co.tracker(ID).is_some_and(|t| t.mode == Mode::Sparse) => {
+                    let sparse_layers = co.lowered().layers.iter().flatten().count();
+                    (
+                        true,
+                        co.sparse_device_bytes(n) + (c.layers - sparse_layers) * layer_token * n,
+                        sparse_layers * layer_token * n,
+                    )
+                }
+                _ => (false, kv_token * n, 0),
+            };
+            runs.push(Run {
+                report: VariantReport {
+                    name: match i {
+                        0 => "dense".to_owned(),
+                        _ => variants[i - 1].0.clone(),
+                    },
+                    sparse,
+                    device_bytes,
+                    host_bytes,
+                    ..VariantReport::default()
+                },
+                store: store.clone(),
+                coord,
+                len: prompt.len(),
+                argmax: Vec::new(),
+                nll: 0.0,
+                recall: (0.0, 0),
+                seconds: 0.0,
+            });
+        }
+        Ok(Lockstep { runs, last, table })
+    }
+
+    /// Run `i` decodes `token` at its next position; returns its logits.
+    fn step(
+        &mut self,
+        model: &Model,
+        i: usize,
+        token: u32,
+        recall: bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        let run = &mut self.runs[i];
+        let p = run.len;
+        let batch = Batch {
+            cu_seqlens_q: vec![0, 1],
+            seq_lens_kv: vec![p as i32 + 1],
+            block_table: self.table.clone(),
+            max_blocks: self.table.len(),
+            slots: vec![p as i32],
+        };
+        let t0 = Instant::now();
+        let logits = match &mut run.coord {
+            None => model.forward(
+                &[token],
+                &[p],
+                &mut DenseAttention {
+                    store: &mut run.store,
+                    batch: &batch,
+                },
+                &[0],
+            )?,
+            Some(coord) => {
+                coord.forward_begin(&[(ID, 1)])?;
+                let mut sa = SparseAttention {
+                    coord,
+                    store: &mut run.store,
+                    batch: &batch,
+                    requests: &[(ID, 1)],
+                    stats: StepStats::default(),
+                    recall: recall.then(Vec::new),
+                };
+                let logits = model.forward(&[token], &[p], &mut sa, &[0])?;
+                let (stats, rec) = (sa.stats, sa.recall);
+                coord.forward_end()?;
+                run.report.stats.add(&stats);
+                if let Some(r) = rec {
+                    run.recall.0 += r.iter().sum::<f64>();
+                    run.recall.1 += r.len();
+                }
+                logits
+            }
+        };
+        run.seconds += t0.elapsed().as_secs_f64();
+        run.len += 1;
+        Ok(logits)
+    }
+}
+
+/// Dense attention that also walks every coordinator through the layer (a shared prefill).
+struct Fanout<'a, 'b, T: Element> {
+    dense: DenseAttention<'a, T>,
+    coords: &'b mut [SparseCoordinator<T>],
+}
+
+impl<T: Element> Attention for Fanout<'_, '_, T> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let (kt, vt) = (crate::kv::narrow::<T>(k), crate::kv::narrow::<T>(v));
+        for coord in self.coords.iter_mut() {
+            coord.attention_begin(layer, q, &kt, &vt)?;
+        }
+        self.dense.attend(layer, q, k, v, out)?;
+        for coord in self.coords.iter_mut() {
+            coord.attention_end(layer, &kt, &vt)?;
+        }
+        Ok(())
+    }
+}
+
+/// `-log softmax(logits)[target]`, in f64.
+pub fn nll(logits: &[f32], target: usize) -> f64 {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let s: f64 = logits.iter().map(|&x| f64::from(x - m).exp()).sum();
+    f64::from(m) + s.ln() - f64::from(logits[target])
+}
+
+/// The index of the largest logit (the first on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Passkey retrieval: how many of `trials` prompts of about `context` tokens, a five-digit
+/// key hidden at evenly spread depths in filler text, each variant (dense first) answers
+/// with the key (greedy, 8 tokens).
+pub fn passkey<T: Element>(
+    model: &Model,
+    tokenizer: &crate::Tokenizer,
+    context: usize,
+    trials: usize,
+    variants: &[(String, SparseConfig)],
+    opts: &EvalOptions,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<(String, usize)>, EngineError> {
+    const ANSWER: usize = 8;
+    let intro = tokenizer.encode(
+        "There is an important piece of information hidden inside a lot of irrelevant text. \
+         Find it and memorize it. I will quiz you about it.\n",
+    )?;
+    let filler = tokenizer
+        .encode("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")?;
+    let question = tokenizer.encode("\nWhat is the pass key? The pass key is")?;
+    let mut correct = vec![0usize; variants.len() + 1];
+    for t in 0..trials {
+        let key = 10_000 + (t as u64 * 7919 + 4243) % 90_000;
+        let needle = tokenizer.encode(&format!(
+            "The pass key is {key}. Remember it. {key} is the pass key. "
+        ))?;
+        let room = context
+            .checked_sub(intro.len() + needle.len() + question.len() + ANSWER)
+            .ok_or_else(|| EngineError::Invalid(format!("a passkey context of {context}")))?;
+        let reps = room / filler.len();
+        let at = reps * t / trials.max(1);
+        let mut prompt = intro.clone();
+        for r in 0..reps {
+            if r == at {
+                prompt.extend_from_slice(&needle);
+            }
+            prompt.extend_from_slice(&filler);
+        }
+        if at >= reps {
+            prompt.extend_from_slice(&needle);
+        }
+        prompt.extend_from_slice(&question);
+        let outs = greedy::<T>(model, &prompt, ANSWER, variants, opts)?;
+        for (c, out) in correct.iter_mut().zip(&outs) {
+            if tokenizer.decode(out)?.contains(&key.to_string()) {
+                *c += 1;
+            }
+        }
+        progress(t + 1, trials);
+    }
+    Ok(std::iter::once("dense".to_owned())
+        .chain(variants.iter().map(|v| v.0.clone()))
+        .zip(correct)
+        .collect())
+}
+
+/// The dense model's arg-max after every position of `tokens` (one prefill with every row's
+/// logits, in chunks): what it predicts for position `i + 1`.
+pub fn greedy_trace<T: Element>(
+    model: &Model,
+    tokens: &[u32],
+    opts: &EvalOptions,
+) -> Result<Vec<u32>, EngineError> {
+    let n = tokens.len();
+    let blocks = n.div_ceil(opts.block_size.max(1));
+    let table: Vec<i32> = (0..blocks as i32).collect();
+    let mut store = KvStore::<T>::new(&model.config, blocks, opts.block_size.max(1))?;
+    let mut out = Vec::with_capacity(n);
+    for (i, chunk) in tokens.chunks(opts.chunk.max(1)).enumerate() {
+        let pos = i * opts.chunk.max(1);
+        let e = pos + chunk.len();
+        let batch = Batch {
+            cu_seqlens_q: vec![0, chunk.len() as i32],
+            seq_lens_kv: vec![e as i32],
+            block_table: table.clone(),
+            max_blocks: blocks,
+            slots: (pos as i32..e as i32).collect(),
+        };
+        let rows: Vec<usize> = (0..chunk.len()).collect();
+        let positions: Vec<usize> = (pos..e).collect();
+        let logits = model.forward(
+            chunk,
+            &positions,
+            &mut DenseAttention {
+                store: &mut store,
+                batch: &batch,
+            },
+            &rows,
+        )?;
+        out.extend(logits.chunks(model.config.vocab).map(argmax));
+    }
+    Ok(out)
+}

@@ -1,0 +1,177 @@
+//! One request end to end: chunked prefill, then sampled decode with streamed text, dense or
+//! through the sparse coordinator.
+
+use std::time::Instant;
+
+use attn_op::Element;
+use coordinator::{Capacity, Mode, SparseConfig, SparseCoordinator};
+use kv_blocks::RequestId;
+use offload::{HostAlloc, StepStats};
+
+use crate::kv::{Batch, DenseAttention, KvStore};
+use crate::model::Model;
+use crate::sample::{Sampler, Sampling};
+use crate::sparse::SparseAttention;
+use crate::{EngineError, Tokenizer};
+
+/// What a generation did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerateStats {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub generated: usize,
+    /// Seconds of prefill.
+    pub prefill_s: f64,
+    /// Seconds of decode.
+    pub decode_s: f64,
+    /// Whether the request ran in sparse mode.
+    pub sparse: bool,
+    /// Hot-buffer hits, misses and bytes moved over the decode.
+    pub stats: StepStats,
+}
+
+/// The engine's request id for single-request runs.
+const ID: RequestId = RequestId(1);
+
+/// Tokens per prefill forward.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Generates from `prompt` with `sampling`; `sparse` routes attention through a sparse
+/// coordinator. `on_text` receives the decoded text as it grows (whole characters only);
+/// `progress(done, total)` follows the prefill.
+pub fn generate<T: Element>(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    sampling: &Sampling,
+    sparse: Option<&SparseConfig>,
+    mut on_text: impl FnMut(&str),
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(Vec<u32>, GenerateStats), EngineError> {
+    let mut sampler = Sampler::new(sampling)?;
+    let c = &model.config;
+    if prompt.is_empty() {
+        return Err(EngineError::Invalid("an empty prompt".into()));
+    }
+    let n = prompt.len() + sampling.max_tokens;
+    if n > c.context {
+        return Err(EngineError::Invalid(format!(
+            "{} prompt tokens + {} to generate exceed the model's context of {}",
+            prompt.len(),
+            sampling.max_tokens,
+            c.context
+        )));
+    }
+    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= c.vocab) {
+        return Err(EngineError::Invalid(format!(
+            "prompt token {t} outside the vocabulary"
+        )));
+    }
+    let bs = 16;
+    let blocks = n.div_ceil(bs);
+    let table: Vec<i32> = (0..blocks as i32).collect();
+    let mut store = KvStore::<T>::new(c, blocks, bs)?;
+    let mut coord = match sparse {
+        None => None,
+        Some(cfg) => {
+            let lowered = cfg.lower(c.shape(), None)?;
+            let pages = n.div_ceil(lowered.page_size) + 1;
+            let mut co = SparseCoordinator::<T>::new(
+                c.shape(),
+                lowered,
+                Capacity {
+                    max_requests: 1,
+                    max_tokens: n,
+                    host_pages: pages,
+                    host_alloc: HostAlloc::Own,
+                },
+            )?;
+            co.on_request_begin(ID, prompt.len())?;
+            Some(co)
+        }
+    };
+    let sparse_mode = coord
+        .as_ref()
+        .and_then(|co| co.tracker(ID))
+        .is_some_and(|t| t.mode == Mode::Sparse);
+    let mut stats = GenerateStats {
+        prompt_tokens: prompt.len(),
+        sparse: sparse_mode,
+        ..GenerateStats::default()
+    };
+    // One forward of `tokens` at `pos..`, the logits of its last row.
+    let mut forward = |tokens: &[u32], pos: usize, store: &mut KvStore<T>, decode: bool| {
+        let e = pos + tokens.len();
+        let slot = |p: usize| if decode && sparse_mode { -1 } else { p as i32 };
+        let batch = Batch {
+            cu_seqlens_q: vec![0, tokens.len() as i32],
+            seq_lens_kv: vec![e as i32],
+            block_table: table.clone(),
+            max_blocks: blocks,
+            slots: (pos..e).map(slot).collect(),
+        };
+        let positions: Vec<usize> = (pos..e).collect();
+        let last = [tokens.len() - 1];
+        match coord.as_mut() {
+            None => model.forward(
+                tokens,
+                &positions,
+                &mut DenseAttention {
+                    store,
+                    batch: &batch,
+                },
+                &last,
+            ),
+            Some(co) => {
+                co.forward_begin(&[(ID, tokens.len())])?;
+                let mut sa = SparseAttention {
+                    coord: co,
+                    store,
+                    batch: &batch,
+                    requests: &[(ID, tokens.len())],
+                    stats: StepStats::default(),
+                    recall: None,
+                };
+                let logits = model.forward(tokens, &positions, &mut sa, &last)?;
+                let s = sa.stats;
+                co.forward_end()?;
+                stats.stats.add(&s);
+                Ok(logits)
+            }
+        }
+    };
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+        logits = forward(chunk, i * PREFILL_CHUNK, &mut store, false)?;
+        progress(i * PREFILL_CHUNK + chunk.len(), prompt.len());
+    }
+    stats.prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut out: Vec<u32> = Vec::with_capacity(sampling.max_tokens);
+    let mut shown = 0;
+    loop {
+        let tok = sampler.sample(&logits);
+        if sampling.stop_at_eos && Some(tok) == tokenizer.eos() {
+            break;
+        }
+        out.push(tok);
+        let text = tokenizer.decode(&out)?;
+        // Hold back a trailing partial character (a multi-token UTF-8 sequence).
+        let ready = text.trim_end_matches('\u{fffd}');
+        if ready.len() > shown {
+            on_text(&ready[shown..]);
+            shown = ready.len();
+        }
+        let stop = sampling.stop.iter().any(|s| text.contains(s.as_str()));
+        if stop || out.len() == sampling.max_tokens {
+            break;
+        }
+        let pos = prompt.len() + out.len() - 1;
+        logits = forward(&[tok], pos, &mut store, true)?;
+    }
+    stats.generated = out.len();
+    stats.decode_s = t1.elapsed().as_secs_f64();
+    Ok((out, stats))
+}

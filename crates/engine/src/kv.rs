@@ -1,0 +1,130 @@
+//! The engine's own paged KV cache (one block tensor per layer) and dense attention over it.
+
+use attn_op::{
+    AttnOut, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv, paged_attention,
+};
+
+use crate::EngineError;
+use crate::model::{Attention, ModelConfig};
+
+/// K and V of every layer over `num_blocks` blocks of `block_size` tokens, shared by every
+/// request through its block table.
+#[derive(Clone, Debug)]
+pub struct KvStore<T: Element> {
+    layers: Vec<PagedKv<T>>,
+    params: AttnParams,
+}
+
+impl<T: Element> KvStore<T> {
+    /// A cache for `config` of `num_blocks` blocks.
+    pub fn new(
+        config: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
+        let layout = KvLayout {
+            num_blocks,
+            block_size,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+        };
+        let layers = (0..config.layers)
+            .map(|_| PagedKv::new(layout))
+            .collect::<Result<_, _>>()?;
+        Ok(KvStore {
+            layers,
+            params: AttnParams::new(config.q_heads, config.head_dim),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.layers.first().map_or(1, |l| l.layout().block_size)
+    }
+
+    /// Layer `layer`'s cache.
+    pub fn layer(&self, layer: usize) -> &PagedKv<T> {
+        &self.layers[layer]
+    }
+
+    /// The attention parameters of every layer.
+    pub fn params(&self) -> &AttnParams {
+        &self.params
+    }
+
+    /// Writes `k`, `v` (f32, `[tokens, kv_heads, head_dim]`) of layer `layer` into `slots`.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        slots: &[i32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), EngineError> {
+        let (k, v) = (narrow::<T>(k), narrow::<T>(v));
+        self.layers[layer].set_kv(slots, &k, &v)?;
+        Ok(())
+    }
+}
+
+/// f32 rows narrowed to the cache's element type.
+pub(crate) fn narrow<T: Element>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+/// A batch's metadata in the shared contract, owned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// `[num_seqs + 1]` prefix sums of the new tokens per sequence.
+    pub cu_seqlens_q: Vec<i32>,
+    /// `[num_seqs]` KV length per sequence, new tokens included.
+    pub seq_lens_kv: Vec<i32>,
+    /// `[num_seqs * max_blocks]` block table, -1-padded.
+    pub block_table: Vec<i32>,
+    /// Columns of the block table.
+    pub max_blocks: usize,
+    /// `[tokens]` the slot each new token's K and V go to.
+    pub slots: Vec<i32>,
+}
+
+impl Batch {
+    /// The borrowed view the attention op takes.
+    pub fn meta(&self) -> BatchMeta<'_> {
+        BatchMeta {
+            cu_seqlens_q: &self.cu_seqlens_q,
+            seq_lens_kv: &self.seq_lens_kv,
+            block_table: &self.block_table,
+            max_blocks: self.max_blocks,
+        }
+    }
+}
+
+/// Dense attention of a batch over a [`KvStore`]: the new tokens are written, then every
+/// query attends its sequence's whole causal prefix.
+pub struct DenseAttention<'a, T: Element> {
+    /// The cache.
+    pub store: &'a mut KvStore<T>,
+    /// The batch.
+    pub batch: &'a Batch,
+}
+
+impl<T: Element> Attention for DenseAttention<'_, T> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        self.store.write(layer, &self.batch.slots, k, v)?;
+        let q = narrow::<T>(q);
+        paged_attention(
+            &q,
+            &self.store.layers[layer],
+            &self.batch.meta(),
+            &self.store.params,
+            AttnOut { out, lse: None },
+        )?;
+        Ok(())
+    }
+}

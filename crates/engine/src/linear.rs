@@ -1,0 +1,219 @@
+//! Weight matrices in their file encoding (quantized or float), and `x · Wᵀ` over them.
+//!
+//! A few rows (decode) run a fused kernel: each weight row is dequantized into an L1-sized
+//! buffer and dotted with every input row, so the weights are read once, at their quantized
+//! size. Many rows (prefill) dequantize a tile of weight rows at a time and hand it to the
+//! `gemm` crate. Both are parallel over tiles of output features with rayon and built for
+//! AVX-512F or AVX2 + FMA where the CPU has them.
+
+use rayon::prelude::*;
+
+use crate::EngineError;
+use crate::gguf::{DType, Gguf, dequantize};
+
+/// A weight matrix `[rows, cols]`: `rows` output features, each a row of `cols` inputs.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+/// Output features per parallel task.
+const TILE: usize = 64;
+/// Input rows from which the `gemm` path runs.
+const GEMM_ROWS: usize = 8;
+
+impl Linear {
+    /// The tensor `name`, which must be `[rows, cols]` (GGUF dims `[cols, rows]`).
+    pub fn from_gguf(
+        g: &Gguf,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Linear, EngineError> {
+        let t = g.tensor(name)?;
+        if t.dims != [cols, rows] {
+            return Err(EngineError::Malformed(format!(
+                "{name}: dimensions {:?}, expected [{cols}, {rows}]",
+                t.dims
+            )));
+        }
+        let (per, bytes) = t.dtype.block();
+        Ok(Linear {
+            dtype: t.dtype,
+            rows,
+            cols,
+            row_bytes: cols / per * bytes,
+            data: g.raw(name)?.to_vec(),
+        })
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Row `r` dequantized into `out` (`cols` elements); an embedding lookup.
+    pub fn row(&self, r: usize, out: &mut [f32]) {
+        let b = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
+        dequantize(self.dtype, b, &mut out[..self.cols]);
+    }
+
+    /// `out [n, rows] = x [n, cols] · Wᵀ`.
+    pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        assert!(
+            x.len() == n * self.cols && out.len() == n * self.rows,
+            "Linear::forward: callers size x and out from the model's own shapes"
+        );
+        let isa = isa();
+        // Per tile of output features, the results [n, tile], then scattered into out.
+        let mut tiles = vec![0.0f32; self.rows.div_ceil(TILE) * TILE * n];
+        tiles
+            .par_chunks_mut(TILE * n)
+            .enumerate()
+            .for_each(|(t, dst)| {
+                let r0 = t * TILE;
+                let nr = TILE.min(self.rows - r0);
+                let w = &self.data[r0 * self.row_bytes..(r0 + nr) * self.row_bytes];
+                if n < GEMM_ROWS {
+                    tile_dot(isa, self, w, x, n, dst);
+                } else {
+                    tile_gemm(self, w, nr, x, n, dst);
+                }
+            });
+        for (t, src) in tiles.chunks(TILE * n).enumerate() {
+            let r0 = t * TILE;
+            let nr = TILE.min(self.rows - r0);
+            for i in 0..n {
+                out[i * self.rows + r0..][..nr].copy_from_slice(&src[i * TILE..][..nr]);
+            }
+        }
+    }
+}
+
+/// Dequantizes a tile and multiplies it with `gemm`: `dst [n, TILE]` (first `nr` columns).
+fn tile_gemm(l: &Linear, w: &[u8], nr: usize, x: &[f32], n: usize, dst: &mut [f32]) {
+    let mut buf = vec![0.0f32; nr * l.cols];
+    for (r, out) in buf.chunks_exact_mut(l.cols).enumerate() {
+        dequantize(l.dtype, &w[r * l.row_bytes..(r + 1) * l.row_bytes], out);
+    }
+    // dst[i][j] = Σ_k x[i][k] · buf[j][k]: lhs x (row stride cols), rhs bufᵀ (column stride
+    // cols), dst row stride TILE.
+    // SAFETY: every pointer comes from a live slice whose length covers the strided extent:
+    // x holds n × cols, buf nr × cols, dst n × TILE with nr ≤ TILE; nothing aliases.
+    unsafe {
+        gemm::gemm(
+            n,
+            nr,
+            l.cols,
+            dst.as_mut_ptr(),
+            1,
+            TILE as isize,
+            false,
+            x.as_ptr(),
+            1,
+            l.cols as isize,
+            buf.as_ptr(),
+            l.cols as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// The fused decode kernel over one tile, in the widest build the CPU runs.
+fn tile_dot(isa: u8, l: &Linear, w: &[u8], x: &[f32], n: usize, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == AVX512 {
+            // SAFETY: `isa()` returned AVX512 only after detecting avx512f, avx2, fma and f16c.
+            return unsafe { tile_dot_avx512(l, w, x, n, dst) };
+        }
+        if isa == AVX2 {
+            // SAFETY: `isa()` returned AVX2 only after detecting avx2, fma and f16c.
+            return unsafe { tile_dot_avx2(l, w, x, n, dst) };
+        }
+    }
+    let _ = isa;
+    tile_dot_impl::<false>(l, w, x, n, dst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn tile_dot_avx512(l: &Linear, w: &[u8], x: &[f32], n: usize, dst: &mut [f32]) {
+    tile_dot_impl::<true>(l, w, x, n, dst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn tile_dot_avx2(l: &Linear, w: &[u8], x: &[f32], n: usize, dst: &mut [f32]) {
+    tile_dot_impl::<true>(l, w, x, n, dst);
+}
+
+/// Each weight row of the tile dequantized once, dotted with the `n` input rows.
+#[inline(always)]
+fn tile_dot_impl<const FMA: bool>(l: &Linear, w: &[u8], x: &[f32], n: usize, dst: &mut [f32]) {
+    let mut buf = vec![0.0f32; l.cols];
+    for (r, wr) in w.chunks_exact(l.row_bytes).enumerate() {
+        dequantize(l.dtype, wr, &mut buf);
+        for (i, xr) in x.chunks_exact(l.cols).enumerate().take(n) {
+            dst[i * TILE + r] = dot::<FMA>(&buf, xr);
+        }
+    }
+}
+
+/// `a · b` with 16 independent accumulators (fused multiply-adds where the build has them).
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] = if FMA {
+                x[i].mul_add(y[i], acc[i])
+            } else {
+                acc[i] + x[i] * y[i]
+            };
+        }
+    }
+    let mut s = 0.0;
+    for h in 0..8 {
+        s += acc[h] + acc[h + 8];
+    }
+    s + tail
+}
+
+const PORTABLE: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+
+/// The widest build this CPU runs.
+fn isa() -> u8 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            return if has!("avx512f") { AVX512 } else { AVX2 };
+        }
+    }
+    PORTABLE
+}

@@ -1,0 +1,413 @@
+//! `hsa`: generate text with a GGUF model, and evaluate dense against hierarchical sparse
+//! attention on it.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a command-line tool"
+)]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use coordinator::SparseConfig;
+use engine::eval::{EvalOptions, VariantReport};
+use engine::gguf::Gguf;
+use engine::{EngineError, Model, Sampling, Tokenizer};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Deserialize;
+
+/// Where `cargo xtask fetch-model` puts the model.
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser)]
+#[command(
+    name = "hsa",
+    version,
+    about = "Hierarchical sparse attention engine (CPU)"
+)]
+struct Cli {
+    /// A TOML file: `model`, `[sampling]`, `[sparse]` and `[variants.NAME]` tables.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// The GGUF model (default: the config's `model`, else the one `cargo xtask fetch-model`
+    /// fetches).
+    #[arg(long, global = true)]
+    model: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generates text from a prompt, streamed, then prints stats.
+    Generate(GenerateArgs),
+    /// Dense against sparse variants on a text: perplexity, top-1 agreement, logit drift,
+    /// mass recall, bytes and speed; optionally passkey retrieval.
+    Eval(EvalArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// The prompt.
+    #[arg(long, conflicts_with = "file")]
+    prompt: Option<String>,
+    /// A file holding the prompt.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Wrap the prompt in the model's chat template (ChatML).
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// 0: greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus sampling threshold.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Sampling seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Attend through the sparse coordinator with the config's `[sparse]` table (its
+    /// defaults without one).
+    #[arg(long)]
+    sparse: bool,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// The text (default: the GPL-3 text Debian ships in /usr/share/common-licenses).
+    #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
+    text: PathBuf,
+    /// Use the first N tokens of the text.
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Tokens prefilled before the teacher-forced decode (default: all but the last 512).
+    #[arg(long)]
+    prefill: Option<usize>,
+    /// Skip the attention-mass recall measurement.
+    #[arg(long)]
+    no_recall: bool,
+    /// Passkey retrieval at these contexts (e.g. 4096,8000), 10 depths each.
+    #[arg(long, value_delimiter = ',')]
+    passkey: Vec<usize>,
+    /// Depths per passkey context.
+    #[arg(long, default_value_t = 10)]
+    passkey_trials: usize,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the evaluated token ids here (JSON), for the llama.cpp peer.
+    #[arg(long)]
+    tokens_out: Option<PathBuf>,
+    /// Write the dense variant's per-position arg-max here (JSON), for the llama.cpp peer.
+    #[arg(long)]
+    argmax_out: Option<PathBuf>,
+}
+
+/// The TOML configuration file.
+#[derive(Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct FileConfig {
+    model: Option<PathBuf>,
+    sampling: Sampling,
+    sparse: SparseConfig,
+    /// Sparse variants of `eval`, by name (default: see [`default_variants`]).
+    variants: BTreeMap<String, SparseConfig>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), EngineError> {
+    let file = match &cli.config {
+        None => FileConfig::default(),
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|source| EngineError::Io {
+                path: p.clone(),
+                source,
+            })?;
+            toml::from_str(&text)
+                .map_err(|e| EngineError::Invalid(format!("{}: {e}", p.display())))?
+        }
+    };
+    let path = cli
+        .model
+        .clone()
+        .or_else(|| file.model.clone())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    if !path.exists() {
+        return Err(EngineError::Invalid(format!(
+            "no model at {} (run `cargo xtask fetch-model`, or pass --model)",
+            path.display()
+        )));
+    }
+    let gguf = Gguf::open(&path)?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let model = Model::load(&gguf)?;
+    match cli.command {
+        Command::Generate(a) => generate(&model, &tokenizer, &file, a),
+        Command::Eval(a) => eval(&model, &tokenizer, &file, &a),
+    }
+}
+
+fn bar(len: usize, what: &str) -> ProgressBar {
+    let b = ProgressBar::new(len as u64);
+    b.set_style(
+        ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} {elapsed} (eta {eta})")
+            .expect("a constant, valid template")
+            .progress_chars("=> "),
+    );
+    b.set_message(what.to_owned());
+    b
+}
+
+fn generate(
+    model: &Model,
+    tok: &Tokenizer,
+    file: &FileConfig,
+    a: GenerateArgs,
+) -> Result<(), EngineError> {
+    let mut text = match (&a.prompt, &a.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read(f)?,
+        (None, None) => return Err(EngineError::Invalid("give --prompt or --file".into())),
+    };
+    if a.chat {
+        text = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
+    }
+    let mut s = file.sampling.clone();
+    s.max_tokens = a.max_tokens.unwrap_or(s.max_tokens);
+    s.temperature = a.temperature.unwrap_or(s.temperature);
+    s.top_p = a.top_p.unwrap_or(s.top_p);
+    s.seed = a.seed.unwrap_or(s.seed);
+    s.stop.extend(a.stop);
+    if a.chat {
+        s.stop.push("<|im_end|>".to_owned());
+    }
+    let prompt = tok.encode(&text)?;
+    let b = bar(prompt.len(), "prefill");
+    let sparse = a.sparse.then_some(&file.sparse);
+    let mut out = std::io::stdout();
+    let (_, st) = engine::generate::<half::f16>(
+        model,
+        tok,
+        &prompt,
+        &s,
+        sparse,
+        |t| {
+            if !b.is_finished() {
+                b.finish_and_clear();
+            }
+            let _ = write!(out, "{t}");
+            let _ = out.flush();
+        },
+        |d, _| b.set_position(d as u64),
+    )?;
+    println!();
+    eprintln!(
+        "prompt {} tokens in {:.2}s ({:.1} tok/s); generated {} in {:.2}s ({:.1} tok/s); {}",
+        st.prompt_tokens,
+        st.prefill_s,
+        st.prompt_tokens as f64 / st.prefill_s.max(1e-9),
+        st.generated,
+        st.decode_s,
+        st.generated as f64 / st.decode_s.max(1e-9),
+        if st.sparse {
+            format!(
+                "sparse: hit rate {:.3}, {:.0} KiB moved per step",
+                hit_rate(&st.stats),
+                st.stats.bytes as f64 / 1024.0 / st.generated.max(1) as f64
+            )
+        } else {
+            "dense".to_owned()
+        }
+    );
+    Ok(())
+}
+
+fn read(p: &Path) -> Result<String, EngineError> {
+    std::fs::read_to_string(p).map_err(|source| EngineError::Io {
+        path: p.to_owned(),
+        source,
+    })
+}
+
+fn hit_rate(s: &offload::StepStats) -> f64 {
+    s.hits as f64 / (s.hits + s.misses).max(1) as f64
+}
+
+/// The variants `eval` runs without a config: the acceptance figures of the engine issue.
+fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
+    let quest = |budget: usize, dense: Vec<usize>, min_prompt: Option<usize>| {
+        let mut c = SparseConfig {
+            dense_layers: dense,
+            min_prompt_tokens: min_prompt,
+            ..SparseConfig::default()
+        };
+        if let sparse_algo::AlgoConfig::Quest(q) = &mut c.algo {
+            q.budget_tokens = budget;
+        }
+        c
+    };
+    let full = context.div_ceil(16) * 16;
+    vec![
+        (
+            "quest-1024+2dense".to_owned(),
+            quest(1024, vec![0, 1], Some(1)),
+        ),
+        (
+            format!("quest-full-{full}"),
+            quest(full, Vec::new(), Some(1)),
+        ),
+    ]
+}
+
+fn eval(
+    model: &Model,
+    tok: &Tokenizer,
+    file: &FileConfig,
+    a: &EvalArgs,
+) -> Result<(), EngineError> {
+    let text = read(&a.text)?;
+    let mut ids = tok.encode(&text)?;
+    ids.truncate(a.tokens.unwrap_or(usize::MAX).min(model.config.context));
+    let n = ids.len();
+    let prefill = a.prefill.unwrap_or(n.saturating_sub(512).max(1));
+    let variants: Vec<(String, SparseConfig)> = if file.variants.is_empty() {
+        default_variants(n)
+    } else {
+        file.variants.clone().into_iter().collect()
+    };
+    let opts = EvalOptions {
+        prefill,
+        chunk: engine::PREFILL_CHUNK,
+        block_size: 16,
+        recall: !a.no_recall,
+    };
+    eprintln!(
+        "{}: {n} tokens; prefill {prefill}, then {} teacher-forced decode positions; variants: dense, {}",
+        a.text.display(),
+        n.saturating_sub(prefill + 1),
+        variants
+            .iter()
+            .map(|v| v.0.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let b = bar(n - prefill - 1, "decode");
+    let reports =
+        engine::eval::teacher_forced::<half::f16>(model, &ids, &variants, &opts, |d, _| {
+            b.set_position(d as u64);
+        })?;
+    b.finish_and_clear();
+    print_table(&reports);
+    let mut passkeys = Vec::new();
+    for &ctx in &a.passkey {
+        let b = bar(a.passkey_trials, &format!("passkey {ctx}"));
+        let r = engine::eval::passkey::<half::f16>(
+            model,
+            tok,
+            ctx,
+            a.passkey_trials,
+            &variants,
+            &opts,
+            |d, _| b.set_position(d as u64),
+        )?;
+        b.finish_and_clear();
+        for (name, ok) in &r {
+            println!("passkey {ctx}: {name:<24} {ok}/{}", a.passkey_trials);
+        }
+        passkeys.push((ctx, r));
+    }
+    if let Some(p) = &a.tokens_out {
+        write_json(p, &serde_json::json!(ids))?;
+    }
+    if let Some(p) = &a.argmax_out {
+        let am = engine::eval::greedy_trace::<half::f16>(model, &ids, &opts)?;
+        write_json(p, &serde_json::json!({ "start": 0, "argmax": am }))?;
+    }
+    if let Some(p) = &a.json {
+        let v: Vec<_> = reports.iter().map(report_json).collect();
+        let pk: Vec<_> = passkeys
+            .iter()
+            .map(|(ctx, r)| serde_json::json!({ "context": ctx, "trials": a.passkey_trials, "correct": r }))
+            .collect();
+        write_json(
+            p,
+            &serde_json::json!({ "text": a.text, "tokens": n, "prefill": prefill, "variants": v, "passkey": pk }),
+        )?;
+    }
+    Ok(())
+}
+
+fn write_json(p: &Path, v: &serde_json::Value) -> Result<(), EngineError> {
+    std::fs::write(p, v.to_string()).map_err(|source| EngineError::Io {
+        path: p.to_owned(),
+        source,
+    })
+}
+
+fn report_json(r: &VariantReport) -> serde_json::Value {
+    serde_json::json!({
+        "name": r.name, "sparse": r.sparse, "positions": r.positions,
+        "perplexity": r.perplexity(), "top1_agreement": r.top1_agreement,
+        "max_logit_diff": r.max_logit_diff, "mass_recall": r.recall,
+        "device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
+        "bytes_per_step": r.stats.bytes as f64 / r.positions.max(1) as f64,
+        "hit_rate": hit_rate(&r.stats), "tokens_per_s": r.tokens_per_s,
+    })
+}
+
+fn print_table(reports: &[VariantReport]) {
+    println!(
+        "{:<24} {:>6} {:>9} {:>7} {:>9} {:>7} {:>10} {:>10} {:>11} {:>6} {:>7}",
+        "variant",
+        "mode",
+        "ppl",
+        "top-1",
+        "max|Δlogit|",
+        "recall",
+        "device MiB",
+        "host MiB",
+        "KiB/step",
+        "hit",
+        "tok/s"
+    );
+    let mib = |b: usize| b as f64 / 1_048_576.0;
+    for r in reports {
+        println!(
+            "{:<24} {:>6} {:>9.4} {:>7.4} {:>9.4} {:>7} {:>10.1} {:>10.1} {:>11.1} {:>6} {:>7.1}",
+            r.name,
+            if r.sparse { "sparse" } else { "dense" },
+            r.perplexity(),
+            r.top1_agreement,
+            r.max_logit_diff,
+            r.recall.map_or("-".to_owned(), |x| format!("{x:.4}")),
+            mib(r.device_bytes),
+            mib(r.host_bytes),
+            r.stats.bytes as f64 / 1024.0 / r.positions.max(1) as f64,
+            if r.sparse {
+                format!("{:.3}", hit_rate(&r.stats))
+            } else {
+                "-".to_owned()
+            },
+            r.tokens_per_s,
+        );
+    }
+}

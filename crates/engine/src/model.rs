@@ -1,0 +1,313 @@
+//! The Llama-family transformer on the CPU: RMSNorm, RoPE on adjacent pairs, grouped-query
+//! attention through an [`Attention`] backend, SwiGLU, and a (possibly tied) output head.
+
+use rayon::prelude::*;
+
+use crate::EngineError;
+use crate::gguf::{Gguf, Value};
+use crate::linear::Linear;
+
+/// The shape and constants of a Llama-family model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Width of the residual stream.
+    pub embed: usize,
+    /// Width of the feed-forward hidden layer.
+    pub ffn: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// KV heads (a divisor of the query heads).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Tokens in the vocabulary.
+    pub vocab: usize,
+    /// The context length the model was trained for.
+    pub context: usize,
+    /// RoPE base frequency.
+    pub rope_base: f32,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+}
+
+impl ModelConfig {
+    /// Reads the `{arch}.*` metadata of a GGUF file (architecture `llama`).
+    pub fn from_gguf(g: &Gguf) -> Result<ModelConfig, EngineError> {
+        let arch = g
+            .metadata
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if arch != "llama" {
+            return Err(EngineError::Unsupported(format!(
+                "architecture {arch:?} (only \"llama\")"
+            )));
+        }
+        let get = |k: &str| g.metadata.get(&format!("{arch}.{k}"));
+        let int = |k: &str| -> Result<usize, EngineError> {
+            get(k)
+                .and_then(Value::as_u64)
+                .filter(|&v| v > 0 && v < 1 << 24)
+                .map(|v| v as usize)
+                .ok_or_else(|| EngineError::Malformed(format!("{arch}.{k} missing or invalid")))
+        };
+        let float = |k: &str, default: f64| -> Result<f32, EngineError> {
+            match get(k) {
+                None => Ok(default as f32),
+                Some(v) => v
+                    .as_f64()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .map(|x| x as f32)
+                    .ok_or_else(|| EngineError::Malformed(format!("{arch}.{k} = {v:?}"))),
+            }
+        };
+        let (embed, q_heads) = (int("embedding_length")?, int("attention.head_count")?);
+        let kv_heads = match get("attention.head_count_kv") {
+            None => q_heads,
+            Some(_) => int("attention.head_count_kv")?,
+        };
+        let head_dim = match get("attention.key_length") {
+            None => embed / q_heads,
+            Some(_) => int("attention.key_length")?,
+        };
+        let vocab = g
+            .tensor("token_embd.weight")?
+            .dims
+            .get(1)
+            .copied()
+            .unwrap_or(0);
+        let c = ModelConfig {
+            layers: int("block_count")?,
+            embed,
+            ffn: int("feed_forward_length")?,
+            q_heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            context: int("context_length")?,
+            rope_base: float("rope.freq_base", 10_000.0)?,
+            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
+        };
+        if !q_heads.is_multiple_of(kv_heads) || head_dim % 2 != 0 || vocab == 0 {
+            return Err(EngineError::Malformed(format!("inconsistent shape {c:?}")));
+        }
+        Ok(c)
+    }
+
+    /// The shape the attention layers see.
+    pub fn shape(&self) -> coordinator::ModelShape {
+        coordinator::ModelShape {
+            layers: self.layers,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Bytes of K and V per token over all layers, at `elem` bytes per element.
+    pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
+        self.layers * 2 * self.kv_heads * self.head_dim * elem
+    }
+}
+
+/// Where a forward's attention runs: the engine's dense cache, the coordinator's sparse
+/// path, or a test's.
+pub trait Attention {
+    /// Layer `layer`'s attention for the batch's new tokens: `q` is
+    /// `[tokens, q_heads, head_dim]`, `k` and `v` are `[tokens, kv_heads, head_dim]` (RoPE
+    /// applied); the result goes to `out`, `[tokens, q_heads, head_dim]`.
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError>;
+}
+
+/// One transformer block's weights.
+struct Block {
+    attn_norm: Vec<f32>,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded model.
+pub struct Model {
+    /// Its shape.
+    pub config: ModelConfig,
+    embed: Linear,
+    /// `None`: tied to the embedding.
+    output: Option<Linear>,
+    output_norm: Vec<f32>,
+    blocks: Vec<Block>,
+    /// Per pair `i` of a head, `rope_base^(-2i / head_dim)`.
+    freqs: Vec<f32>,
+}
+
+impl Model {
+    /// Loads every weight of a Llama-family GGUF file (quantized weights stay quantized).
+    pub fn load(g: &Gguf) -> Result<Model, EngineError> {
+        let c = ModelConfig::from_gguf(g)?;
+        let vec = |name: &str, len: usize| -> Result<Vec<f32>, EngineError> {
+            if g.tensor(name)?.dims != [len] {
+                return Err(EngineError::Malformed(format!("{name}: expected [{len}]")));
+            }
+            g.dequantize(name)
+        };
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let blocks = (0..c.layers)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}.weight");
+                Ok(Block {
+                    attn_norm: vec(&n("attn_norm"), c.embed)?,
+                    wq: Linear::from_gguf(g, &n("attn_q"), qd, c.embed)?,
+                    wk: Linear::from_gguf(g, &n("attn_k"), kvd, c.embed)?,
+                    wv: Linear::from_gguf(g, &n("attn_v"), kvd, c.embed)?,
+                    wo: Linear::from_gguf(g, &n("attn_output"), c.embed, qd)?,
+                    ffn_norm: vec(&n("ffn_norm"), c.embed)?,
+                    gate: Linear::from_gguf(g, &n("ffn_gate"), c.ffn, c.embed)?,
+                    up: Linear::from_gguf(g, &n("ffn_up"), c.ffn, c.embed)?,
+                    down: Linear::from_gguf(g, &n("ffn_down"), c.embed, c.ffn)?,
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let output = match g.tensors.contains_key("output.weight") {
+            true => Some(Linear::from_gguf(g, "output.weight", c.vocab, c.embed)?),
+            false => None,
+        };
+        let half = c.head_dim / 2;
+        let freqs = (0..half)
+            .map(|i| (f64::from(c.rope_base).powf(-2.0 * i as f64 / c.head_dim as f64)) as f32)
+            .collect();
+        Ok(Model {
+            embed: Linear::from_gguf(g, "token_embd.weight", c.vocab, c.embed)?,
+            output,
+            output_norm: vec("output_norm.weight", c.embed)?,
+            blocks,
+            freqs,
+            config: c,
+        })
+    }
+
+    /// One forward over a batch's new tokens at their absolute `positions`, attention through
+    /// `attn`. Returns the logits `[logits_for.len(), vocab]` of the token rows in
+    /// `logits_for`.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        attn: &mut dyn Attention,
+        logits_for: &[usize],
+    ) -> Result<Vec<f32>, EngineError> {
+        let c = &self.config;
+        let n = tokens.len();
+        if positions.len() != n {
+            return Err(EngineError::Invalid(format!(
+                "{n} tokens but {} positions",
+                positions.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(EngineError::Invalid(format!(
+                "token {t} outside the vocabulary of {}",
+                c.vocab
+            )));
+        }
+        if let Some(&r) = logits_for.iter().find(|&&r| r >= n) {
+            return Err(EngineError::Invalid(format!("logits of row {r} of {n}")));
+        }
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut x = vec![0.0f32; n * c.embed];
+        x.par_chunks_mut(c.embed)
+            .zip(tokens)
+            .for_each(|(row, &t)| self.embed.row(t as usize, row));
+        let mut h = vec![0.0f32; n * c.embed];
+        let (mut q, mut k, mut v) = (vec![0.0; n * qd], vec![0.0; n * kvd], vec![0.0; n * kvd]);
+        let mut att = vec![0.0f32; n * qd];
+        let mut o = vec![0.0f32; n * c.embed];
+        let (mut g, mut u) = (vec![0.0f32; n * c.ffn], vec![0.0f32; n * c.ffn]);
+        for (l, b) in self.blocks.iter().enumerate() {
+            rms_norm(&x, &b.attn_norm, c.rms_eps, &mut h);
+            b.wq.forward(&h, n, &mut q);
+            b.wk.forward(&h, n, &mut k);
+            b.wv.forward(&h, n, &mut v);
+            self.rope(&mut q, positions);
+            self.rope(&mut k, positions);
+            attn.attend(l, &q, &k, &v, &mut att)?;
+            b.wo.forward(&att, n, &mut o);
+            add(&mut x, &o);
+            rms_norm(&x, &b.ffn_norm, c.rms_eps, &mut h);
+            b.gate.forward(&h, n, &mut g);
+            b.up.forward(&h, n, &mut u);
+            g.par_chunks_mut(c.ffn)
+                .zip(u.par_chunks(c.ffn))
+                .for_each(|(g, u)| {
+                    for (a, &b) in g.iter_mut().zip(u) {
+                        *a = *a / (1.0 + (-*a).exp()) * b;
+                    }
+                });
+            b.down.forward(&g, n, &mut o);
+            add(&mut x, &o);
+        }
+        let mut last = Vec::with_capacity(logits_for.len() * c.embed);
+        for &r in logits_for {
+            last.extend_from_slice(&x[r * c.embed..(r + 1) * c.embed]);
+        }
+        let mut normed = vec![0.0f32; last.len()];
+        rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
+        let mut logits = vec![0.0f32; logits_for.len() * c.vocab];
+        let head = self.output.as_ref().unwrap_or(&self.embed);
+        head.forward(&normed, logits_for.len(), &mut logits);
+        Ok(logits)
+    }
+
+    /// Rotates adjacent pairs `(2i, 2i + 1)` of every head of every row by `pos · freq_i`
+    /// (the GGUF convention: llama.cpp's converter permuted Q and K for it).
+    fn rope(&self, x: &mut [f32], positions: &[usize]) {
+        let d = self.config.head_dim;
+        let width = x.len() / positions.len().max(1);
+        x.par_chunks_mut(width)
+            .zip(positions)
+            .for_each(|(row, &p)| {
+                for head in row.chunks_exact_mut(d) {
+                    for (pair, &f) in head.chunks_exact_mut(2).zip(&self.freqs) {
+                        let (s, c) = (p as f32 * f).sin_cos();
+                        let (a, b) = (pair[0], pair[1]);
+                        pair[0] = a * c - b * s;
+                        pair[1] = a * s + b * c;
+                    }
+                }
+            });
+    }
+}
+
+/// `out = x / rms(x) * w`, row by row.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, x)| {
+            let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let r = 1.0 / (ss + eps).sqrt();
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                *o = x * r * w;
+            }
+        });
+}
+
+/// `x += y`.
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
