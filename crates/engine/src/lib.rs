@@ -14,6 +14,7 @@ mod linear;
 mod model;
 mod sample;
 mod sparse;
+pub mod synthetic;
 mod tokenizer;
 
 pub use error::EngineError;

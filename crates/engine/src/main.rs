@@ -22,6 +22,20 @@ use serde::Deserialize;
 /// Where `cargo xtask fetch-model` puts the model.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// The shape of SmolLM2-135M, for the synthetic model.
+const SMOLLM2_135M: engine::ModelConfig = engine::ModelConfig {
+    layers: 30,
+    embed: 576,
+    ffn: 1536,
+    q_heads: 9,
+    kv_heads: 3,
+    head_dim: 64,
+    vocab: 49152,
+    context: 8192,
+    rope_base: 100_000.0,
+    rms_eps: 1e-5,
+};
+
 #[derive(Parser)]
 #[command(
     name = "hsa",
@@ -36,6 +50,11 @@ struct Cli {
     /// fetches).
     #[arg(long, global = true)]
     model: Option<PathBuf>,
+    /// Run a synthetic model of the real model's shape with random weights and a byte-level
+    /// tokenizer instead of a file (its text and perplexity are noise; bytes and speed are
+    /// real).
+    #[arg(long, global = true, conflicts_with = "model")]
+    synthetic: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -146,18 +165,27 @@ fn run(cli: Cli) -> Result<(), EngineError> {
                 .map_err(|e| EngineError::Invalid(format!("{}: {e}", p.display())))?
         }
     };
-    let path = cli
-        .model
-        .clone()
-        .or_else(|| file.model.clone())
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
-    if !path.exists() {
-        return Err(EngineError::Invalid(format!(
-            "no model at {} (run `cargo xtask fetch-model`, or pass --model)",
-            path.display()
-        )));
-    }
-    let gguf = Gguf::open(&path)?;
+    let gguf = if cli.synthetic {
+        eprintln!("synthetic model: SmolLM2-135M's shape, random Q4_1 weights, byte tokens");
+        Gguf::from_bytes(engine::synthetic::synthetic_gguf(
+            &SMOLLM2_135M,
+            engine::gguf::DType::Q4_1,
+            1,
+        ))?
+    } else {
+        let path = cli
+            .model
+            .clone()
+            .or_else(|| file.model.clone())
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+        if !path.exists() {
+            return Err(EngineError::Invalid(format!(
+                "no model at {} (run `cargo xtask fetch-model`, pass --model, or --synthetic)",
+                path.display()
+            )));
+        }
+        Gguf::open(&path)?
+    };
     let tokenizer = Tokenizer::from_gguf(&gguf)?;
     let model = Model::load(&gguf)?;
     match cli.command {

@@ -1,3 +1,5 @@
 //! Integration tests of the engine.
 
 mod gguf;
+mod model;
+mod real;

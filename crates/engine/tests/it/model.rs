@@ -1,0 +1,291 @@
+//! The forward pass on synthetic models: matmul paths against an f64 reference, chunked
+//! prefill against token-by-token decode, sparse with a full budget against dense, sampling,
+//! and typed errors on bad requests.
+
+use coordinator::SparseConfig;
+use engine::eval::{EvalOptions, teacher_forced};
+use engine::gguf::{DType, Gguf};
+use engine::synthetic::synthetic_gguf;
+use engine::{
+    Batch, DenseAttention, EngineError, KvStore, Linear, Model, ModelConfig, Sampler, Sampling,
+    Tokenizer,
+};
+
+const TINY: ModelConfig = ModelConfig {
+    layers: 3,
+    embed: 64,
+    ffn: 160,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    vocab: 300,
+    context: 1024,
+    rope_base: 10_000.0,
+    rms_eps: 1e-5,
+};
+
+fn tiny(dtype: DType) -> Gguf {
+    Gguf::from_bytes(synthetic_gguf(&TINY, dtype, 7)).expect("the writer writes valid files")
+}
+
+/// Token ids of a deterministic pseudo-text.
+fn text(n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + i / 5 * 11 + 3) % 256)
+        .collect()
+}
+
+#[test]
+fn both_matmul_paths_match_an_f64_reference() {
+    for dtype in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_1] {
+        let g = tiny(dtype);
+        let l =
+            Linear::from_gguf(&g, "blk.0.ffn_gate.weight", TINY.ffn, TINY.embed).expect("a tensor");
+        let w = g.dequantize("blk.0.ffn_gate.weight").expect("a tensor");
+        for n in [1, 3, 8, 19] {
+            let x: Vec<f32> = (0..n * TINY.embed)
+                .map(|i| ((i * 7919 % 97) as f32 - 48.0) / 40.0)
+                .collect();
+            let mut out = vec![f32::NAN; n * TINY.ffn];
+            l.forward(&x, n, &mut out);
+            for t in 0..n {
+                for r in 0..TINY.ffn {
+                    let want: f64 = (0..TINY.embed)
+                        .map(|k| {
+                            f64::from(x[t * TINY.embed + k]) * f64::from(w[r * TINY.embed + k])
+                        })
+                        .sum();
+                    let got = f64::from(out[t * TINY.ffn + r]);
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{dtype:?} n={n} ({t}, {r}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Logits of every position of `tokens`, prefilled in chunks of `chunk` (1: decode).
+fn logits(m: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let n = tokens.len();
+    let mut store = KvStore::<f32>::new(&m.config, n.div_ceil(16), 16).expect("a valid layout");
+    let table: Vec<i32> = (0..n.div_ceil(16) as i32).collect();
+    let mut all = Vec::new();
+    for (i, c) in tokens.chunks(chunk).enumerate() {
+        let pos = i * chunk;
+        let e = pos + c.len();
+        let batch = Batch {
+            cu_seqlens_q: vec![0, c.len() as i32],
+            seq_lens_kv: vec![e as i32],
+            block_table: table.clone(),
+            max_blocks: table.len(),
+            slots: (pos as i32..e as i32).collect(),
+        };
+        let rows: Vec<usize> = (0..c.len()).collect();
+        let positions: Vec<usize> = (pos..e).collect();
+        let mut attn = DenseAttention {
+            store: &mut store,
+            batch: &batch,
+        };
+        all.extend(
+            m.forward(c, &positions, &mut attn, &rows)
+                .expect("a valid batch"),
+        );
+    }
+    all
+}
+
+#[test]
+fn chunked_prefill_equals_decode() {
+    let m = Model::load(&tiny(DType::Q8_0)).expect("a valid model");
+    let tokens = text(70);
+    let whole = logits(&m, &tokens, 70);
+    for chunk in [1, 16, 33] {
+        let other = logits(&m, &tokens, chunk);
+        let worst = whole
+            .iter()
+            .zip(&other)
+            .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst < 1e-4,
+            "chunks of {chunk}: relative difference {worst}"
+        );
+    }
+    assert!(whole.iter().all(|x| x.is_finite()) && whole.iter().any(|&x| x != 0.0));
+}
+
+fn quest(budget: usize, dense: Vec<usize>) -> SparseConfig {
+    let mut c = SparseConfig {
+        dense_layers: dense,
+        min_prompt_tokens: Some(1),
+        ..SparseConfig::default()
+    };
+    if let sparse_algo::AlgoConfig::Quest(q) = &mut c.algo {
+        q.budget_tokens = budget;
+    }
+    c
+}
+
+#[test]
+fn sparse_with_a_full_budget_equals_dense_and_a_small_one_differs() {
+    let m = Model::load(&tiny(DType::Q4_1)).expect("a valid model");
+    let tokens = text(300);
+    let variants = [
+        ("full".to_owned(), quest(304, Vec::new())),
+        ("small".to_owned(), quest(64, vec![0])),
+    ];
+    let opts = EvalOptions {
+        prefill: 200,
+        chunk: 64,
+        block_size: 16,
+        recall: true,
+    };
+    let r = teacher_forced::<f32>(&m, &tokens, &variants, &opts, |_, _| {}).expect("a valid run");
+    assert_eq!(r.len(), 3);
+    assert_eq!((r[0].name.as_str(), r[0].sparse), ("dense", false));
+    assert!(r[1].sparse && r[2].sparse);
+    assert_eq!(
+        r[1].max_logit_diff, 0.0,
+        "a full budget is dense, bit for bit"
+    );
+    assert_eq!(r[1].top1_agreement, 1.0);
+    assert!(r[1].recall.is_some_and(|x| (x - 1.0).abs() < 1e-9));
+    let small = r[2].recall.expect("measured");
+    assert!(
+        small > 0.0 && small < 1.0,
+        "a small budget loses some mass: {small}"
+    );
+    assert!(r[2].max_logit_diff > 0.0);
+    assert!(r[2].stats.steps > 0 && r[2].device_bytes < r[0].device_bytes);
+    assert_eq!(r[0].positions, 99);
+}
+
+#[test]
+fn sampling_is_reproducible_and_checked() {
+    let logits: Vec<f32> = (0..50).map(|i| ((i * 13 % 17) as f32) / 4.0).collect();
+    let greedy = Sampler::new(&Sampling::default())
+        .expect("valid")
+        .sample(&logits);
+    assert_eq!(greedy, engine::eval::argmax(&logits));
+    let warm = Sampling {
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 5,
+        ..Sampling::default()
+    };
+    let draw = |s: &Sampling| {
+        let mut x = Sampler::new(s).expect("valid");
+        (0..40).map(|_| x.sample(&logits)).collect::<Vec<_>>()
+    };
+    assert_eq!(draw(&warm), draw(&warm));
+    assert!(
+        draw(&warm).iter().any(|&t| t != greedy),
+        "temperature spreads the draws"
+    );
+    let narrow = Sampling {
+        top_p: 1e-6,
+        ..warm
+    };
+    assert!(
+        draw(&narrow).iter().all(|&t| t == greedy),
+        "a tiny top-p keeps the best token"
+    );
+    for (bad, want) in [
+        (
+            Sampling {
+                temperature: -1.0,
+                ..Sampling::default()
+            },
+            "temperature -1",
+        ),
+        (
+            Sampling {
+                temperature: f32::NAN,
+                ..Sampling::default()
+            },
+            "temperature NaN",
+        ),
+        (
+            Sampling {
+                top_p: 0.0,
+                ..Sampling::default()
+            },
+            "top_p 0",
+        ),
+        (
+            Sampling {
+                top_p: 1.5,
+                ..Sampling::default()
+            },
+            "top_p 1.5",
+        ),
+        (
+            Sampling {
+                max_tokens: 0,
+                ..Sampling::default()
+            },
+            "max_tokens 0",
+        ),
+        (
+            Sampling {
+                stop: vec![String::new()],
+                ..Sampling::default()
+            },
+            "empty stop",
+        ),
+    ] {
+        let e = Sampler::new(&bad).expect_err(want);
+        assert!(matches!(e, EngineError::Invalid(_)), "{want}: {e}");
+    }
+}
+
+#[test]
+fn bad_requests_get_typed_errors() {
+    let g = tiny(DType::F16);
+    let m = Model::load(&g).expect("a valid model");
+    let tok = Tokenizer::from_gguf(&g).expect("a byte-level tokenizer");
+    let ids = tok.encode("héllo, wörld").expect("any text encodes");
+    assert_eq!(tok.decode(&ids).expect("valid ids"), "héllo, wörld");
+    let s = Sampling {
+        max_tokens: 4,
+        ..Sampling::default()
+    };
+    let run = |prompt: &[u32], s: &Sampling| {
+        engine::generate::<f32>(&m, &tok, prompt, s, None, |_| {}, |_, _| {})
+    };
+    let (out, stats) = run(&ids, &s).expect("a valid request");
+    assert_eq!(
+        (out.len(), stats.generated, stats.prompt_tokens),
+        (4, 4, ids.len())
+    );
+    for (prompt, s, what) in [
+        (vec![], s.clone(), "empty prompt"),
+        (vec![1; 1100], s.clone(), "prompt past the context"),
+        (
+            vec![1; 1000],
+            Sampling {
+                max_tokens: 100,
+                ..s.clone()
+            },
+            "generation past the context",
+        ),
+        (vec![300], s.clone(), "token outside the vocabulary"),
+        (
+            ids,
+            Sampling {
+                top_p: 2.0,
+                ..s
+            },
+            "bad sampling",
+        ),
+    ] {
+        let e = run(&prompt, &s).expect_err(what);
+        assert!(matches!(e, EngineError::Invalid(_)), "{what}: {e}");
+    }
+    assert!(matches!(
+        tok.decode(&[5000]),
+        Err(EngineError::Tokenizer(_))
+    ));
+}
