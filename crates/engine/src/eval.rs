@@ -170,7 +170,8 @@ struct Lockstep<T: Element> {
     runs: Vec<Run<T>>,
     /// The prefill's last logits.
     last: Vec<f32>,
-    table: Vec<i32>,
+    /// Blocks of each run's cache, block `i` holding the `i`-th `block_size` positions.
+    blocks: usize,
 }
 
 impl<T: Element> Lockstep<T> {
@@ -192,7 +193,6 @@ impl<T: Element> Lockstep<T> {
         }
         let c = &model.config;
         let blocks = n.div_ceil(opts.block_size);
-        let table: Vec<i32> = (0..blocks as i32).collect();
         let mut store = KvStore::<T>::new(c, blocks, opts.block_size)?;
         let mut coords = Vec::with_capacity(variants.len());
         for (_, cfg) in variants {
@@ -215,13 +215,7 @@ impl<T: Element> Lockstep<T> {
         let mut pos = 0;
         while pos < prompt.len() {
             let e = (pos + opts.chunk).min(prompt.len());
-            let batch = Batch {
-                cu_seqlens_q: vec![0, (e - pos) as i32],
-                seq_lens_kv: vec![e as i32],
-                block_table: table.clone(),
-                max_blocks: blocks,
-                slots: (pos as i32..e as i32).collect(),
-            };
+            let batch = Batch::single(pos, e, blocks);
             for coord in &mut coords {
                 coord.forward_begin(&[(ID, e - pos)])?;
             }
@@ -277,7 +271,7 @@ impl<T: Element> Lockstep<T> {
                 seconds: 0.0,
             });
         }
-        Ok(Lockstep { runs, last, table })
+        Ok(Lockstep { runs, last, blocks })
     }
 
     /// Run `i` decodes `token` at its next position; returns its logits.
@@ -290,13 +284,7 @@ impl<T: Element> Lockstep<T> {
     ) -> Result<Vec<f32>, EngineError> {
         let run = &mut self.runs[i];
         let p = run.len;
-        let batch = Batch {
-            cu_seqlens_q: vec![0, 1],
-            seq_lens_kv: vec![p as i32 + 1],
-            block_table: self.table.clone(),
-            max_blocks: self.table.len(),
-            slots: vec![p as i32],
-        };
+        let batch = Batch::single(p, p + 1, self.blocks);
         let t0 = Instant::now();
         let logits = match &mut run.coord {
             None => model.forward(
@@ -445,19 +433,12 @@ pub fn greedy_trace<T: Element>(
 ) -> Result<Vec<u32>, EngineError> {
     let n = tokens.len();
     let blocks = n.div_ceil(opts.block_size.max(1));
-    let table: Vec<i32> = (0..blocks as i32).collect();
     let mut store = KvStore::<T>::new(&model.config, blocks, opts.block_size.max(1))?;
     let mut out = Vec::with_capacity(n);
     for (i, chunk) in tokens.chunks(opts.chunk.max(1)).enumerate() {
         let pos = i * opts.chunk.max(1);
         let e = pos + chunk.len();
-        let batch = Batch {
-            cu_seqlens_q: vec![0, chunk.len() as i32],
-            seq_lens_kv: vec![e as i32],
-            block_table: table.clone(),
-            max_blocks: blocks,
-            slots: (pos as i32..e as i32).collect(),
-        };
+        let batch = Batch::single(pos, e, blocks);
         let rows: Vec<usize> = (0..chunk.len()).collect();
         let positions: Vec<usize> = (pos..e).collect();
         let logits = model.forward(

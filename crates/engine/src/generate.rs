@@ -70,7 +70,6 @@ pub fn generate<T: Element>(
     }
     let bs = 16;
     let blocks = n.div_ceil(bs);
-    let table: Vec<i32> = (0..blocks as i32).collect();
     let mut store = KvStore::<T>::new(c, blocks, bs)?;
     let mut coord = match sparse {
         None => None,
@@ -103,14 +102,11 @@ pub fn generate<T: Element>(
     // One forward of `tokens` at `pos..`, the logits of its last row.
     let mut forward = |tokens: &[u32], pos: usize, store: &mut KvStore<T>, decode: bool| {
         let e = pos + tokens.len();
-        let slot = |p: usize| if decode && sparse_mode { -1 } else { p as i32 };
-        let batch = Batch {
-            cu_seqlens_q: vec![0, tokens.len() as i32],
-            seq_lens_kv: vec![e as i32],
-            block_table: table.clone(),
-            max_blocks: blocks,
-            slots: (pos..e).map(slot).collect(),
-        };
+        let mut batch = Batch::single(pos, e, blocks);
+        if decode && sparse_mode {
+            // The token lives on the coordinator's side only.
+            batch.slots.fill(-1);
+        }
         let positions: Vec<usize> = (pos..e).collect();
         let last = [tokens.len() - 1];
         match coord.as_mut() {

@@ -87,6 +87,19 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// One sequence whose blocks are `0..blocks` in order (the engine's single-request
+    /// runs): the new tokens at positions `pos..end`, each written to the slot of its
+    /// position.
+    pub fn single(pos: usize, end: usize, blocks: usize) -> Batch {
+        Batch {
+            cu_seqlens_q: vec![0, (end - pos) as i32],
+            seq_lens_kv: vec![end as i32],
+            block_table: (0..blocks as i32).collect(),
+            max_blocks: blocks,
+            slots: (pos as i32..end as i32).collect(),
+        }
+    }
+
     /// The borrowed view the attention op takes.
     pub fn meta(&self) -> BatchMeta<'_> {
         BatchMeta {

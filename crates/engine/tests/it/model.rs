@@ -70,18 +70,11 @@ fn both_matmul_paths_match_an_f64_reference() {
 fn logits(m: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
     let n = tokens.len();
     let mut store = KvStore::<f32>::new(&m.config, n.div_ceil(16), 16).expect("a valid layout");
-    let table: Vec<i32> = (0..n.div_ceil(16) as i32).collect();
     let mut all = Vec::new();
     for (i, c) in tokens.chunks(chunk).enumerate() {
         let pos = i * chunk;
         let e = pos + c.len();
-        let batch = Batch {
-            cu_seqlens_q: vec![0, c.len() as i32],
-            seq_lens_kv: vec![e as i32],
-            block_table: table.clone(),
-            max_blocks: table.len(),
-            slots: (pos as i32..e as i32).collect(),
-        };
+        let batch = Batch::single(pos, e, n.div_ceil(16));
         let rows: Vec<usize> = (0..c.len()).collect();
         let positions: Vec<usize> = (pos..e).collect();
         let mut attn = DenseAttention {
@@ -272,14 +265,7 @@ fn bad_requests_get_typed_errors() {
             "generation past the context",
         ),
         (vec![300], s.clone(), "token outside the vocabulary"),
-        (
-            ids,
-            Sampling {
-                top_p: 2.0,
-                ..s
-            },
-            "bad sampling",
-        ),
+        (ids, Sampling { top_p: 2.0, ..s }, "bad sampling"),
     ] {
         let e = run(&prompt, &s).expect_err(what);
         assert!(matches!(e, EngineError::Invalid(_)), "{what}: {e}");
