@@ -54,17 +54,7 @@ pub struct SparseConfig {
 
 impl Default for SparseConfig {
     fn default() -> Self {
-        SparseConfig {
-            algo: AlgoConfig::Quest(QuestConfig {
-                shared_heads: true,
-                ..QuestConfig::default()
-            }),
-            hot_tokens: None,
-            min_prompt_tokens: None,
-            dense_layers: Vec::new(),
-            layer: Vec::new(),
-            host_layout: HostLayout::default(),
-        }
+        SparseConfig::quest(QuestConfig::default().budget_tokens)
     }
 }
 
@@ -131,6 +121,23 @@ impl std::fmt::Debug for LayerParams {
 }
 
 impl SparseConfig {
+    /// The default configuration (Quest, pages of 16, one selection shared by the KV heads)
+    /// with a budget of `budget_tokens` per step.
+    pub fn quest(budget_tokens: usize) -> Self {
+        SparseConfig {
+            algo: AlgoConfig::Quest(QuestConfig {
+                budget_tokens,
+                shared_heads: true,
+                ..QuestConfig::default()
+            }),
+            hot_tokens: None,
+            min_prompt_tokens: None,
+            dense_layers: Vec::new(),
+            layer: Vec::new(),
+            host_layout: HostLayout::default(),
+        }
+    }
+
     /// Validates the configuration for a model and builds each sparse layer's algorithm.
     /// `indexer` is the model's trained DSA indexer, if any.
     pub fn lower(

@@ -8,14 +8,14 @@
 use std::time::Instant;
 
 use attn_op::Element;
-use coordinator::{Capacity, Mode, SparseConfig, SparseCoordinator};
+use coordinator::{Mode, SparseConfig, SparseCoordinator};
 use kv_blocks::RequestId;
-use offload::{HostAlloc, StepStats};
+use offload::StepStats;
 
 use crate::EngineError;
 use crate::kv::{Batch, DenseAttention, KvStore};
 use crate::model::{Attention, Model};
-use crate::sparse::SparseAttention;
+use crate::sparse::{forward_one, single_request};
 
 /// How the evaluation runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -196,20 +196,7 @@ impl<T: Element> Lockstep<T> {
         let mut store = KvStore::<T>::new(c, blocks, opts.block_size)?;
         let mut coords = Vec::with_capacity(variants.len());
         for (_, cfg) in variants {
-            let lowered = cfg.lower(c.shape(), None)?;
-            let page = lowered.page_size;
-            let mut coord = SparseCoordinator::<T>::new(
-                c.shape(),
-                lowered,
-                Capacity {
-                    max_requests: 1,
-                    max_tokens: n,
-                    host_pages: n.div_ceil(page) + 1,
-                    host_alloc: HostAlloc::Own,
-                },
-            )?;
-            coord.on_request_begin(ID, prompt.len())?;
-            coords.push(coord);
+            coords.push(single_request::<T>(c, cfg, ID, n, prompt.len())?);
         }
         let mut last = Vec::new();
         let mut pos = 0;
@@ -236,8 +223,12 @@ impl<T: Element> Lockstep<T> {
         let kv_token = c.kv_bytes_per_token(size_of::<T>());
         let layer_token = kv_token / c.layers;
         let mut runs = Vec::with_capacity(variants.len() + 1);
-        for (i, coord) in std::iter::once(None)
+        // Each sparse variant decodes on a copy of the prefilled cache; dense takes the original.
+        let mut stores: Vec<KvStore<T>> = coords.iter().map(|_| store.clone()).collect();
+        stores.insert(0, store);
+        for (i, (coord, store)) in std::iter::once(None)
             .chain(coords.into_iter().map(Some))
+            .zip(stores)
             .enumerate()
         {
             let (sparse, device_bytes, host_bytes) = match &coord {
@@ -262,7 +253,7 @@ impl<T: Element> Lockstep<T> {
                     host_bytes,
                     ..VariantReport::default()
                 },
-                store: store.clone(),
+                store,
                 coord,
                 len: prompt.len(),
                 argmax: Vec::new(),
@@ -297,24 +288,23 @@ impl<T: Element> Lockstep<T> {
                 &[0],
             )?,
             Some(coord) => {
-                coord.forward_begin(&[(ID, 1)])?;
-                let mut sa = SparseAttention {
+                let one = forward_one(
+                    model,
                     coord,
-                    store: &mut run.store,
-                    batch: &batch,
-                    requests: &[(ID, 1)],
-                    stats: StepStats::default(),
-                    recall: recall.then(Vec::new),
-                };
-                let logits = model.forward(&[token], &[p], &mut sa, &[0])?;
-                let (stats, rec) = (sa.stats, sa.recall);
-                coord.forward_end()?;
-                run.report.stats.add(&stats);
-                if let Some(r) = rec {
+                    &mut run.store,
+                    &batch,
+                    ID,
+                    &[token],
+                    &[p],
+                    &[0],
+                    recall,
+                )?;
+                run.report.stats.add(&one.stats);
+                if let Some(r) = one.recall {
                     run.recall.0 += r.iter().sum::<f64>();
                     run.recall.1 += r.len();
                 }
-                logits
+                one.logits
             }
         };
         run.seconds += t0.elapsed().as_secs_f64();
@@ -342,7 +332,7 @@ impl<T: Element> Attention for Fanout<'_, '_, T> {
         for coord in self.coords.iter_mut() {
             coord.attention_begin(layer, q, &kt, &vt)?;
         }
-        self.dense.attend(layer, q, k, v, out)?;
+        self.dense.attend_narrowed(layer, q, &kt, &vt, out)?;
         for coord in self.coords.iter_mut() {
             coord.attention_end(layer, &kt, &vt)?;
         }

@@ -4,14 +4,14 @@
 use std::time::Instant;
 
 use attn_op::Element;
-use coordinator::{Capacity, Mode, SparseConfig, SparseCoordinator};
+use coordinator::{Mode, SparseConfig};
 use kv_blocks::RequestId;
-use offload::{HostAlloc, StepStats};
+use offload::StepStats;
 
 use crate::kv::{Batch, DenseAttention, KvStore};
 use crate::model::Model;
 use crate::sample::{Sampler, Sampling};
-use crate::sparse::SparseAttention;
+use crate::sparse::{forward_one, single_request};
 use crate::{EngineError, Tokenizer};
 
 /// What a generation did.
@@ -71,25 +71,9 @@ pub fn generate<T: Element>(
     let bs = 16;
     let blocks = n.div_ceil(bs);
     let mut store = KvStore::<T>::new(c, blocks, bs)?;
-    let mut coord = match sparse {
-        None => None,
-        Some(cfg) => {
-            let lowered = cfg.lower(c.shape(), None)?;
-            let pages = n.div_ceil(lowered.page_size) + 1;
-            let mut co = SparseCoordinator::<T>::new(
-                c.shape(),
-                lowered,
-                Capacity {
-                    max_requests: 1,
-                    max_tokens: n,
-                    host_pages: pages,
-                    host_alloc: HostAlloc::Own,
-                },
-            )?;
-            co.on_request_begin(ID, prompt.len())?;
-            Some(co)
-        }
-    };
+    let mut coord = sparse
+        .map(|cfg| single_request::<T>(c, cfg, ID, n, prompt.len()))
+        .transpose()?;
     let sparse_mode = coord
         .as_ref()
         .and_then(|co| co.tracker(ID))
@@ -120,20 +104,11 @@ pub fn generate<T: Element>(
                 &last,
             ),
             Some(co) => {
-                co.forward_begin(&[(ID, tokens.len())])?;
-                let mut sa = SparseAttention {
-                    coord: co,
-                    store,
-                    batch: &batch,
-                    requests: &[(ID, tokens.len())],
-                    stats: StepStats::default(),
-                    recall: None,
-                };
-                let logits = model.forward(tokens, &positions, &mut sa, &last)?;
-                let s = sa.stats;
-                co.forward_end()?;
-                stats.stats.add(&s);
-                Ok(logits)
+                let one = forward_one(
+                    model, co, store, &batch, ID, tokens, &positions, &last, false,
+                )?;
+                stats.stats.add(&one.stats);
+                Ok(one.logits)
             }
         }
     };

@@ -52,16 +52,15 @@ impl<T: Element> KvStore<T> {
         &self.params
     }
 
-    /// Writes `k`, `v` (f32, `[tokens, kv_heads, head_dim]`) of layer `layer` into `slots`.
+    /// Writes `k`, `v` (`[tokens, kv_heads, head_dim]`) of layer `layer` into `slots`.
     pub fn write(
         &mut self,
         layer: usize,
         slots: &[i32],
-        k: &[f32],
-        v: &[f32],
+        k: &[T],
+        v: &[T],
     ) -> Result<(), EngineError> {
-        let (k, v) = (narrow::<T>(k), narrow::<T>(v));
-        self.layers[layer].set_kv(slots, &k, &v)?;
+        self.layers[layer].set_kv(slots, k, v)?;
         Ok(())
     }
 }
@@ -127,6 +126,20 @@ impl<T: Element> Attention for DenseAttention<'_, T> {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        self.attend_narrowed(layer, q, &narrow(k), &narrow(v), out)
+    }
+}
+
+impl<T: Element> DenseAttention<'_, T> {
+    /// [`Attention::attend`] with K and V already in the cache's element type.
+    pub(crate) fn attend_narrowed(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[T],
+        v: &[T],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         self.store.write(layer, &self.batch.slots, k, v)?;

@@ -74,15 +74,28 @@ impl Linear {
             "Linear::forward: callers size x and out from the model's own shapes"
         );
         let isa = isa();
-        // Per tile of output features, the results [n, tile], then scattered into out.
+        let weights = |t: usize| {
+            let r0 = t * TILE;
+            let nr = TILE.min(self.rows - r0);
+            (
+                nr,
+                &self.data[r0 * self.row_bytes..(r0 + nr) * self.row_bytes],
+            )
+        };
+        if n == 1 {
+            // One input row (decode): each tile's results are a contiguous run of `out`.
+            out.par_chunks_mut(TILE)
+                .enumerate()
+                .for_each(|(t, dst)| tile_dot(isa, self, weights(t).1, x, 1, dst));
+            return;
+        }
+        // Per tile of output features, the results [n, TILE], then scattered into out.
         let mut tiles = vec![0.0f32; self.rows.div_ceil(TILE) * TILE * n];
         tiles
             .par_chunks_mut(TILE * n)
             .enumerate()
             .for_each(|(t, dst)| {
-                let r0 = t * TILE;
-                let nr = TILE.min(self.rows - r0);
-                let w = &self.data[r0 * self.row_bytes..(r0 + nr) * self.row_bytes];
+                let (nr, w) = weights(t);
                 if n < GEMM_ROWS {
                     tile_dot(isa, self, w, x, n, dst);
                 } else {

@@ -282,16 +282,10 @@ fn hit_rate(s: &offload::StepStats) -> f64 {
 
 /// The variants `eval` runs without a config: the acceptance figures of the engine issue.
 fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
-    let quest = |budget: usize, dense: Vec<usize>, min_prompt: Option<usize>| {
-        let mut c = SparseConfig {
-            dense_layers: dense,
-            min_prompt_tokens: min_prompt,
-            ..SparseConfig::default()
-        };
-        if let sparse_algo::AlgoConfig::Quest(q) = &mut c.algo {
-            q.budget_tokens = budget;
-        }
-        c
+    let quest = |budget: usize, dense: Vec<usize>, min_prompt: Option<usize>| SparseConfig {
+        dense_layers: dense,
+        min_prompt_tokens: min_prompt,
+        ..SparseConfig::quest(budget)
     };
     let full = context.div_ceil(16) * 16;
     vec![

@@ -236,13 +236,18 @@ impl Model {
         let mut att = vec![0.0f32; n * qd];
         let mut o = vec![0.0f32; n * c.embed];
         let (mut g, mut u) = (vec![0.0f32; n * c.ffn], vec![0.0f32; n * c.ffn]);
+        // Every layer and head rotates by the same angles: computed once per forward.
+        let angles: Vec<(f32, f32)> = positions
+            .iter()
+            .flat_map(|&p| self.freqs.iter().map(move |&f| (p as f32 * f).sin_cos()))
+            .collect();
         for (l, b) in self.blocks.iter().enumerate() {
             rms_norm(&x, &b.attn_norm, c.rms_eps, &mut h);
             b.wq.forward(&h, n, &mut q);
             b.wk.forward(&h, n, &mut k);
             b.wv.forward(&h, n, &mut v);
-            self.rope(&mut q, positions);
-            self.rope(&mut k, positions);
+            self.rope(&mut q, &angles);
+            self.rope(&mut k, &angles);
             attn.attend(l, &q, &k, &v, &mut att)?;
             b.wo.forward(&att, n, &mut o);
             add(&mut x, &o);
@@ -272,16 +277,18 @@ impl Model {
     }
 
     /// Rotates adjacent pairs `(2i, 2i + 1)` of every head of every row by `pos · freq_i`
-    /// (the GGUF convention: llama.cpp's converter permuted Q and K for it).
-    fn rope(&self, x: &mut [f32], positions: &[usize]) {
+    /// (the GGUF convention: llama.cpp's converter permuted Q and K for it); `angles` holds
+    /// each row's `(sin, cos)` per pair.
+    fn rope(&self, x: &mut [f32], angles: &[(f32, f32)]) {
         let d = self.config.head_dim;
-        let width = x.len() / positions.len().max(1);
+        let half = d / 2;
+        let rows = angles.len() / half.max(1);
+        let width = x.len() / rows.max(1);
         x.par_chunks_mut(width)
-            .zip(positions)
-            .for_each(|(row, &p)| {
+            .zip(angles.par_chunks(half))
+            .for_each(|(row, angles)| {
                 for head in row.chunks_exact_mut(d) {
-                    for (pair, &f) in head.chunks_exact_mut(2).zip(&self.freqs) {
-                        let (s, c) = (p as f32 * f).sin_cos();
+                    for (pair, &(s, c)) in head.chunks_exact_mut(2).zip(angles) {
                         let (a, b) = (pair[0], pair[1]);
                         pair[0] = a * c - b * s;
                         pair[1] = a * s + b * c;

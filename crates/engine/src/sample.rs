@@ -114,13 +114,18 @@ impl Sampler {
         p[keep - 1].1
     }
 
-    /// A uniform value in [0, 1) (splitmix64).
+    /// A uniform value in [0, 1).
     fn uniform(&mut self) -> f32 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 40) as f32 / (1u64 << 24) as f32
+        unit(&mut self.state)
     }
+}
+
+/// The next value of a splitmix64 generator, as a uniform f32 in [0, 1).
+pub(crate) fn unit(state: &mut u64) -> f32 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32
 }

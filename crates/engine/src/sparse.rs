@@ -40,8 +40,8 @@ impl<T: Element> Attention for SparseAttention<'_, T> {
         v: &[f32],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        self.store.write(layer, &self.batch.slots, k, v)?;
         let (kt, vt) = (narrow::<T>(k), narrow::<T>(v));
+        self.store.write(layer, &self.batch.slots, &kt, &vt)?;
         let plan = self.coord.attention_begin(layer, q, &kt, &vt)?;
         self.stats.add(&plan.stats);
         let qt = narrow::<T>(q);
@@ -168,4 +168,75 @@ fn sub_batch(batch: &Batch, which: &[usize]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
         table.extend_from_slice(&batch.block_table[i * w..(i + 1) * w]);
     }
     (cu, lens, table)
+}
+
+/// A coordinator for one request `id` of up to `max_tokens` tokens whose prompt holds
+/// `prompt_len` (the engine's single-request runs: `generate`, `eval`), the request begun.
+pub(crate) fn single_request<T: Element>(
+    model: &crate::ModelConfig,
+    config: &coordinator::SparseConfig,
+    id: RequestId,
+    max_tokens: usize,
+    prompt_len: usize,
+) -> Result<SparseCoordinator<T>, EngineError> {
+    let lowered = config.lower(model.shape(), None)?;
+    let host_pages = max_tokens.div_ceil(lowered.page_size) + 1;
+    let mut coord = SparseCoordinator::<T>::new(
+        model.shape(),
+        lowered,
+        coordinator::Capacity {
+            max_requests: 1,
+            max_tokens,
+            host_pages,
+            host_alloc: offload::HostAlloc::Own,
+        },
+    )?;
+    coord.on_request_begin(id, prompt_len)?;
+    Ok(coord)
+}
+
+/// One forward of request `id`'s new `tokens` through `coord` (`forward_begin` to
+/// `forward_end`), with the logits of rows `logits_for`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one forward's inputs, each distinct"
+)]
+pub(crate) fn forward_one<T: Element>(
+    model: &crate::Model,
+    coord: &mut SparseCoordinator<T>,
+    store: &mut KvStore<T>,
+    batch: &Batch,
+    id: RequestId,
+    tokens: &[u32],
+    positions: &[usize],
+    logits_for: &[usize],
+    recall: bool,
+) -> Result<OneForward, EngineError> {
+    coord.forward_begin(&[(id, tokens.len())])?;
+    let mut sa = SparseAttention {
+        coord,
+        store,
+        batch,
+        requests: &[(id, tokens.len())],
+        stats: StepStats::default(),
+        recall: recall.then(Vec::new),
+    };
+    let logits = model.forward(tokens, positions, &mut sa, logits_for)?;
+    let (stats, recall) = (sa.stats, sa.recall);
+    coord.forward_end()?;
+    Ok(OneForward {
+        logits,
+        stats,
+        recall,
+    })
+}
+
+/// What [`forward_one`] returns.
+pub(crate) struct OneForward {
+    /// The logits asked for.
+    pub(crate) logits: Vec<f32>,
+    /// Hits, misses and bytes moved, over the layers.
+    pub(crate) stats: StepStats,
+    /// The selections' mass recall, when asked.
+    pub(crate) recall: Option<Vec<f64>>,
 }

@@ -80,14 +80,9 @@ fn byte_char(b: u8) -> char {
     char::from_u32(256 + rank).expect("256 + at most 255 is a valid scalar value")
 }
 
-/// A uniform value in [-0.5, 0.5) (splitmix64).
+/// A uniform value in [-0.5, 0.5).
 fn uniform(state: &mut u64) -> f32 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    crate::sample::unit(state) - 0.5
 }
 
 /// A GGUF v3 writer: metadata, then tensors aligned to 32 bytes.

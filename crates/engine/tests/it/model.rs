@@ -110,15 +110,11 @@ fn chunked_prefill_equals_decode() {
 }
 
 fn quest(budget: usize, dense: Vec<usize>) -> SparseConfig {
-    let mut c = SparseConfig {
+    SparseConfig {
         dense_layers: dense,
         min_prompt_tokens: Some(1),
-        ..SparseConfig::default()
-    };
-    if let sparse_algo::AlgoConfig::Quest(q) = &mut c.algo {
-        q.budget_tokens = budget;
+        ..SparseConfig::quest(budget)
     }
-    c
 }
 
 #[test]

@@ -46,13 +46,10 @@ fn real_model_end_to_end() {
     );
     // Perplexity over positions 256..384 after a dense prefill, and a full-budget sparse
     // variant that must be bit-identical.
-    let mut full = coordinator::SparseConfig {
+    let full = coordinator::SparseConfig {
         min_prompt_tokens: Some(1),
-        ..Default::default()
+        ..coordinator::SparseConfig::quest(400)
     };
-    if let sparse_algo::AlgoConfig::Quest(q) = &mut full.algo {
-        q.budget_tokens = 400;
-    }
     let opts = EvalOptions {
         prefill: 256,
         chunk: 128,
