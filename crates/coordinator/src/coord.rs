@@ -281,6 +281,60 @@ impl<T: Element> SparseCoordinator<T> {
         Ok(Mode::Sparse)
     }
 
+    /// Advances a request's prefill by the next `n` prompt tokens whose KV the engine already
+    /// holds (a prefix kv-blocks reused on the device): no forward runs for them. In sparse
+    /// mode, `kv(layer)` gives each sparse layer's K and V of those tokens
+    /// (`[n, kv_heads, head_dim]` each) to back up to the host pool; representations are built
+    /// with the rest of the prompt. At least the last prompt token must stay to be computed.
+    /// When the host pool is too small nothing changes; K or V of the wrong size is an error
+    /// that leaves the earlier sparse layers backed up (end the request then).
+    pub fn on_prefix_cached(
+        &mut self,
+        id: RequestId,
+        n: usize,
+        mut kv: impl FnMut(usize) -> (Vec<T>, Vec<T>),
+    ) -> Result<(), CoordError> {
+        let t = *self.tracked(id)?;
+        if self.forward.is_some() {
+            return Err(CoordError::Invalid("a forward is in progress".into()));
+        }
+        if t.phase != Phase::Prefill || t.len + n >= t.prompt_len {
+            return Err(CoordError::Invalid(format!(
+                "{id:?} ({:?}, {} of {} prompt tokens) cannot skip {n} cached tokens (the last \
+                 prompt token is always computed)",
+                t.phase, t.len, t.prompt_len
+            )));
+        }
+        if t.mode == Mode::Sparse && n > 0 {
+            let manager = self.manager.as_ref().expect("sparse mode needs a manager");
+            let pages = manager.host_pages_needed(id, 0, n)?;
+            if pages > manager.free_host_pages() {
+                return Err(OffloadError::HostExhausted {
+                    needed: pages,
+                    free: manager.free_host_pages(),
+                }
+                .into());
+            }
+            let stride = self.model.kv_heads * self.model.head_dim;
+            for (sl, &layer) in self.sparse_layers.clone().iter().enumerate() {
+                let (k, v) = kv(layer);
+                if k.len() != n * stride || v.len() != n * stride {
+                    return Err(CoordError::Invalid(format!(
+                        "cached K and V of {} and {} elements for {n} tokens of {stride}",
+                        k.len(),
+                        v.len()
+                    )));
+                }
+                self.manager_mut().append(id, sl, &k, &v)?;
+            }
+        }
+        self.trackers
+            .get_mut(&id)
+            .expect("tracked, checked above")
+            .len += n;
+        Ok(())
+    }
+
     /// Gives a sparse-mode request more host pages ([`HostAlloc::External`]): kv-blocks'
     /// host-tier blocks for the tokens it is about to store.
     pub fn extend_host_pages(&mut self, id: RequestId, pages: &[u32]) -> Result<(), CoordError> {

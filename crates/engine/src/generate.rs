@@ -11,6 +11,7 @@ use offload::StepStats;
 use crate::kv::{Batch, DenseAttention, KvStore};
 use crate::model::Model;
 use crate::sample::{Sampler, Sampling};
+use crate::sched::check_request;
 use crate::sparse::{forward_one, single_request};
 use crate::{EngineError, Tokenizer};
 
@@ -51,23 +52,8 @@ pub fn generate<T: Element>(
 ) -> Result<(Vec<u32>, GenerateStats), EngineError> {
     let mut sampler = Sampler::new(sampling)?;
     let c = &model.config;
-    if prompt.is_empty() {
-        return Err(EngineError::Invalid("an empty prompt".into()));
-    }
+    check_request(c, prompt, sampling, c.context)?;
     let n = prompt.len() + sampling.max_tokens;
-    if n > c.context {
-        return Err(EngineError::Invalid(format!(
-            "{} prompt tokens + {} to generate exceed the model's context of {}",
-            prompt.len(),
-            sampling.max_tokens,
-            c.context
-        )));
-    }
-    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= c.vocab) {
-        return Err(EngineError::Invalid(format!(
-            "prompt token {t} outside the vocabulary"
-        )));
-    }
     let bs = 16;
     let blocks = n.div_ceil(bs);
     let mut store = KvStore::<T>::new(c, blocks, bs)?;
@@ -84,13 +70,11 @@ pub fn generate<T: Element>(
         ..GenerateStats::default()
     };
     // One forward of `tokens` at `pos..`, the logits of its last row.
-    let mut forward = |tokens: &[u32], pos: usize, store: &mut KvStore<T>, decode: bool| {
+    let mut forward = |tokens: &[u32], pos: usize, store: &mut KvStore<T>| {
         let e = pos + tokens.len();
-        let mut batch = Batch::single(pos, e, blocks);
-        if decode && sparse_mode {
-            // The token lives on the coordinator's side only.
-            batch.slots.fill(-1);
-        }
+        // Every token is written to `store` too: dense layers of a sparse-mode request read
+        // it there.
+        let batch = Batch::single(pos, e, blocks);
         let positions: Vec<usize> = (pos..e).collect();
         let last = [tokens.len() - 1];
         match coord.as_mut() {
@@ -115,7 +99,7 @@ pub fn generate<T: Element>(
     let t0 = Instant::now();
     let mut logits = Vec::new();
     for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
-        logits = forward(chunk, i * PREFILL_CHUNK, &mut store, false)?;
+        logits = forward(chunk, i * PREFILL_CHUNK, &mut store)?;
         progress(i * PREFILL_CHUNK + chunk.len(), prompt.len());
     }
     stats.prefill_s = t0.elapsed().as_secs_f64();
@@ -140,7 +124,7 @@ pub fn generate<T: Element>(
             break;
         }
         let pos = prompt.len() + out.len() - 1;
-        logits = forward(&[tok], pos, &mut store, true)?;
+        logits = forward(&[tok], pos, &mut store)?;
     }
     stats.generated = out.len();
     stats.decode_s = t1.elapsed().as_secs_f64();

@@ -65,6 +65,71 @@ impl<T: Element> KvStore<T> {
     }
 }
 
+impl<T: Element> KvStore<T> {
+    /// Blocks per layer.
+    pub fn num_blocks(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.layout().num_blocks)
+    }
+
+    /// Copies the first `tokens` tokens of block `src` of `from` into block `dst`, every
+    /// layer (`from` is another store of the same shape; `None`: this one).
+    pub fn copy_block(
+        &mut self,
+        from: Option<&KvStore<T>>,
+        src: usize,
+        dst: usize,
+        tokens: usize,
+    ) -> Result<(), EngineError> {
+        let stride = self.layers.first().map_or(0, |l| l.layout().token_stride());
+        let bs = self.block_size();
+        let src_blocks = from.map_or(self.num_blocks(), KvStore::num_blocks);
+        if tokens > bs || src >= src_blocks || dst >= self.num_blocks() {
+            return Err(EngineError::Invalid(format!(
+                "copy of {tokens} tokens from block {src} of {src_blocks} to block {dst} of {} \
+                 (blocks of {bs})",
+                self.num_blocks()
+            )));
+        }
+        let (s, d) = (src * bs * stride, dst * bs * stride);
+        let len = tokens * stride;
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            match from {
+                Some(f) => {
+                    let (fk, fv) = (f.layers[l].k(), f.layers[l].v());
+                    let (k, v) = layer.tensors_mut();
+                    k[d..d + len].copy_from_slice(&fk[s..s + len]);
+                    v[d..d + len].copy_from_slice(&fv[s..s + len]);
+                }
+                None => {
+                    let (k, v) = layer.tensors_mut();
+                    k.copy_within(s..s + len, d);
+                    v.copy_within(s..s + len, d);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// K and V of a sequence's first `n` tokens in layer `layer` (`[n, kv_heads, head_dim]`
+    /// each), through its block table `table` (a valid block id per `block_size` tokens).
+    pub(crate) fn gather(&self, layer: usize, table: &[i32], n: usize) -> (Vec<T>, Vec<T>) {
+        let l = &self.layers[layer];
+        let stride = l.layout().token_stride();
+        let bs = self.block_size();
+        let (mut k, mut v) = (
+            Vec::with_capacity(n * stride),
+            Vec::with_capacity(n * stride),
+        );
+        for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+            let len = (n - b * bs).min(bs) * stride;
+            let at = block as usize * bs * stride;
+            k.extend_from_slice(&l.k()[at..at + len]);
+            v.extend_from_slice(&l.v()[at..at + len]);
+        }
+        (k, v)
+    }
+}
+
 /// f32 rows narrowed to the cache's element type.
 pub(crate) fn narrow<T: Element>(x: &[f32]) -> Vec<T> {
     x.iter().map(|&v| T::from_f32(v)).collect()

@@ -67,12 +67,15 @@ impl Linear {
         dequantize(self.dtype, b, &mut out[..self.cols]);
     }
 
-    /// `out [n, rows] = x [n, cols] · Wᵀ`.
+    /// `out [n, rows] = x [n, cols] · Wᵀ` (nothing when `n` is 0).
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert!(
             x.len() == n * self.cols && out.len() == n * self.rows,
             "Linear::forward: callers size x and out from the model's own shapes"
         );
+        if n == 0 {
+            return;
+        }
         let isa = isa();
         let weights = |t: usize| {
             let r0 = t * TILE;

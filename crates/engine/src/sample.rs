@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::EngineError;
+use crate::{EngineError, RequestError};
 
 /// How the next token is picked, and when generation stops.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -38,24 +38,24 @@ impl Default for Sampling {
 
 impl Sampling {
     /// Rejects values that cannot sample.
-    pub fn validate(&self) -> Result<(), EngineError> {
+    pub fn validate(&self) -> Result<(), RequestError> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(EngineError::Invalid(format!(
+            return Err(RequestError::Sampling(format!(
                 "temperature {} (must be finite and ≥ 0)",
                 self.temperature
             )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(EngineError::Invalid(format!(
+            return Err(RequestError::Sampling(format!(
                 "top_p {} (must be in (0, 1])",
                 self.top_p
             )));
         }
         if self.max_tokens == 0 {
-            return Err(EngineError::Invalid("max_tokens 0".into()));
+            return Err(RequestError::Sampling("max_tokens 0".into()));
         }
         if self.stop.iter().any(String::is_empty) {
-            return Err(EngineError::Invalid("an empty stop string".into()));
+            return Err(RequestError::Sampling("an empty stop string".into()));
         }
         Ok(())
     }

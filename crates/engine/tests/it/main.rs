@@ -3,3 +3,4 @@
 mod gguf;
 mod model;
 mod real;
+mod sched;

@@ -7,11 +7,11 @@ use engine::eval::{EvalOptions, teacher_forced};
 use engine::gguf::{DType, Gguf};
 use engine::synthetic::synthetic_gguf;
 use engine::{
-    Batch, DenseAttention, EngineError, KvStore, Linear, Model, ModelConfig, Sampler, Sampling,
-    Tokenizer,
+    Batch, DenseAttention, EngineError, KvStore, Linear, Model, ModelConfig, RequestError, Sampler,
+    Sampling, Tokenizer,
 };
 
-const TINY: ModelConfig = ModelConfig {
+pub(crate) const TINY: ModelConfig = ModelConfig {
     layers: 3,
     embed: 64,
     ffn: 160,
@@ -24,12 +24,12 @@ const TINY: ModelConfig = ModelConfig {
     rms_eps: 1e-5,
 };
 
-fn tiny(dtype: DType) -> Gguf {
+pub(crate) fn tiny(dtype: DType) -> Gguf {
     Gguf::from_bytes(synthetic_gguf(&TINY, dtype, 7)).expect("the writer writes valid files")
 }
 
 /// Token ids of a deterministic pseudo-text.
-fn text(n: usize) -> Vec<u32> {
+pub(crate) fn text(n: usize) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i * 37 + i / 5 * 11 + 3) % 256)
         .collect()
@@ -226,7 +226,10 @@ fn sampling_is_reproducible_and_checked() {
         ),
     ] {
         let e = Sampler::new(&bad).expect_err(want);
-        assert!(matches!(e, EngineError::Invalid(_)), "{want}: {e}");
+        assert!(
+            matches!(e, EngineError::Request(RequestError::Sampling(_))),
+            "{want}: {e}"
+        );
     }
 }
 
@@ -249,22 +252,37 @@ fn bad_requests_get_typed_errors() {
         (out.len(), stats.generated, stats.prompt_tokens),
         (4, 4, ids.len())
     );
-    for (prompt, s, what) in [
-        (vec![], s.clone(), "empty prompt"),
-        (vec![1; 1100], s.clone(), "prompt past the context"),
+    let too_long = |prompt, max_tokens| RequestError::TooLong {
+        prompt,
+        max_tokens,
+        limit: 1024,
+    };
+    let bad_top_p = RequestError::Sampling("top_p 2 (must be in (0, 1])".into());
+    for (prompt, s, want) in [
+        (vec![], s.clone(), RequestError::EmptyPrompt),
+        (vec![1; 1100], s.clone(), too_long(1100, 4)),
         (
             vec![1; 1000],
             Sampling {
                 max_tokens: 100,
                 ..s.clone()
             },
-            "generation past the context",
+            too_long(1000, 100),
         ),
-        (vec![300], s.clone(), "token outside the vocabulary"),
-        (ids, Sampling { top_p: 2.0, ..s }, "bad sampling"),
+        (
+            vec![300],
+            s.clone(),
+            RequestError::OutOfVocab {
+                token: 300,
+                vocab: 300,
+            },
+        ),
+        (ids, Sampling { top_p: 2.0, ..s }, bad_top_p),
     ] {
-        let e = run(&prompt, &s).expect_err(what);
-        assert!(matches!(e, EngineError::Invalid(_)), "{what}: {e}");
+        match run(&prompt, &s) {
+            Err(EngineError::Request(e)) => assert_eq!(e, want),
+            other => panic!("{want}: got {other:?}"),
+        }
     }
     assert!(matches!(
         tok.decode(&[5000]),

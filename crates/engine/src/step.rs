@@ -1,0 +1,107 @@
+//! One batched forward's attention: the batch's requests in contiguous groups, each dense
+//! over the engine's cache or through its sparse configuration's coordinator.
+
+use std::ops::Range;
+
+use attn_op::Element;
+use coordinator::SparseCoordinator;
+use kv_blocks::RequestId;
+use offload::StepStats;
+
+use crate::EngineError;
+use crate::kv::{Batch, DenseAttention, KvStore};
+use crate::model::Attention;
+use crate::sparse::SparseAttention;
+
+/// The attention of a scheduler's forward: each group of requests attends through its own
+/// backend over its rows of q, k, v and out.
+pub(crate) struct StepAttention<'a, T: Element> {
+    /// The device cache every group writes its new tokens to.
+    pub(crate) store: &'a mut KvStore<T>,
+    /// The coordinators, by index.
+    pub(crate) coords: Vec<&'a mut SparseCoordinator<T>>,
+    /// The groups, in batch order.
+    pub(crate) groups: &'a mut [GroupRun],
+}
+
+/// Contiguous requests of a batch that share a backend.
+pub(crate) struct GroupRun {
+    /// The coordinator (`None`: dense).
+    pub(crate) coord: Option<usize>,
+    /// The index of the group's first request in the batch.
+    first: usize,
+    /// Its requests and their new tokens.
+    pub(crate) requests: Vec<(RequestId, usize)>,
+    /// Its part of the batch.
+    sub: Batch,
+    /// Its token rows in the batch.
+    rows: Range<usize>,
+}
+
+impl GroupRun {
+    /// A group starting at batch request `first`.
+    pub(crate) fn new(coord: Option<usize>, first: usize, id: RequestId, n: usize) -> Self {
+        GroupRun {
+            coord,
+            first,
+            requests: vec![(id, n)],
+            sub: Batch::default(),
+            rows: 0..0,
+        }
+    }
+
+    /// Cuts the group's part out of the whole batch.
+    pub(crate) fn prepare(&mut self, batch: &Batch) {
+        let (a, b) = (self.first, self.first + self.requests.len());
+        let w = batch.max_blocks;
+        let r0 = batch.cu_seqlens_q[a];
+        self.rows = r0 as usize..batch.cu_seqlens_q[b] as usize;
+        self.sub = Batch {
+            cu_seqlens_q: batch.cu_seqlens_q[a..=b].iter().map(|c| c - r0).collect(),
+            seq_lens_kv: batch.seq_lens_kv[a..b].to_vec(),
+            block_table: batch.block_table[a * w..b * w].to_vec(),
+            max_blocks: w,
+            slots: batch.slots[self.rows.clone()].to_vec(),
+        };
+    }
+}
+
+impl<T: Element> Attention for StepAttention<'_, T> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let tokens = self.groups.last().map_or(0, |g| g.rows.end).max(1);
+        let (qs, kvs) = (q.len() / tokens, k.len() / tokens);
+        for g in self.groups.iter_mut() {
+            let r = g.rows.clone();
+            let (q, k, v) = (
+                &q[r.start * qs..r.end * qs],
+                &k[r.start * kvs..r.end * kvs],
+                &v[r.start * kvs..r.end * kvs],
+            );
+            let out = &mut out[r.start * qs..r.end * qs];
+            match g.coord {
+                None => DenseAttention {
+                    store: self.store,
+                    batch: &g.sub,
+                }
+                .attend(layer, q, k, v, out)?,
+                Some(c) => SparseAttention {
+                    coord: self.coords[c],
+                    store: self.store,
+                    batch: &g.sub,
+                    requests: &g.requests,
+                    stats: StepStats::default(),
+                    recall: None,
+                }
+                .attend(layer, q, k, v, out)?,
+            }
+        }
+        Ok(())
+    }
+}
