@@ -154,8 +154,10 @@ pub struct Report {
     pub tokens: Vec<u32>,
     /// Whether it ran in sparse mode.
     pub sparse: bool,
-    /// Device bytes it reserved at most.
+    /// Device bytes it reserved at most (during its prefill).
     pub device_bytes: u64,
+    /// Device bytes it reserved while decoding.
+    pub decode_device_bytes: u64,
     /// Seconds from submission to admission.
     pub queued_s: f64,
     /// Seconds from submission to the first token (`None`: none was sampled).
@@ -348,6 +350,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
                 tokens: Vec::new(),
                 sparse: false,
                 device_bytes: 0,
+                decode_device_bytes: 0,
                 queued_s: t,
                 first_token_s: None,
                 total_s: t,
@@ -575,6 +578,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
                 tokens: Vec::new(),
                 sparse: plan.sparse,
                 device_bytes: plan.reserve,
+                decode_device_bytes: plan.decode_reserve,
                 queued_s: p.submitted.elapsed().as_secs_f64(),
                 first_token_s: None,
                 total_s: 0.0,

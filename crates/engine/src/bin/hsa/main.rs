@@ -1,5 +1,5 @@
-//! `hsa`: generate text with a GGUF model, and evaluate dense against hierarchical sparse
-//! attention on it.
+//! `hsa`: generate text with a GGUF model, run workloads of many requests through the batching
+//! scheduler, and evaluate dense against hierarchical sparse attention on it.
 #![allow(
     clippy::print_stdout,
     clippy::print_stderr,
@@ -11,11 +11,13 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod run;
+
 use clap::{Args, Parser, Subcommand};
 use coordinator::SparseConfig;
 use engine::eval::{EvalOptions, VariantReport};
 use engine::gguf::Gguf;
-use engine::{EngineError, Model, Sampling, Tokenizer};
+use engine::{EngineError, Model, Sampling, SchedulerConfig, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
 
@@ -63,6 +65,9 @@ struct Cli {
 enum Command {
     /// Generates text from a prompt, streamed, then prints stats.
     Generate(GenerateArgs),
+    /// A workload of many requests through the batching scheduler: a table per request
+    /// (mode, prefix reuse, device bytes, latencies) and the throughput.
+    Run(run::RunArgs),
     /// Dense against sparse variants on a text: perplexity, top-1 agreement, logit drift,
     /// mass recall, bytes and speed; optionally passkey retrieval.
     Eval(EvalArgs),
@@ -138,7 +143,9 @@ struct FileConfig {
     model: Option<PathBuf>,
     sampling: Sampling,
     sparse: SparseConfig,
-    /// Sparse variants of `eval`, by name (default: see [`default_variants`]).
+    /// The batching scheduler of `run` (`[engine]`).
+    engine: SchedulerConfig,
+    /// Sparse variants of `eval` and `run`, by name (default: see [`default_variants`]).
     variants: BTreeMap<String, SparseConfig>,
 }
 
@@ -191,6 +198,7 @@ fn run(cli: Cli) -> Result<(), EngineError> {
     match cli.command {
         Command::Generate(a) => generate(&model, &tokenizer, &file, a),
         Command::Eval(a) => eval(&model, &tokenizer, &file, &a),
+        Command::Run(a) => run::run(&model, &tokenizer, &file, &a),
     }
 }
 
