@@ -179,7 +179,7 @@ pub(crate) fn run(
         mib(peak_reserved),
         mib(config.device_bytes),
         hit_rate(&totals),
-        mib(totals.bytes as u64),
+        mib(totals.bytes),
         u.device_blocks_cached,
         u.host_blocks_cached,
     );
