@@ -33,6 +33,13 @@ def load(path, n_ctx, logits_all=False):
     )
 
 
+def last_argmax(llm):
+    """Arg-max of the last evaluated token's logits. Without logits_all, llama-cpp-python 0.3
+    keeps no scores, so they are read from the context."""
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
+
+
 def top1(args):
     tokens = json.load(open(args.tokens))
     llm = load(args.model, len(tokens) + 16, logits_all=True)
@@ -59,10 +66,10 @@ def decode(args):
         prompt = [int(t) for t in rng.integers(100, llm.n_vocab(), size=n)]
         llm.eval(prompt)
         t0 = time.perf_counter()
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = last_argmax(llm)
         for _ in range(gen):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = last_argmax(llm)
         dt = time.perf_counter() - t0
         print("RESULT " + json.dumps({"job": "decode", "context": n, "tokens_per_s": gen / dt}), flush=True)
         del llm

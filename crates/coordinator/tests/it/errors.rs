@@ -152,3 +152,42 @@ fn a_full_host_pool_backs_up_no_request_of_the_batch() {
     );
     assert_eq!(m.free_host_pages(), 1);
 }
+
+#[test]
+fn a_cached_prefix_is_checked_before_anything_is_taken() {
+    let mut e = engine();
+    let (a, z) = (RequestId(1), RequestId(9));
+    e.add(a);
+    e.coord.on_request_begin(a, 24).expect("a slot");
+    let kvs = MODEL.kv_heads * MODEL.head_dim;
+    let kv = |n: usize| move |_: usize| (vec![0.5f32; n * kvs], vec![0.25f32; n * kvs]);
+    assert_eq!(
+        e.coord.on_prefix_cached(z, 4, kv(4)),
+        Err(CoordError::UnknownRequest(z))
+    );
+    assert!(
+        invalid(e.coord.on_prefix_cached(a, 24, kv(24))),
+        "the last prompt token is always computed"
+    );
+    assert!(invalid(e.coord.on_prefix_cached(a, 8, kv(7))), "short K");
+    let host = |e: &Engine| e.coord.manager().expect("sparse layers").free_host_pages();
+    let free = host(&e);
+    assert_eq!(e.coord.tracker(a).map(|t| t.len), Some(0), "nothing changed");
+    assert_eq!(host(&e), free, "no host page taken");
+    e.coord.on_prefix_cached(a, 8, kv(8)).expect("valid");
+    assert_eq!(e.coord.tracker(a).map(|t| t.len), Some(8));
+    assert_eq!(host(&e), free - 2, "two pages of 4 tokens");
+    // A prefix larger than the host pool takes nothing.
+    let b = RequestId(2);
+    e.coord.on_request_begin(b, 400).expect("a slot");
+    assert!(matches!(
+        e.coord.on_prefix_cached(b, 390, kv(390)),
+        Err(CoordError::Offload(offload::OffloadError::HostExhausted { .. }))
+    ));
+    assert_eq!(e.coord.tracker(b).map(|t| t.len), Some(0));
+    e.coord.forward_begin(&[(a, 16)]).expect("the rest of the prompt");
+    assert!(
+        invalid(e.coord.on_prefix_cached(a, 1, kv(1))),
+        "not during a forward"
+    );
+}

@@ -107,9 +107,10 @@ struct GenerateArgs {
 
 #[derive(Args)]
 struct EvalArgs {
-    /// The text (default: the GPL-3 text Debian ships in /usr/share/common-licenses).
+    /// The text (default: the GPL-3 text Debian ships in /usr/share/common-licenses); given
+    /// several times, the files are joined by blank lines.
     #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
-    text: PathBuf,
+    text: Vec<PathBuf>,
     /// Use the first N tokens of the text.
     #[arg(long)]
     tokens: Option<usize>,
@@ -314,7 +315,12 @@ fn eval(
     file: &FileConfig,
     a: &EvalArgs,
 ) -> Result<(), EngineError> {
-    let text = read(&a.text)?;
+    let text = a
+        .text
+        .iter()
+        .map(|p| read(p))
+        .collect::<Result<Vec<_>, _>>()?
+        .join("\n\n");
     let mut ids = tok.encode(&text)?;
     ids.truncate(a.tokens.unwrap_or(usize::MAX).min(model.config.context));
     let n = ids.len();
@@ -332,7 +338,11 @@ fn eval(
     };
     eprintln!(
         "{}: {n} tokens; prefill {prefill}, then {} teacher-forced decode positions; variants: dense, {}",
-        a.text.display(),
+        a.text
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" + "),
         n.saturating_sub(prefill + 1),
         variants
             .iter()
