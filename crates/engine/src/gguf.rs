@@ -381,37 +381,57 @@ impl Gguf {
 
 /// Dequantizes whole blocks of `dtype` from `src` into `dst` (`dst.len()` elements).
 ///
-/// Inlined into its callers so that SIMD builds of them vectorize it.
+/// Inlined into its callers so that SIMD builds of them vectorize it; plain `for` loops, not
+/// `for_each` closures, so that nothing stays behind in a separate scalar function.
 #[inline(always)]
 pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) {
     let h = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]).to_f32();
     let (per, bytes) = dtype.block();
     let blocks = src.chunks_exact(bytes).zip(dst.chunks_exact_mut(per));
     match dtype {
-        DType::F32 => blocks.for_each(|(b, o)| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::F16 => blocks.for_each(|(b, o)| o[0] = h(b)),
-        DType::BF16 => blocks.for_each(|(b, o)| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        DType::Q8_0 => blocks.for_each(|(b, o)| {
-            let d = h(b);
-            for (o, &q) in o.iter_mut().zip(&b[2..34]) {
-                *o = d * f32::from(q as i8);
+        DType::F32 => {
+            for (b, o) in blocks {
+                o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
-        }),
-        DType::Q4_0 => blocks.for_each(|(b, o)| {
-            let d = h(b);
-            let (lo, hi) = o.split_at_mut(16);
-            for ((l, u), &q) in lo.iter_mut().zip(hi).zip(&b[2..18]) {
-                *l = d * (f32::from(q & 0xf) - 8.0);
-                *u = d * (f32::from(q >> 4) - 8.0);
+        }
+        DType::F16 => {
+            for (b, o) in blocks {
+                o[0] = h(b);
             }
-        }),
-        DType::Q4_1 => blocks.for_each(|(b, o)| {
-            let (d, m) = (h(b), h(&b[2..]));
-            let (lo, hi) = o.split_at_mut(16);
-            for ((l, u), &q) in lo.iter_mut().zip(hi).zip(&b[4..20]) {
-                *l = d * f32::from(q & 0xf) + m;
-                *u = d * f32::from(q >> 4) + m;
+        }
+        DType::BF16 => {
+            for (b, o) in blocks {
+                o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
-        }),
+        }
+        DType::Q8_0 => {
+            for (b, o) in blocks {
+                let d = h(b);
+                let (q, o) = (&b[2..34], &mut o[..32]);
+                for j in 0..32 {
+                    o[j] = d * f32::from(q[j] as i8);
+                }
+            }
+        }
+        DType::Q4_0 => {
+            for (b, o) in blocks {
+                let d = h(b);
+                let (q, o) = (&b[2..18], &mut o[..32]);
+                for j in 0..16 {
+                    o[j] = d * (f32::from(q[j] & 0xf) - 8.0);
+                    o[j + 16] = d * (f32::from(q[j] >> 4) - 8.0);
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (b, o) in blocks {
+                let (d, m) = (h(b), h(&b[2..]));
+                let (q, o) = (&b[4..20], &mut o[..32]);
+                for j in 0..16 {
+                    o[j] = d * f32::from(q[j] & 0xf) + m;
+                    o[j + 16] = d * f32::from(q[j] >> 4) + m;
+                }
+            }
+        }
     }
 }

@@ -17,6 +17,7 @@ pub mod gguf;
 mod kv;
 mod linear;
 mod model;
+mod qdot;
 mod sample;
 mod sched;
 mod sparse;

@@ -172,7 +172,11 @@ fn a_cached_prefix_is_checked_before_anything_is_taken() {
     assert!(invalid(e.coord.on_prefix_cached(a, 8, kv(7))), "short K");
     let host = |e: &Engine| e.coord.manager().expect("sparse layers").free_host_pages();
     let free = host(&e);
-    assert_eq!(e.coord.tracker(a).map(|t| t.len), Some(0), "nothing changed");
+    assert_eq!(
+        e.coord.tracker(a).map(|t| t.len),
+        Some(0),
+        "nothing changed"
+    );
     assert_eq!(host(&e), free, "no host page taken");
     e.coord.on_prefix_cached(a, 8, kv(8)).expect("valid");
     assert_eq!(e.coord.tracker(a).map(|t| t.len), Some(8));
@@ -182,10 +186,14 @@ fn a_cached_prefix_is_checked_before_anything_is_taken() {
     e.coord.on_request_begin(b, 400).expect("a slot");
     assert!(matches!(
         e.coord.on_prefix_cached(b, 390, kv(390)),
-        Err(CoordError::Offload(offload::OffloadError::HostExhausted { .. }))
+        Err(CoordError::Offload(
+            offload::OffloadError::HostExhausted { .. }
+        ))
     ));
     assert_eq!(e.coord.tracker(b).map(|t| t.len), Some(0));
-    e.coord.forward_begin(&[(a, 16)]).expect("the rest of the prompt");
+    e.coord
+        .forward_begin(&[(a, 16)])
+        .expect("the rest of the prompt");
     assert!(
         invalid(e.coord.on_prefix_cached(a, 1, kv(1))),
         "not during a forward"
