@@ -158,9 +158,8 @@ fn tile_dot(isa: u8, l: &Linear, w: &[u8], x: &[f32], n: usize, dst: &mut [f32])
             // SAFETY: `isa()` returned AVX2 or AVX512 only after detecting avx2, fma and
             // f16c; the dtype is supported; `x` holds n rows of `cols`; `dst` holds n rows
             // of TILE (n > 1) or the tile's rows (n = 1).
-            return unsafe {
-                crate::qdot::tile_dot(l.dtype, w, l.row_bytes, l.cols, x, n, dst, TILE)
-            };
+            unsafe { crate::qdot::tile_dot(l.dtype, w, l.row_bytes, l.cols, x, n, dst, TILE) };
+            return;
         }
         if isa == AVX512 {
             // SAFETY: `isa()` returned AVX512 only after detecting avx512f, avx2, fma and f16c.
