@@ -529,36 +529,35 @@ impl<'m, T: Element> Scheduler<'m, T> {
     /// coordinator.
     fn start(&mut self, p: Pending, plan: &Plan) -> Result<Live, EngineError> {
         let rid = RequestId(p.id);
+        let sampler = Sampler::new(&p.request.sampling)?;
         let out = self
             .kv
             .add_request(RequestSpec::new(rid, p.request.prompt.clone()))
             .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
-        self.run_transfers()?;
         let reused = out.reused_tokens as usize;
         let prompt_len = p.request.prompt.len();
-        let mut coord = None;
-        if let (Some(ci), true) = (p.coord, plan.sparse) {
-            let co = &mut self.coords[ci];
-            let mode = co.coord.on_request_begin(rid, prompt_len)?;
-            debug_assert_eq!(mode, Mode::Sparse, "plan() predicts the coordinator's mode");
-            if reused > 0 {
-                let table: Vec<i32> = self
-                    .kv
-                    .block_table(rid, GroupId(0))
-                    .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?
-                    .iter()
-                    .map(|b| b.map_or(-1, kv_blocks::BlockId::as_i32))
-                    .collect();
-                let device = &self.device;
-                co.coord
-                    .on_prefix_cached(rid, reused, |layer| device.gather(layer, &table, reused))?;
+        let begun = self
+            .run_transfers()
+            .and_then(|()| match (p.coord, plan.sparse) {
+                (Some(ci), true) => self
+                    .begin_sparse(ci, rid, prompt_len, reused)
+                    .map(|()| Some(ci)),
+                _ => Ok(None),
+            });
+        let coord = match begun {
+            Ok(c) => c,
+            Err(e) => {
+                // Nothing of the request stays behind.
+                let _ = self.kv.release(rid);
+                return Err(e);
             }
+        };
+        if let Some(ci) = coord {
+            let co = &mut self.coords[ci];
             co.requests += 1;
             co.host_reserved += plan.host_pages;
-            coord = Some(ci);
         }
         self.reserved += plan.reserve;
-        let sampler = Sampler::new(&p.request.sampling)?;
         Ok(Live {
             id: p.id,
             sampler,
@@ -587,6 +586,36 @@ impl<'m, T: Element> Scheduler<'m, T> {
             sampling: p.request.sampling,
             submitted: p.submitted,
         })
+    }
+
+    /// Begins a sparse-mode request in coordinator `ci` and hands it the `reused` prompt
+    /// tokens kv-blocks found cached; on error the coordinator holds nothing of it.
+    fn begin_sparse(
+        &mut self,
+        ci: usize,
+        rid: RequestId,
+        prompt_len: usize,
+        reused: usize,
+    ) -> Result<(), EngineError> {
+        let table: Vec<i32> = self
+            .kv
+            .block_table(rid, GroupId(0))
+            .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?
+            .iter()
+            .map(|b| b.map_or(-1, kv_blocks::BlockId::as_i32))
+            .collect();
+        let co = &mut self.coords[ci].coord;
+        let mode = co.on_request_begin(rid, prompt_len)?;
+        debug_assert_eq!(mode, Mode::Sparse, "plan() predicts the coordinator's mode");
+        if reused > 0 {
+            let device = &self.device;
+            let r = co.on_prefix_cached(rid, reused, |layer| device.gather(layer, &table, reused));
+            if let Err(e) = r {
+                let _ = co.on_request_end(rid);
+                return Err(e.into());
+            }
+        }
+        Ok(())
     }
 
     /// Executes kv-blocks' pending copies between the device and host stores.
