@@ -306,15 +306,7 @@ impl<T: Element> SparseCoordinator<T> {
             )));
         }
         if t.mode == Mode::Sparse && n > 0 {
-            let manager = self.manager.as_ref().expect("sparse mode needs a manager");
-            let pages = manager.host_pages_needed(id, 0, n)?;
-            if pages > manager.free_host_pages() {
-                return Err(OffloadError::HostExhausted {
-                    needed: pages,
-                    free: manager.free_host_pages(),
-                }
-                .into());
-            }
+            self.check_host_room(0, &[(id, n)])?;
             let stride = self.model.kv_heads * self.model.head_dim;
             for (sl, &layer) in self.sparse_layers.clone().iter().enumerate() {
                 let (k, v) = kv(layer);
@@ -497,7 +489,7 @@ impl<T: Element> SparseCoordinator<T> {
         let kvs = self.model.kv_heads * self.model.head_dim;
         if let Some(sl) = self.sparse_of[layer] {
             let f = self.forward.as_ref().expect("checked by check_layer_io");
-            self.check_host_room(sl, f)?;
+            self.check_host_room(sl, &f.batch)?;
             let mut decode = Vec::new();
             let mut complete = Vec::new();
             let manager = self.manager.as_mut().expect("sparse layers have a manager");
@@ -613,12 +605,12 @@ impl<T: Element> SparseCoordinator<T> {
         Ok(())
     }
 
-    /// Checks that the host pool can take every sparse-mode request's new tokens of the
-    /// forward in sparse layer `sl`, so that no request is backed up while another fails.
-    fn check_host_room(&self, sl: usize, f: &Forward) -> Result<(), CoordError> {
+    /// Checks that the host pool can take the new tokens of every sparse-mode request of
+    /// `batch` in sparse layer `sl`, so that no request is backed up while another fails.
+    fn check_host_room(&self, sl: usize, batch: &[(RequestId, usize)]) -> Result<(), CoordError> {
         let manager = self.manager.as_ref().expect("sparse layers have a manager");
         let mut need = 0;
-        for &(id, n) in &f.batch {
+        for &(id, n) in batch {
             if self.trackers[&id].mode == Mode::Sparse {
                 let pages = manager.host_pages_needed(id, sl, n)?;
                 if pages > 0 && manager.config().host_alloc == HostAlloc::External {

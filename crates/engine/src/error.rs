@@ -31,6 +31,9 @@ pub enum EngineError {
     /// The attention op rejected a batch.
     #[error(transparent)]
     Attn(#[from] attn_op::AttnError),
+    /// The KV block manager refused a call.
+    #[error("kv-blocks: {0}")]
+    Kv(#[from] kv_blocks::KvError),
     /// The sparse coordinator rejected a step.
     #[error(transparent)]
     Coord(#[from] coordinator::CoordError),

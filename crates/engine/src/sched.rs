@@ -194,9 +194,10 @@ pub struct Usage {
 struct Coord<T: Element> {
     config: SparseConfig,
     coord: SparseCoordinator<T>,
-    /// Host pages reserved by its requests, and the pool's size.
+    /// Host pages reserved by its requests, the pool's size, and the bytes of a page.
     host_reserved: usize,
     host_pages: usize,
+    page_bytes: u64,
     /// Sparse-mode requests it holds.
     requests: usize,
 }
@@ -270,8 +271,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
                 config.device_bytes
             )));
         }
-        let kv = KvCacheManager::new(KvCacheConfig::new(bs as u32, primary, secondary))
-            .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
+        let kv = KvCacheManager::new(KvCacheConfig::new(bs as u32, primary, secondary))?;
         Ok(Scheduler {
             model,
             tokenizer,
@@ -316,12 +316,10 @@ impl<'m, T: Element> Scheduler<'m, T> {
         if let (Some(ci), true) = (coord, plan.sparse) {
             let co = &self.coords[ci];
             if plan.host_pages > co.host_pages {
-                let page = co.coord.lowered().page_size as u64;
-                let bytes = |p: usize| p as u64 * page * self.block_bytes / self.bs() as u64;
                 return Err(RequestError::TooBig {
                     what: "sparse host memory",
-                    need: bytes(plan.host_pages),
-                    budget: bytes(co.host_pages),
+                    need: plan.host_pages as u64 * co.page_bytes,
+                    budget: co.host_pages as u64 * co.page_bytes,
                 }
                 .into());
             }
@@ -460,6 +458,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
             coord,
             host_reserved: 0,
             host_pages: host_pages.max(1),
+            page_bytes,
             requests: 0,
         });
         Ok(self.coords.len() - 1)
@@ -532,8 +531,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
         let sampler = Sampler::new(&p.request.sampling)?;
         let out = self
             .kv
-            .add_request(RequestSpec::new(rid, p.request.prompt.clone()))
-            .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
+            .add_request(RequestSpec::new(rid, p.request.prompt.clone()))?;
         let reused = out.reused_tokens as usize;
         let prompt_len = p.request.prompt.len();
         let begun = self
@@ -597,13 +595,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
         prompt_len: usize,
         reused: usize,
     ) -> Result<(), EngineError> {
-        let table: Vec<i32> = self
-            .kv
-            .block_table(rid, GroupId(0))
-            .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?
-            .iter()
-            .map(|b| b.map_or(-1, kv_blocks::BlockId::as_i32))
-            .collect();
+        let table = self.table(rid)?;
         let co = &mut self.coords[ci].coord;
         let mode = co.on_request_begin(rid, prompt_len)?;
         debug_assert_eq!(mode, Mode::Sparse, "plan() predicts the coordinator's mode");
@@ -616,6 +608,15 @@ impl<'m, T: Element> Scheduler<'m, T> {
             }
         }
         Ok(())
+    }
+
+    /// A request's device block table as the data contract's `i32`s.
+    fn table(&self, id: RequestId) -> Result<Vec<i32>, EngineError> {
+        let table = self.kv.block_table(id, GroupId(0))?;
+        Ok(table
+            .iter()
+            .map(|b| b.map_or(-1, kv_blocks::BlockId::as_i32))
+            .collect())
     }
 
     /// Executes kv-blocks' pending copies between the device and host stores.
@@ -664,17 +665,11 @@ impl<'m, T: Element> Scheduler<'m, T> {
         let mut tables = Vec::with_capacity(work.len());
         for &(i, _) in &work {
             let l = &self.running[i];
-            let table: Vec<i32> = if l.on_device {
-                self.kv
-                    .block_table(l.rid(), GroupId(0))
-                    .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?
-                    .iter()
-                    .map(|b| b.map_or(-1, kv_blocks::BlockId::as_i32))
-                    .collect()
+            tables.push(if l.on_device {
+                self.table(l.rid())?
             } else {
                 Vec::new()
-            };
-            tables.push(table);
+            });
         }
         let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let mut batch = Batch {
@@ -743,9 +738,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
             let l = &mut self.running[i];
             l.computed += n;
             if l.on_device {
-                self.kv
-                    .commit_computed(l.rid(), l.computed as u32)
-                    .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
+                self.kv.commit_computed(l.rid(), l.computed as u32)?;
             }
             if l.computed < l.prompt.len() {
                 continue;
@@ -755,9 +748,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
             if l.drop_blocks && l.on_device {
                 // The prompt is in the host pool and every layer is sparse: the blocks go
                 // back (kv-blocks keeps the full ones for prefix reuse).
-                self.kv
-                    .release(l.rid())
-                    .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
+                self.kv.release(l.rid())?;
                 l.on_device = false;
                 self.reserved -= l.reserve - l.decode_reserve;
                 l.reserve = l.decode_reserve;
@@ -784,9 +775,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
             } else if l.out.len() == l.sampling.max_tokens {
                 done.push((l.id, FinishReason::Length));
             } else if l.on_device {
-                self.kv
-                    .append_token(l.rid(), token)
-                    .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
+                self.kv.append_token(l.rid(), token)?;
             }
         }
         self.run_transfers()?;
@@ -806,9 +795,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
     /// Releases a request's memory everywhere and writes its report.
     fn finish(&mut self, live: Live, reason: FinishReason) -> Result<Report, EngineError> {
         if live.on_device {
-            self.kv
-                .release(live.rid())
-                .map_err(|e| EngineError::Invalid(format!("kv-blocks: {e}")))?;
+            self.kv.release(live.rid())?;
         }
         if let Some(ci) = live.coord {
             let co = &mut self.coords[ci];

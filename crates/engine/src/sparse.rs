@@ -157,7 +157,7 @@ fn rows_of(batch: &Batch, which: &[usize]) -> Vec<usize> {
 }
 
 /// `cu_seqlens_q`, `seq_lens_kv` and `block_table` of the requests `which` of `batch`.
-fn sub_batch(batch: &Batch, which: &[usize]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+pub(crate) fn sub_batch(batch: &Batch, which: &[usize]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
     let w = batch.max_blocks;
     let mut cu = vec![0];
     let (mut lens, mut table) = (Vec::new(), Vec::new());

@@ -11,7 +11,7 @@ use offload::StepStats;
 use crate::EngineError;
 use crate::kv::{Batch, DenseAttention, KvStore};
 use crate::model::Attention;
-use crate::sparse::SparseAttention;
+use crate::sparse::{SparseAttention, sub_batch};
 
 /// The attention of a scheduler's forward: each group of requests attends through its own
 /// backend over its rows of q, k, v and out.
@@ -53,14 +53,14 @@ impl GroupRun {
     /// Cuts the group's part out of the whole batch.
     pub(crate) fn prepare(&mut self, batch: &Batch) {
         let (a, b) = (self.first, self.first + self.requests.len());
-        let w = batch.max_blocks;
-        let r0 = batch.cu_seqlens_q[a];
-        self.rows = r0 as usize..batch.cu_seqlens_q[b] as usize;
+        self.rows = batch.cu_seqlens_q[a] as usize..batch.cu_seqlens_q[b] as usize;
+        let which: Vec<usize> = (a..b).collect();
+        let (cu_seqlens_q, seq_lens_kv, block_table) = sub_batch(batch, &which);
         self.sub = Batch {
-            cu_seqlens_q: batch.cu_seqlens_q[a..=b].iter().map(|c| c - r0).collect(),
-            seq_lens_kv: batch.seq_lens_kv[a..b].to_vec(),
-            block_table: batch.block_table[a * w..b * w].to_vec(),
-            max_blocks: w,
+            cu_seqlens_q,
+            seq_lens_kv,
+            block_table,
+            max_blocks: batch.max_blocks,
             slots: batch.slots[self.rows.clone()].to_vec(),
         };
     }
