@@ -28,6 +28,10 @@ commands:
   demo    the main job: fetches the model if missing, then runs dense and hierarchical sparse
           attention side by side on a long real text (hsa eval); where the model cannot be
           fetched it says so and runs the built-in synthetic model instead
+  gpu     builds the device bundle into target/device/: the GPU check and bench binaries
+          (built here with --features cuda, stripped), the torch peer, and run.sh; on a GPU
+          machine `bash target/device/run.sh OUTDIR` runs every GPU check and benchmark,
+          writes logs into OUTDIR and prints one table
   help    this text";
 
 fn main() -> ExitCode {
@@ -38,6 +42,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("fetch-model") => fetch_model(),
         Some("demo") => demo(&args[1..]),
+        Some("gpu") => gpu_bundle(),
         Some("help" | "-h" | "--help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -200,6 +205,92 @@ fn run_peers(out_dir: &Path) -> Result<(), String> {
     let out_arg = out.to_string_lossy().into_owned();
     if !python(&["bench/peers/attn_cpu_sdpa.py", "--out", &out_arg])?.success() {
         return Err("the torch peer failed".to_owned());
+    }
+    Ok(())
+}
+
+/// The device bundle's script: checks, the sanitizers, benches and peers, then one table.
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# attn-op's GPU checks and benchmarks. Usage: bash run.sh OUTDIR
+# Writes check.log, bench.log/json, peers.log/json, sanitize.log and table.txt into OUTDIR.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-$here/out}
+mkdir -p "$out"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo; } > "$out/check.log" 2>&1
+"$here/bin/gpu" check 2>&1 | tee -a "$out/check.log"
+check=${PIPESTATUS[0]}
+"$here/bin/gpu" bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+python3 "$here/torch_gpu_attn.py" --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "torch peer failed (see peers.log)"
+: > "$out/sanitize.log"
+if command -v compute-sanitizer > /dev/null; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool gpu check --small" >> "$out/sanitize.log"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu" check --small >> "$out/sanitize.log" 2>&1
+    echo "$tool exit $?" | tee -a "$out/sanitize.log"
+  done
+else
+  echo "compute-sanitizer not found" | tee "$out/sanitize.log"
+fi
+grep -E "^(FAIL|check:)" "$out/check.log"
+python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" | tee "$out/table.txt"
+exit $check
+"#;
+
+/// Builds the device bundle: release GPU binaries built with `--features cuda`, stripped, with
+/// the peer scripts and `run.sh`, in `target/device/` (at most 64 MiB).
+fn gpu_bundle() -> Result<(), String> {
+    cargo(
+        &[
+            "build",
+            "--release",
+            "-p",
+            "attn-op",
+            "--features",
+            "cuda",
+            "--example",
+            "gpu",
+        ],
+        &[],
+    )?;
+    let target = target_dir();
+    let bundle = target.join("device");
+    let bin = bundle.join("bin");
+    std::fs::create_dir_all(&bin).map_err(|e| format!("{}: {e}", bin.display()))?;
+    let copy = |from: &Path, to: &Path| {
+        std::fs::copy(from, to)
+            .map(drop)
+            .map_err(|e| format!("copy {} -> {}: {e}", from.display(), to.display()))
+    };
+    let exe = bin.join("gpu");
+    copy(&target.join("release/examples/gpu"), &exe)?;
+    let stripped = Command::new("strip").arg(&exe).status();
+    if !matches!(stripped, Ok(s) if s.success()) {
+        eprintln!("xtask: strip failed or is missing; the bundle keeps symbols");
+    }
+    let root = workspace_root();
+    copy(
+        &root.join("bench/peers/torch_gpu_attn.py"),
+        &bundle.join("torch_gpu_attn.py"),
+    )?;
+    copy(
+        &root.join("bench/gpu_table.py"),
+        &bundle.join("gpu_table.py"),
+    )?;
+    std::fs::write(bundle.join("run.sh"), RUN_SH).map_err(|e| format!("run.sh: {e}"))?;
+    let size: u64 = std::fs::read_dir(&bin)
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "bundle: {} ({:.1} MiB of binaries); on the GPU machine: bash {}/run.sh OUTDIR",
+        bundle.display(),
+        size as f64 / f64::from(1u32 << 20),
+        bundle.strip_prefix(&root).unwrap_or(&bundle).display()
+    );
+    if size > 60 << 20 {
+        return Err("the bundle is over 60 MiB; the device machine takes 64 MiB".to_owned());
     }
     Ok(())
 }

@@ -50,4 +50,7 @@ pub enum AttnError {
     /// divides nor is a multiple of the page size, unsorted keep list, …).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// No usable CUDA driver, device or compiler, or a CUDA call failed (the `cuda` feature).
+    #[error("CUDA device: {0}")]
+    Device(String),
 }

@@ -12,6 +12,8 @@
 //! - [`token_sparse_attention`]: attention over selected tokens.
 //! - [`compact_kv`]: in-place KV compaction after prefill.
 //!
+//! With the `cuda` feature, [`cuda`] runs the same operations on a CUDA device.
+//!
 //! This CPU implementation is the specification: a CUDA kernel is correct when it matches it.
 //! Work is spread with rayon over (sequence, KV head, query tile, KV split); results do not
 //! depend on the number of threads.
@@ -34,6 +36,8 @@
 //! ```
 #![deny(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 mod kernel;

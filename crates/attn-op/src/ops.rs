@@ -345,6 +345,40 @@ pub fn compact_kv<T: Element>(
     keep: &Selection<'_>,
 ) -> Result<Vec<i32>, AttnError> {
     let layout = *kv.layout_ref();
+    let (seqs, rows, new_lens) = check_keep(&layout, seq_lens_kv, block_table, max_blocks, keep)?;
+    let kvh = layout.kv_heads;
+    let bs = layout.block_size;
+    let d = layout.head_dim;
+    let (k, v) = kv.tensors_mut();
+    for (r, row) in rows.iter().enumerate() {
+        let (seq, head) = (&seqs[r / kvh], r % kvh);
+        for (j, &src_pos) in row.iter().enumerate() {
+            let src_pos = src_pos as usize;
+            if src_pos == j {
+                continue;
+            }
+            let src = layout.offset(seq.slot(src_pos, bs), head);
+            let dst = layout.offset(seq.slot(j, bs), head);
+            k.copy_within(src..src + d, dst);
+            v.copy_within(src..src + d, dst);
+        }
+    }
+    Ok(new_lens)
+}
+
+/// The validated sequences of a compaction, the keep rows, and the new KV lengths. Shared by the
+/// CPU compaction and the CUDA one.
+pub(crate) type KeepPlan<'m, 'k> = (Vec<Seq<'m>>, Vec<&'k [i32]>, Vec<i32>);
+
+/// Checks a compaction's metadata and keep lists (equal counts per sequence, strictly
+/// ascending positions inside the sequence).
+pub(crate) fn check_keep<'m, 'k>(
+    layout: &crate::KvLayout,
+    seq_lens_kv: &'m [i32],
+    block_table: &'m [i32],
+    max_blocks: usize,
+    keep: &Selection<'k>,
+) -> Result<KeepPlan<'m, 'k>, AttnError> {
     let cu: Vec<i32> = vec![0; seq_lens_kv.len() + 1];
     let meta = BatchMeta {
         cu_seqlens_q: &cu,
@@ -352,7 +386,16 @@ pub fn compact_kv<T: Element>(
         block_table,
         max_blocks,
     };
-    let seqs = meta.validate(&layout)?;
+    // The sequences borrow the local `cu`; re-borrow their blocks from `block_table` itself.
+    let seqs: Vec<Seq<'m>> = meta
+        .validate(layout)?
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Seq {
+            blocks: &block_table[i * max_blocks..i * max_blocks + s.blocks.len()],
+            ..*s
+        })
+        .collect();
     let kvh = layout.kv_heads;
     let rows = keep.rows(seqs.len(), kvh, "kept token", |s| seqs[s].kv_len)?;
     let mut new_lens = Vec::with_capacity(seqs.len());
@@ -373,21 +416,5 @@ pub fn compact_kv<T: Element>(
         }
         new_lens.push(n as i32);
     }
-    let bs = layout.block_size;
-    let d = layout.head_dim;
-    let (k, v) = kv.tensors_mut();
-    for (r, row) in rows.iter().enumerate() {
-        let (seq, head) = (&seqs[r / kvh], r % kvh);
-        for (j, &src_pos) in row.iter().enumerate() {
-            let src_pos = src_pos as usize;
-            if src_pos == j {
-                continue;
-            }
-            let src = layout.offset(seq.slot(src_pos, bs), head);
-            let dst = layout.offset(seq.slot(j, bs), head);
-            k.copy_within(src..src + d, dst);
-            v.copy_within(src..src + d, dst);
-        }
-    }
-    Ok(new_lens)
+    Ok((seqs, rows, new_lens))
 }

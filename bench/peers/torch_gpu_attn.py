@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""GPU peers of attn-op's device benchmarks, run by the device bundle on the GPU machine.
+
+Same shapes and data sizes as `attn-op`'s `gpu bench`: bf16, 32 query / 8 KV heads, head dim
+128, pages of 16 tokens, a pool of 32K random blocks (1 GiB of K and V).
+
+- copy d2d 1 GiB: `dst.copy_(src)`, bytes read + written.
+- torch SDPA dense decode: contiguous K/V `[B, 8, L, 128]`, `enable_gqa=True`.
+- torch gather + SDPA: K/V gathered from the pool through a random page table, then SDPA.
+- torch sparse gather + SDPA: 128 selected pages per (sequence, KV head) gathered, then SDPA.
+
+Timing: CUDA events around each run after warm-up, median of 50 runs. Writes JSON with --json.
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+QH, KVH, D, BS = 32, 8, 128, 16
+POOL_BLOCKS = 32 * 1024
+BUDGET_PAGES = 128
+RUNS = 50
+
+
+def timed(fn):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(RUNS):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[RUNS // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+
+    n = 1 << 28
+    src = torch.rand(n, device=dev, generator=g)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))
+    rows.append({"name": "torch copy d2d 1 GiB", "ms": ms, "bytes": n * 4 * 2})
+    del src, dst
+
+    pool_k = torch.rand(POOL_BLOCKS, BS, KVH, D, device=dev, generator=g, dtype=torch.bfloat16)
+    pool_v = torch.rand(POOL_BLOCKS, BS, KVH, D, device=dev, generator=g, dtype=torch.bfloat16)
+    for b, ctx in [(8, 32 * 1024), (1, 128 * 1024)]:
+        blocks = ctx // BS
+        tag = f"B{b} L{ctx // 1024}K"
+        q = torch.rand(b, QH, 1, D, device=dev, generator=g, dtype=torch.bfloat16)
+        kv_bytes = b * ctx * KVH * D * 2 * 2
+
+        k = torch.rand(b, KVH, ctx, D, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.rand(b, KVH, ctx, D, device=dev, generator=g, dtype=torch.bfloat16)
+        ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        rows.append({"name": f"torch SDPA dense {tag}", "ms": ms, "bytes": kv_bytes})
+        del k, v
+
+        table = torch.randperm(POOL_BLOCKS, device=dev, generator=g)[: b * blocks].view(b, blocks)
+
+        def gathered():
+            kk = pool_k[table].view(b, ctx, KVH, D).transpose(1, 2)
+            vv = pool_v[table].view(b, ctx, KVH, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+        ms = timed(gathered)
+        rows.append({"name": f"torch gather+SDPA {tag}", "ms": ms, "bytes": kv_bytes})
+
+        # Sparse: per (sequence, KV head) BUDGET_PAGES logical pages, gathered per head.
+        sel = torch.stack([
+            torch.randperm(blocks - 1, device=dev, generator=g)[: BUDGET_PAGES - 1]
+            for _ in range(b * KVH)
+        ]).view(b, KVH, BUDGET_PAGES - 1)
+        last = torch.full((b, KVH, 1), blocks - 1, device=dev)
+        sel = torch.cat([sel, last], dim=2).sort(dim=2).values
+        phys = torch.gather(table.unsqueeze(1).expand(b, KVH, blocks), 2, sel)
+        heads = torch.arange(KVH, device=dev).view(1, KVH, 1)
+        sel_bytes = b * KVH * BUDGET_PAGES * BS * D * 2 * 2
+
+        def sparse():
+            # pool[phys, :, h, :] -> [b, KVH, pages, BS, D]
+            kk = pool_k.permute(0, 2, 1, 3)[phys, heads].reshape(b, KVH, BUDGET_PAGES * BS, D)
+            vv = pool_v.permute(0, 2, 1, 3)[phys, heads].reshape(b, KVH, BUDGET_PAGES * BS, D)
+            return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+        ms = timed(sparse)
+        rows.append({"name": f"torch sparse gather+SDPA 2K {tag}", "ms": ms, "bytes": sel_bytes})
+
+    for r in rows:
+        print(f"{r['name']:<40} {r['ms']:>10.4f} ms {r['bytes'] / r['ms'] / 1e6:>10.1f} GB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+//! Device benchmarks: copy bandwidth, dense paged decode, sparse page-list decode and the device
+//! gather, timed with CUDA events after warm-up (median of many runs).
+
+use std::fmt::Write as _;
+
+use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu};
+use attn_op::{AttnError, AttnParams, BatchMeta, KvLayout, Selection};
+use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::CUevent_flags;
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::Rng;
+
+const Q_HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const D: usize = 128;
+const BS: usize = 16;
+/// The sparse budget: 128 pages of 16 tokens per (sequence, KV head).
+const BUDGET_PAGES: usize = 128;
+/// Blocks of the shared pool: 512K tokens, 1 GiB of K and V in bf16.
+const POOL_BLOCKS: usize = 32 * 1024;
+const RUNS: usize = 50;
+
+/// One timed row of the table.
+struct Row {
+    name: String,
+    ms: f64,
+    bytes: f64,
+    note: String,
+}
+
+/// Runs every benchmark, prints the table and writes it as JSON when asked.
+pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
+    let mut rows = Vec::new();
+    let copy = copy_bandwidth(gpu)?;
+    rows.push(Row {
+        name: "copy d2d 1 GiB".to_owned(),
+        ms: copy.0,
+        bytes: copy.1,
+        note: "read + write".to_owned(),
+    });
+    let bw = copy.1 / copy.0 * 1e3;
+
+    let layout = KvLayout {
+        num_blocks: POOL_BLOCKS,
+        block_size: BS,
+        kv_heads: KV_HEADS,
+        head_dim: D,
+    };
+    let (k, v) = (random_bf16(layout.len(), 1), random_bf16(layout.len(), 2));
+    let kv = DevicePagedKv::from_host(gpu, layout, &k, &v)?;
+    drop((k, v));
+    let params = AttnParams::new(Q_HEADS, D);
+    let mut rng = Rng::new(7);
+
+    for (b, ctx) in [(8usize, 32 * 1024usize), (1, 128 * 1024)] {
+        let blocks = ctx / BS;
+        // Each sequence owns a random set of the pool's blocks.
+        let perm = rng.permutation(POOL_BLOCKS);
+        let table: Vec<i32> = (0..b * blocks).map(|i| perm[i] as i32).collect();
+        let cu: Vec<i32> = (0..=b as i32).collect();
+        let lens = vec![ctx as i32; b];
+        let meta = BatchMeta {
+            cu_seqlens_q: &cu,
+            seq_lens_kv: &lens,
+            block_table: &table,
+            max_blocks: blocks,
+        };
+        let dmeta = DeviceBatch::upload(gpu, &meta, &layout)?;
+        let q = gpu.upload(&random_bf16(b * Q_HEADS * D, 3))?;
+        let mut out = gpu.zeros::<f32>(b * Q_HEADS * D)?;
+        let mut lse = gpu.zeros::<f32>(b * Q_HEADS)?;
+        let kv_bytes = (b * ctx * KV_HEADS * D * 2 * 2) as f64;
+        let ms = time(gpu, || {
+            gpu.paged_attention(&q, &kv, &dmeta, &params, &mut out, Some(&mut lse))
+        })?;
+        rows.push(Row {
+            name: format!("dense decode B{b} L{}K", ctx / 1024),
+            ms,
+            bytes: kv_bytes,
+            note: format!("{:.2} of copy bw", kv_bytes / ms * 1e3 / bw),
+        });
+
+        // Sparse: four rotating selections of BUDGET_PAGES pages (the last page always).
+        let sels: Vec<DeviceSelection> = (0..4)
+            .map(|_| {
+                let (ids, lens) = budget_pages(&mut rng, b, blocks);
+                let s = Selection {
+                    ids: &ids,
+                    lens: &lens,
+                    max_len: BUDGET_PAGES,
+                };
+                DeviceSelection::upload(gpu, &s, b * KV_HEADS)
+            })
+            .collect::<Result<_, _>>()?;
+        let sel_bytes = (b * KV_HEADS * BUDGET_PAGES * BS * D * 2 * 2) as f64;
+        let mut i = 0;
+        let ms = time(gpu, || {
+            i += 1;
+            gpu.sparse_page_attention(
+                &q,
+                &kv,
+                &dmeta,
+                &sels[i % 4],
+                &params,
+                &mut out,
+                Some(&mut lse),
+            )
+        })?;
+        let floor = sel_bytes / bw * 1e3;
+        rows.push(Row {
+            name: format!("sparse decode 2K B{b} L{}K", ctx / 1024),
+            ms,
+            bytes: sel_bytes,
+            note: format!("{:.2} x bytes floor ({floor:.4} ms)", ms / floor),
+        });
+        let mut i = 0;
+        let ms = time(gpu, || {
+            i += 1;
+            gpu.gather_page_offsets(&sels[i % 4], BS, &dmeta).map(drop)
+        })?;
+        rows.push(Row {
+            name: format!("gather pages B{b} L{}K", ctx / 1024),
+            ms,
+            bytes: 0.0,
+            note: "device gather_page_offsets".to_owned(),
+        });
+    }
+
+    let mut text = String::new();
+    let _ = writeln!(text, "{:<28} {:>10} {:>10}  note", "bench", "ms", "GB/s");
+    for r in &rows {
+        let gbs = if r.bytes > 0.0 {
+            r.bytes / r.ms / 1e6
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            text,
+            "{:<28} {:>10.4} {:>10.1}  {}",
+            r.name, r.ms, gbs, r.note
+        );
+    }
+    print!("{text}");
+    if let Some(path) = json {
+        let items: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"name\":\"{}\",\"ms\":{},\"bytes\":{},\"note\":\"{}\"}}",
+                    r.name, r.ms, r.bytes, r.note
+                )
+            })
+            .collect();
+        let name = gpu.name()?;
+        let body = format!("{{\"device\":\"{name}\",\"rows\":[{}]}}\n", items.join(","));
+        std::fs::write(path, body).map_err(|e| AttnError::Device(format!("{path}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Median milliseconds of `RUNS` timed runs of `f` after 5 warm-up runs, CUDA events around
+/// each run.
+fn time(gpu: &Gpu, mut f: impl FnMut() -> Result<(), AttnError>) -> Result<f64, AttnError> {
+    for _ in 0..5 {
+        f()?;
+    }
+    let ctx = gpu.context();
+    let stream = gpu.stream();
+    let mut ms = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let a = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let b = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        a.record(stream)?;
+        f()?;
+        b.record(stream)?;
+        b.synchronize()?;
+        ms.push(f64::from(a.elapsed_ms(&b)?));
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[RUNS / 2])
+}
+
+/// Device-to-device copy of 1 GiB: (median ms, bytes read + written).
+fn copy_bandwidth(gpu: &Gpu) -> Result<(f64, f64), AttnError> {
+    let n = 1 << 28;
+    let src: CudaSlice<u32> = gpu.zeros(n)?;
+    let mut dst: CudaSlice<u32> = gpu.zeros(n)?;
+    let stream = gpu.stream().clone();
+    let ms = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
+    Ok((ms, (n * 4 * 2) as f64))
+}
+
+/// `n` random bf16 values in [-1, 1), generated in parallel chunks with fixed seeds.
+fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
+    let mut v = vec![bf16::ZERO; n];
+    v.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
+        let mut rng = Rng::new(seed * 1_000_003 + i as u64);
+        for x in c {
+            *x = bf16::from_f32(rng.unit());
+        }
+    });
+    v
+}
+
+/// Per (sequence, KV head) `BUDGET_PAGES` distinct logical pages, the last page always.
+fn budget_pages(rng: &mut Rng, b: usize, blocks: usize) -> (Vec<i32>, Vec<i32>) {
+    let rows = b * KV_HEADS;
+    let mut ids = Vec::with_capacity(rows * BUDGET_PAGES);
+    for _ in 0..rows {
+        let mut pick: Vec<usize> = rng.permutation(blocks - 1)[..BUDGET_PAGES - 1].to_vec();
+        pick.push(blocks - 1);
+        pick.sort_unstable();
+        ids.extend(pick.iter().map(|&p| p as i32));
+    }
+    (ids, vec![BUDGET_PAGES as i32; rows])
+}

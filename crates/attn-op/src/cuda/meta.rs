@@ -1,0 +1,144 @@
+//! Metadata and selections in device memory.
+
+use cudarc::driver::CudaSlice;
+
+use super::Gpu;
+use crate::{AttnError, BatchMeta, KvLayout, Selection};
+
+/// The three metadata arrays of a batch on the device, validated on the host (by the same
+/// checks as the CPU implementation) before upload, with the host-side facts launches need.
+pub struct DeviceBatch {
+    pub(crate) cu_seqlens_q: CudaSlice<i32>,
+    pub(crate) seq_lens_kv: CudaSlice<i32>,
+    pub(crate) block_table: CudaSlice<i32>,
+    pub(crate) max_blocks: usize,
+    pub(crate) q_lens: Vec<usize>,
+    pub(crate) kv_lens: Vec<usize>,
+    pub(crate) layout: KvLayout,
+}
+
+impl DeviceBatch {
+    /// Validates `meta` against `layout` and uploads it.
+    pub fn upload(gpu: &Gpu, meta: &BatchMeta<'_>, layout: &KvLayout) -> Result<Self, AttnError> {
+        let seqs = meta.validate(layout)?;
+        Ok(DeviceBatch {
+            cu_seqlens_q: gpu.upload(meta.cu_seqlens_q)?,
+            seq_lens_kv: gpu.upload(meta.seq_lens_kv)?,
+            block_table: gpu.upload(meta.block_table)?,
+            max_blocks: meta.max_blocks,
+            q_lens: seqs.iter().map(|s| s.q_len).collect(),
+            kv_lens: seqs.iter().map(|s| s.kv_len).collect(),
+            layout: *layout,
+        })
+    }
+
+    /// Sequences of the batch.
+    pub fn num_seqs(&self) -> usize {
+        self.kv_lens.len()
+    }
+
+    /// Queries of the batch.
+    pub fn total_q(&self) -> usize {
+        self.q_lens.iter().sum()
+    }
+
+    /// The longest KV length.
+    pub fn max_kv_len(&self) -> usize {
+        self.kv_lens.iter().copied().max().unwrap_or(0)
+    }
+
+    /// The KV lengths on the device (`seq_lens_kv`).
+    pub fn seq_lens_kv(&self) -> &CudaSlice<i32> {
+        &self.seq_lens_kv
+    }
+}
+
+/// Per (sequence, KV head) id lists on the device, in the shared format: `ids` is
+/// `[rows, max_len]` padded with -1, `lens` is `[rows]` with `rows = num_seqs * kv_heads`.
+pub struct DeviceSelection {
+    /// The ids.
+    pub ids: CudaSlice<i32>,
+    /// Valid ids per row.
+    pub lens: CudaSlice<i32>,
+    /// Row width of `ids`.
+    pub max_len: usize,
+    /// Rows.
+    pub rows: usize,
+}
+
+impl DeviceSelection {
+    /// Uploads a host selection of `rows` rows after checking its shape and lengths. Ids are
+    /// checked on the device, where out-of-range ones are skipped.
+    pub fn upload(gpu: &Gpu, sel: &Selection<'_>, rows: usize) -> Result<Self, AttnError> {
+        let ids = shape_checked(sel, rows)?;
+        Ok(DeviceSelection {
+            ids: gpu.upload(ids)?,
+            lens: gpu.upload(sel.lens)?,
+            max_len: sel.max_len,
+            rows,
+        })
+    }
+
+    /// Wraps device buffers produced elsewhere (a selection kernel, say), after checking sizes.
+    pub fn from_device(
+        ids: CudaSlice<i32>,
+        lens: CudaSlice<i32>,
+        max_len: usize,
+    ) -> Result<Self, AttnError> {
+        let rows = lens.len();
+        if ids.len() != rows * max_len {
+            return Err(AttnError::Length {
+                what: "selection ids",
+                expected: rows * max_len,
+                got: ids.len(),
+            });
+        }
+        Ok(DeviceSelection {
+            ids,
+            lens,
+            max_len,
+            rows,
+        })
+    }
+}
+
+/// Checks a host selection's shape and lengths for `rows` rows; returns its ids.
+fn shape_checked<'a>(sel: &Selection<'a>, rows: usize) -> Result<&'a [i32], AttnError> {
+    if sel.lens.len() != rows {
+        return Err(AttnError::Length {
+            what: "selection lens",
+            expected: rows,
+            got: sel.lens.len(),
+        });
+    }
+    if sel.ids.len() != rows * sel.max_len {
+        return Err(AttnError::Length {
+            what: "selection ids",
+            expected: rows * sel.max_len,
+            got: sel.ids.len(),
+        });
+    }
+    if let Some((r, &l)) = sel
+        .lens
+        .iter()
+        .enumerate()
+        .find(|&(_, &l)| l < 0 || l as usize > sel.max_len)
+    {
+        return Err(AttnError::Metadata(format!(
+            "selection row {r}: length {l} outside 0..={}",
+            sel.max_len
+        )));
+    }
+    Ok(sel.ids)
+}
+
+/// The output of [`Gpu::gather_page_offsets`]: sorted unique logical pages per (sequence, KV
+/// head) and the tokens they cover, like [`GatheredPages`](crate::GatheredPages).
+pub struct DeviceGathered {
+    /// The pages, usable directly by [`Gpu::sparse_page_attention`].
+    pub pages: DeviceSelection,
+    /// `[rows]` tokens covered by each row's pages (a last partial page counts its valid tokens).
+    pub kv_lens: CudaSlice<i32>,
+    /// One counter: selected ids that were outside their sequence (and skipped).
+    pub invalid: CudaSlice<i32>,
+}

@@ -1,0 +1,398 @@
+//! The CUDA backend: the same operations as the CPU implementation, on device memory.
+//!
+//! [`Gpu`] owns a context, one stream and the kernels of `kernels/attn.cu`, compiled once by
+//! NVRTC when it is created. Data lives in [`DevicePagedKv`] (the block-tensor layout of
+//! [`PagedKv`](crate::PagedKv)), [`DeviceBatch`] (the three metadata arrays, validated on the
+//! host before they are uploaded) and [`DeviceSelection`] (selections in the shared -1-padded
+//! format, which device kernels may produce). Every operation is enqueued on the stream and
+//! returns without waiting; reading a result back (or [`Gpu::synchronize`]) waits.
+//!
+//! Without a CUDA driver or device [`Gpu::new`] answers [`AttnError::Device`]; it never panics.
+//! Kernel indices read from device memory are range-checked before they address memory, so a
+//! bad id produced on the device is skipped, never dereferenced.
+
+mod meta;
+mod ops;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use half::{bf16, f16};
+
+use crate::kv::Memory;
+use crate::{AttnError, Element, KvCache, KvLayout};
+
+pub use meta::{DeviceBatch, DeviceGathered, DeviceSelection};
+
+/// The CUDA C source of every kernel, embedded at build time.
+pub const KERNEL_SOURCE: &str = include_str!("../../../../kernels/attn.cu");
+
+/// Device memory, as [`Memory`] types: cudarc slices.
+#[derive(Clone, Copy, Debug)]
+pub struct Device;
+
+impl Memory for Device {
+    type Slice<T: Element> = CudaSlice<T>;
+    type Indices = CudaSlice<i32>;
+}
+
+/// An [`Element`] the kernels are built for; sealed like `Element`.
+pub trait CudaElement: Element + DeviceRepr + ValidAsZeroBits {
+    /// The kernel-name suffix of the type.
+    const KERNEL: &'static str;
+}
+
+impl CudaElement for f32 {
+    const KERNEL: &'static str = "f32";
+}
+
+impl CudaElement for f16 {
+    const KERNEL: &'static str = "f16";
+}
+
+impl CudaElement for bf16 {
+    const KERNEL: &'static str = "bf16";
+}
+
+impl From<DriverError> for AttnError {
+    fn from(e: DriverError) -> Self {
+        AttnError::Device(format!("CUDA driver: {e:?}"))
+    }
+}
+
+/// Compiles [`KERNEL_SOURCE`] to PTX for `arch` (for example `sm_90`) with NVRTC. Needs only the
+/// NVRTC library, not a device: a build machine can check that the kernels compile.
+pub fn compile_kernels(arch: &'static str) -> Result<Ptx, AttnError> {
+    // SAFETY: only probes whether the NVRTC shared library can be opened.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(AttnError::Device(
+            "no NVRTC library (libnvrtc) found".to_owned(),
+        ));
+    }
+    let mut include_paths = vec!["/usr/local/cuda/include".to_owned()];
+    if let Ok(extra) = std::env::var("HSA_CUDA_INCLUDE") {
+        include_paths.insert(0, extra);
+    }
+    let opts = CompileOptions {
+        arch: Some(arch),
+        include_paths,
+        options: vec!["--std=c++17".to_owned()],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts)
+        .map_err(|e| AttnError::Device(format!("NVRTC compile of kernels/attn.cu: {e}")))
+}
+
+/// Every kernel of [`KERNEL_SOURCE`].
+const KERNEL_NAMES: &[&str] = &[
+    "attn_f32_d64_r4",
+    "attn_f32_d64_r8",
+    "attn_f32_d128_r4",
+    "attn_f32_d128_r8",
+    "attn_f32_d256_r4",
+    "attn_f32_d256_r8",
+    "attn_f16_d64_r4",
+    "attn_f16_d64_r8",
+    "attn_f16_d128_r4",
+    "attn_f16_d128_r8",
+    "attn_f16_d256_r4",
+    "attn_f16_d256_r8",
+    "attn_bf16_d64_r4",
+    "attn_bf16_d64_r8",
+    "attn_bf16_d128_r4",
+    "attn_bf16_d128_r8",
+    "attn_bf16_d256_r4",
+    "attn_bf16_d256_r8",
+    "attn_merge",
+    "set_kv",
+    "gather_pages",
+    "compact_f32",
+    "compact_f16",
+    "compact_bf16",
+];
+
+/// A CUDA device with the attention kernels loaded and one stream to run them on.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    /// One-element buffers passed where a kernel argument is unused.
+    dummy_f32: CudaSlice<f32>,
+    dummy_i32: CudaSlice<i32>,
+    sms: usize,
+    /// Scratch for split-KV partial results, grown on demand and reused.
+    scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    /// Target CTAs of a split-KV launch, as a multiple of the multiprocessor count.
+    waves: usize,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("sms", &self.sms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and compiles the kernels for its architecture. Answers
+    /// [`AttnError::Device`] where no driver, no device or no NVRTC exists.
+    pub fn new(ordinal: usize) -> Result<Self, AttnError> {
+        // SAFETY: only probes whether the driver library can be opened; without it
+        // `CudaContext::new` would panic instead of returning an error.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(AttnError::Device(
+                "no CUDA driver (libcuda) found".to_owned(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = arch_name(major, minor)?;
+        let module = ctx.load_module(compile_kernels(arch)?)?;
+        let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let stream = ctx.default_stream();
+        let mut funcs = HashMap::new();
+        for &name in KERNEL_NAMES {
+            let f = module
+                .load_function(name)
+                .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
+            funcs.insert(name, f);
+        }
+        Ok(Gpu {
+            dummy_f32: stream.alloc_zeros(1)?,
+            dummy_i32: stream.alloc_zeros(1)?,
+            ctx,
+            stream,
+            funcs,
+            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            scratch: Mutex::new(None),
+            waves: 4,
+        })
+    }
+
+    /// The device's name, as the driver reports it.
+    pub fn name(&self) -> Result<String, AttnError> {
+        Ok(self.ctx.name()?)
+    }
+
+    /// Streaming multiprocessors of the device.
+    pub fn multiprocessors(&self) -> usize {
+        self.sms
+    }
+
+    /// Sets how many CTAs a split-KV launch aims for, as a multiple of the multiprocessor count
+    /// (4 unless set; at least 1).
+    pub fn set_waves(&mut self, waves: usize) {
+        self.waves = waves.max(1);
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every operation is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for everything enqueued so far.
+    pub fn synchronize(&self) -> Result<(), AttnError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Copies host data into a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, AttnError> {
+        Ok(self.stream.clone_htod(src)?)
+    }
+
+    /// Copies a device buffer back to the host (waits for the stream).
+    pub fn download<T: DeviceRepr>(&self, src: &CudaSlice<T>) -> Result<Vec<T>, AttnError> {
+        Ok(self.stream.clone_dtoh(src)?)
+    }
+
+    /// A zeroed device buffer.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, AttnError> {
+        Ok(self.stream.alloc_zeros(len.max(1))?)
+    }
+
+    /// A loaded kernel by name (every name of [`KERNEL_NAMES`] is loaded by [`Gpu::new`]).
+    fn function(&self, name: &str) -> Result<&CudaFunction, AttnError> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| AttnError::Device(format!("no kernel named {name}")))
+    }
+}
+
+/// The NVRTC architecture name of a compute capability NVRTC can target.
+fn arch_name(major: i32, minor: i32) -> Result<&'static str, AttnError> {
+    Ok(match (major, minor) {
+        (7, 0) => "sm_70",
+        (7, 5) => "sm_75",
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        _ => {
+            return Err(AttnError::Device(format!(
+                "compute capability {major}.{minor} has no kernel build"
+            )));
+        }
+    })
+}
+
+/// K and V block tensors of one layer in device memory, in the layout of
+/// [`PagedKv`](crate::PagedKv).
+pub struct DevicePagedKv<T: CudaElement> {
+    layout: KvLayout,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    set_kv: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl<T: CudaElement> DevicePagedKv<T> {
+    /// A zero-filled cache. The device kernels need `head_dim` to be a multiple of 8 and one of
+    /// 64, 128 or 256 for attention.
+    pub fn new(gpu: &Gpu, layout: KvLayout) -> Result<Self, AttnError> {
+        check_layout(&layout)?;
+        Ok(DevicePagedKv {
+            layout,
+            k: gpu.zeros(layout.len())?,
+            v: gpu.zeros(layout.len())?,
+            set_kv: gpu.function("set_kv")?.clone(),
+            stream: gpu.stream.clone(),
+        })
+    }
+
+    /// A cache holding copies of host tensors (each `[num_blocks, block_size, kv_heads,
+    /// head_dim]`).
+    pub fn from_host(gpu: &Gpu, layout: KvLayout, k: &[T], v: &[T]) -> Result<Self, AttnError> {
+        check_layout(&layout)?;
+        for (what, t) in [("k", k), ("v", v)] {
+            if t.len() != layout.len() {
+                return Err(AttnError::Length {
+                    what,
+                    expected: layout.len(),
+                    got: t.len(),
+                });
+            }
+        }
+        Ok(DevicePagedKv {
+            layout,
+            k: gpu.upload(k)?,
+            v: gpu.upload(v)?,
+            set_kv: gpu.function("set_kv")?.clone(),
+            stream: gpu.stream.clone(),
+        })
+    }
+
+    /// The K tensor.
+    pub fn k(&self) -> &CudaSlice<T> {
+        &self.k
+    }
+
+    /// The V tensor.
+    pub fn v(&self) -> &CudaSlice<T> {
+        &self.v
+    }
+
+    /// Both tensors, mutably.
+    pub fn tensors_mut(&mut self) -> (&mut CudaSlice<T>, &mut CudaSlice<T>) {
+        (&mut self.k, &mut self.v)
+    }
+}
+
+fn check_layout(layout: &KvLayout) -> Result<(), AttnError> {
+    if layout.block_size == 0 || layout.kv_heads == 0 || !layout.head_dim.is_multiple_of(8) {
+        return Err(AttnError::Invalid(format!(
+            "a device KV layout needs block_size and kv_heads above 0 and head_dim a multiple \
+             of 8, got {layout:?}"
+        )));
+    }
+    if i32::try_from(layout.num_slots()).is_err() {
+        return Err(AttnError::Invalid(format!(
+            "{} slots do not fit the kernels' i32 slot ids",
+            layout.num_slots()
+        )));
+    }
+    Ok(())
+}
+
+impl<T: CudaElement> KvCache<Device> for DevicePagedKv<T> {
+    type Elem = T;
+
+    fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// As the CPU `set_kv`, except that slots are not read back to be checked: a slot outside the
+    /// pool is skipped on the device (never written out of bounds) where the CPU rejects it.
+    fn set_kv(
+        &mut self,
+        slot_mapping: &CudaSlice<i32>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+    ) -> Result<(), AttnError> {
+        let stride = self.layout.token_stride();
+        let n = slot_mapping.len();
+        let expected = n * stride;
+        for (what, got) in [("k", k.len()), ("v", v.len())] {
+            if got != expected {
+                return Err(AttnError::Length {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let vecs = stride * T::DTYPE.size() / 16;
+        let total = n * vecs;
+        let (n32, vecs32, slots32) = (to_i32(n)?, to_i32(vecs)?, to_i32(self.layout.num_slots())?);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(total.div_ceil(256))?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.set_kv);
+        b.arg(slot_mapping)
+            .arg(&n32)
+            .arg(k)
+            .arg(v)
+            .arg(&mut self.k)
+            .arg(&mut self.v)
+            .arg(&vecs32)
+            .arg(&slots32);
+        // SAFETY: the arguments match `set_kv`'s signature in kernels/attn.cu: k and v hold
+        // n * vecs 16-byte vectors (checked above; head_dim is a multiple of 8 so a token row is
+        // whole vectors), the pool holds num_slots * vecs, and the kernel skips slots outside
+        // 0..num_slots.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// A host size as the kernels' `i32`.
+fn to_i32(x: usize) -> Result<i32, AttnError> {
+    i32::try_from(x).map_err(|_| AttnError::Invalid(format!("{x} does not fit in an i32")))
+}
+
+/// A host size as a launch dimension.
+fn to_u32(x: usize) -> Result<u32, AttnError> {
+    u32::try_from(x).map_err(|_| AttnError::Invalid(format!("{x} does not fit a grid dimension")))
+}

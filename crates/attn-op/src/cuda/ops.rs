@@ -1,0 +1,521 @@
+//! The device entry points: dense, page-list and token-level attention, the merge of partial
+//! results, the gather of page offsets, and KV compaction.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu};
+use super::{to_i32, to_u32};
+use crate::ops::check_keep;
+use crate::{AttnError, AttnParams, KvCache, Selection};
+
+/// Which keys a launch reads.
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    Dense,
+    Pages(&'a DeviceSelection),
+    Tokens(&'a DeviceSelection),
+}
+
+/// Warps per attention CTA (must match `WARPS` in kernels/attn.cu).
+const WARPS: usize = 4;
+/// The most bytes of split-KV partial results one launch may use before it splits less.
+const SCRATCH_BUDGET: usize = 256 << 20;
+
+impl Gpu {
+    /// [`paged_attention`](crate::paged_attention) on the device: `q` is `[total_q, q_heads,
+    /// head_dim]`, `out` `[total_q, q_heads, head_dim]` and `lse` `[total_q, q_heads]`.
+    pub fn paged_attention<T: CudaElement>(
+        &self,
+        q: &CudaSlice<T>,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        params: &AttnParams,
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        self.attend(q, kv, meta, Keys::Dense, params, out, lse)
+    }
+
+    /// [`sparse_page_attention`](crate::sparse_page_attention) on the device. The pages of a
+    /// row need not be sorted here (a [`DeviceGathered`] gives them sorted and unique); pages
+    /// outside the sequence are skipped.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the CPU entry point's arguments plus the GPU"
+    )]
+    pub fn sparse_page_attention<T: CudaElement>(
+        &self,
+        q: &CudaSlice<T>,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        pages: &DeviceSelection,
+        params: &AttnParams,
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        self.attend(q, kv, meta, Keys::Pages(pages), params, out, lse)
+    }
+
+    /// [`token_sparse_attention`](crate::token_sparse_attention) on the device; tokens outside
+    /// the sequence are skipped (duplicates are the caller's to avoid, as on the CPU).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the CPU entry point's arguments plus the GPU"
+    )]
+    pub fn token_sparse_attention<T: CudaElement>(
+        &self,
+        q: &CudaSlice<T>,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        tokens: &DeviceSelection,
+        params: &AttnParams,
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        self.attend(q, kv, meta, Keys::Tokens(tokens), params, out, lse)
+    }
+
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one launcher behind three entry points"
+    )]
+    fn attend<T: CudaElement>(
+        &self,
+        q: &CudaSlice<T>,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        keys: Keys<'_>,
+        params: &AttnParams,
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        let layout = kv.layout();
+        if meta.layout != layout {
+            return Err(AttnError::Invalid(format!(
+                "the batch was validated for {:?}, the cache is {layout:?}",
+                meta.layout
+            )));
+        }
+        let group = params.validate(&layout)?;
+        let d = layout.head_dim;
+        if ![64, 128, 256].contains(&d) {
+            return Err(AttnError::Invalid(format!(
+                "device attention is built for head_dim 64, 128 and 256, not {d}"
+            )));
+        }
+        let total_q = meta.total_q();
+        let total_rows = total_q * params.q_heads;
+        let lse_len = lse.as_ref().map_or(total_rows, |l| l.len());
+        for (what, got, expected) in [
+            ("q", q.len(), total_rows * d),
+            ("out", out.len(), total_rows * d),
+            ("lse", lse_len, total_rows),
+        ] {
+            if got != expected {
+                return Err(AttnError::Length {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        let rows_sel = meta.num_seqs() * layout.kv_heads;
+        let bs = layout.block_size;
+        let (mode, sel, n_keys) = match keys {
+            Keys::Dense => (0, None, meta.max_kv_len().div_ceil(bs) * bs),
+            Keys::Pages(s) => (1, Some(s), s.max_len * bs),
+            Keys::Tokens(s) => (2, Some(s), s.max_len),
+        };
+        if let Some(s) = sel
+            && s.rows != rows_sel
+        {
+            return Err(AttnError::Length {
+                what: "selection rows",
+                expected: rows_sel,
+                got: s.rows,
+            });
+        }
+        if total_rows == 0 {
+            return Ok(());
+        }
+        let sink_buf = match &params.sink_logits {
+            Some(s) => Some(self.upload(s)?),
+            None => None,
+        };
+
+        // Rows per CTA, row tiles per (sequence, KV head), and the split of the keys.
+        let max_rows = meta.q_lens.iter().max().copied().unwrap_or(0) * group;
+        let rows_cta = if max_rows <= 4 { 4 } else { 8 };
+        let tiles = max_rows.div_ceil(rows_cta);
+        let units = meta.num_seqs() * layout.kv_heads * tiles;
+        let mut splits = (self.waves * self.sms).div_ceil(units.max(1)).max(1);
+        splits = splits.min(n_keys.div_ceil(256).max(1));
+        while splits > 1 && splits * total_rows * (d + 1) * 4 > SCRATCH_BUDGET {
+            splits /= 2;
+        }
+        let chunk = n_keys.div_ceil(splits).div_ceil(64).max(1) * 64;
+        let splits = n_keys.div_ceil(chunk).max(1);
+
+        let name = format!("attn_{}_d{d}_r{rows_cta}", T::KERNEL);
+        let func = self.function(&name)?;
+        let streams = WARPS * (32 / (d / 8));
+        let cfg = LaunchConfig {
+            grid_dim: (
+                to_u32(splits)?,
+                to_u32(tiles)?,
+                to_u32(meta.num_seqs() * layout.kv_heads)?,
+            ),
+            block_dim: (to_u32(WARPS * 32)?, 1, 1),
+            shared_mem_bytes: to_u32(streams * rows_cta * (d + 2) * 4)?,
+        };
+        let ints = [
+            to_i32(meta.max_blocks)?,
+            to_i32(layout.num_blocks)?,
+            mode,
+            to_i32(sel.map_or(0, |s| s.max_len))?,
+            to_i32(layout.kv_heads)?,
+            to_i32(group)?,
+            to_i32(bs)?,
+            to_i32(params.window.map_or(0, |w| w as usize))?,
+            to_i32(params.sink_tokens as usize)?,
+            i32::from(sink_buf.is_some()),
+            to_i32(chunk)?,
+            i32::from(splits > 1),
+            to_i32(total_rows)?,
+        ];
+        let [
+            max_blocks,
+            num_blocks,
+            mode,
+            sel_max,
+            kvh,
+            group,
+            bs,
+            window,
+            sinks,
+            has_sinks,
+            chunk,
+            split_out,
+            total_rows_i,
+        ] = ints;
+        let (sel_ids, sel_lens) =
+            sel.map_or((&self.dummy_i32, &self.dummy_i32), |s| (&s.ids, &s.lens));
+        let sinks_buf = sink_buf.as_ref().unwrap_or(&self.dummy_f32);
+
+        if splits == 1 {
+            let has_lse = i32::from(lse.is_some());
+            let mut dummy = None;
+            let lse_buf = match lse {
+                Some(l) => l,
+                None => dummy.insert(self.zeros::<f32>(1)?),
+            };
+            let mut b = self.stream.launch_builder(func);
+            b.arg(q)
+                .arg(kv.k())
+                .arg(kv.v())
+                .arg(&meta.cu_seqlens_q)
+                .arg(&meta.seq_lens_kv)
+                .arg(&meta.block_table)
+                .arg(&max_blocks)
+                .arg(&num_blocks)
+                .arg(&mode)
+                .arg(sel_ids)
+                .arg(sel_lens)
+                .arg(&sel_max)
+                .arg(&kvh)
+                .arg(&group)
+                .arg(&bs)
+                .arg(&params.scale)
+                .arg(&window)
+                .arg(&sinks)
+                .arg(sinks_buf)
+                .arg(&has_sinks)
+                .arg(&chunk)
+                .arg(&split_out)
+                .arg(&mut *out)
+                .arg(&mut *lse_buf)
+                .arg(&has_lse)
+                .arg(&total_rows_i);
+            // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out
+            // and lse have the lengths checked above, the metadata was validated against this
+            // layout on upload, and the kernel range-checks every id it reads from device memory.
+            unsafe { b.launch(cfg) }?;
+            return Ok(());
+        }
+
+        let mut guard = self
+            .scratch
+            .lock()
+            .map_err(|_| AttnError::Device("scratch lock poisoned".to_owned()))?;
+        let need = splits * total_rows;
+        if guard.as_ref().is_none_or(|(_, l)| l.len() < need) {
+            *guard = Some((self.zeros(need * d)?, self.zeros(need)?));
+        }
+        let (p_out, p_lse) = guard
+            .as_mut()
+            .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
+        let one = 1i32;
+        let mut b = self.stream.launch_builder(func);
+        b.arg(q)
+            .arg(kv.k())
+            .arg(kv.v())
+            .arg(&meta.cu_seqlens_q)
+            .arg(&meta.seq_lens_kv)
+            .arg(&meta.block_table)
+            .arg(&max_blocks)
+            .arg(&num_blocks)
+            .arg(&mode)
+            .arg(sel_ids)
+            .arg(sel_lens)
+            .arg(&sel_max)
+            .arg(&kvh)
+            .arg(&group)
+            .arg(&bs)
+            .arg(&params.scale)
+            .arg(&window)
+            .arg(&sinks)
+            .arg(sinks_buf)
+            .arg(&has_sinks)
+            .arg(&chunk)
+            .arg(&split_out)
+            .arg(&mut *p_out)
+            .arg(&mut *p_lse)
+            .arg(&one)
+            .arg(&total_rows_i);
+        // SAFETY: as above; in split mode the kernel writes `splits * total_rows` partial rows,
+        // which the scratch buffers hold (grown just before).
+        unsafe { b.launch(cfg) }?;
+        self.merge_launch(
+            p_out,
+            p_lse,
+            splits,
+            total_rows,
+            d,
+            (sinks_buf, has_sinks, params.q_heads),
+            out,
+            lse,
+        )
+    }
+
+    /// [`merge_attention`](crate::merge_attention) on the device, for parts stacked in one
+    /// buffer: `parts_out` is `[n_parts, rows, head_dim]` and `parts_lse` `[n_parts, rows]`;
+    /// `out` is `[rows, head_dim]` and `lse` `[rows]`.
+    pub fn merge_attention(
+        &self,
+        parts_out: &CudaSlice<f32>,
+        parts_lse: &CudaSlice<f32>,
+        n_parts: usize,
+        head_dim: usize,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), AttnError> {
+        if head_dim == 0 {
+            return Err(AttnError::Invalid("head_dim 0".to_owned()));
+        }
+        let rows = lse.len();
+        for (what, got, expected) in [
+            ("out", out.len(), rows * head_dim),
+            ("parts lse", parts_lse.len(), n_parts * rows),
+            ("parts out", parts_out.len(), n_parts * rows * head_dim),
+        ] {
+            if got != expected {
+                return Err(AttnError::Length {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        self.merge_launch(
+            parts_out,
+            parts_lse,
+            n_parts,
+            rows,
+            head_dim,
+            (&self.dummy_f32, 0, 1),
+            out,
+            Some(lse),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "the merge kernel's arguments")]
+    fn merge_launch(
+        &self,
+        parts_out: &CudaSlice<f32>,
+        parts_lse: &CudaSlice<f32>,
+        n_parts: usize,
+        rows: usize,
+        d: usize,
+        (sinks, has_sinks, q_heads): (&CudaSlice<f32>, i32, usize),
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let has_lse = i32::from(lse.is_some());
+        let mut dummy = None;
+        let lse_buf = match lse {
+            Some(l) => l,
+            None => dummy.insert(self.zeros::<f32>(1)?),
+        };
+        let (n, r, dd, qh) = (
+            to_i32(n_parts)?,
+            to_i32(rows)?,
+            to_i32(d)?,
+            to_i32(q_heads)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(rows)?, 1, 1),
+            block_dim: (to_u32(d.div_ceil(32).min(8) * 32)?, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(self.function("attn_merge")?);
+        b.arg(parts_out)
+            .arg(parts_lse)
+            .arg(&n)
+            .arg(&r)
+            .arg(&dd)
+            .arg(sinks)
+            .arg(&has_sinks)
+            .arg(&qh)
+            .arg(out)
+            .arg(lse_buf)
+            .arg(&has_lse);
+        // SAFETY: the arguments follow `attn_merge` in kernels/attn.cu; the parts hold
+        // n_parts * rows rows of d, out holds rows * d and lse rows (checked by the callers), and
+        // sink logits, when present, hold q_heads values indexed by row % q_heads.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// [`gather_page_offsets`](crate::gather_page_offsets) on the device, for the sequences of
+    /// `meta`: rows are (sequence, KV head) and `selection` holds blocks of `sel_block_size`
+    /// tokens. Ids outside their sequence are skipped and counted in
+    /// [`DeviceGathered::invalid`] (the CPU rejects them).
+    pub fn gather_page_offsets(
+        &self,
+        selection: &DeviceSelection,
+        sel_block_size: usize,
+        meta: &DeviceBatch,
+    ) -> Result<DeviceGathered, AttnError> {
+        let layout = meta.layout;
+        let bs = layout.block_size;
+        if sel_block_size == 0
+            || !(sel_block_size.is_multiple_of(bs) || bs.is_multiple_of(sel_block_size))
+        {
+            return Err(AttnError::Invalid(format!(
+                "selection blocks of {sel_block_size} tokens do not tile KV pages of {bs}"
+            )));
+        }
+        let rows = meta.num_seqs() * layout.kv_heads;
+        if selection.rows != rows {
+            return Err(AttnError::Length {
+                what: "selection rows",
+                expected: rows,
+                got: selection.rows,
+            });
+        }
+        let max_pages = meta.max_kv_len().div_ceil(bs);
+        let words = max_pages.div_ceil(32);
+        if words * 4 > 48 * 1024 {
+            return Err(AttnError::Invalid(format!(
+                "{max_pages} pages exceed the device gather's shared-memory bitmap"
+            )));
+        }
+        let mut pages = self.zeros::<i32>(rows * max_pages)?;
+        let mut counts = self.zeros::<i32>(rows)?;
+        let mut kv_lens = self.zeros::<i32>(rows)?;
+        let mut invalid = self.zeros::<i32>(1)?;
+        if rows > 0 {
+            let ints = [
+                to_i32(selection.max_len)?,
+                to_i32(layout.kv_heads)?,
+                to_i32(sel_block_size)?,
+                to_i32(bs)?,
+                to_i32(max_pages)?,
+            ];
+            let [max_len, kvh, sel_bs, bs_i, max_pages_i] = ints;
+            let cfg = LaunchConfig {
+                grid_dim: (to_u32(rows)?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: to_u32(words.max(1) * 4)?,
+            };
+            let mut b = self.stream.launch_builder(self.function("gather_pages")?);
+            b.arg(&selection.ids)
+                .arg(&selection.lens)
+                .arg(&max_len)
+                .arg(&meta.seq_lens_kv)
+                .arg(&kvh)
+                .arg(&sel_bs)
+                .arg(&bs_i)
+                .arg(&mut pages)
+                .arg(&mut counts)
+                .arg(&mut kv_lens)
+                .arg(&max_pages_i)
+                .arg(&mut invalid);
+            // SAFETY: the arguments follow `gather_pages` in kernels/attn.cu; ids hold
+            // rows * max_len, the outputs rows * max_pages and rows, the bitmap has a bit for
+            // each page of the longest sequence, and ids outside a sequence are skipped.
+            unsafe { b.launch(cfg) }?;
+        }
+        Ok(DeviceGathered {
+            pages: DeviceSelection::from_device(pages, counts, max_pages)?,
+            kv_lens,
+            invalid,
+        })
+    }
+
+    /// [`compact_kv`](crate::compact_kv) on the device. The metadata and keep lists come from
+    /// the host and are validated exactly as on the CPU; the new KV lengths are returned.
+    pub fn compact_kv<T: CudaElement>(
+        &self,
+        kv: &mut DevicePagedKv<T>,
+        seq_lens_kv: &[i32],
+        block_table: &[i32],
+        max_blocks: usize,
+        keep: &Selection<'_>,
+    ) -> Result<Vec<i32>, AttnError> {
+        let layout = kv.layout();
+        let (seqs, _, new_lens) = check_keep(&layout, seq_lens_kv, block_table, max_blocks, keep)?;
+        let rows = seqs.len() * layout.kv_heads;
+        if rows == 0 {
+            return Ok(new_lens);
+        }
+        let ids = self.upload(keep.ids)?;
+        let lens = self.upload(keep.lens)?;
+        let table = self.upload(block_table)?;
+        let d = layout.head_dim;
+        let ints = [
+            to_i32(keep.max_len)?,
+            to_i32(max_blocks)?,
+            to_i32(layout.kv_heads)?,
+            to_i32(d)?,
+            to_i32(layout.block_size)?,
+        ];
+        let [max_len, max_blocks_i, kvh, d_i, bs] = ints;
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(rows)?, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: to_u32(2 * 16 * d * T::DTYPE.size())?,
+        };
+        let name = format!("compact_{}", T::KERNEL);
+        let (k, v) = kv.tensors_mut();
+        let mut b = self.stream.launch_builder(self.function(&name)?);
+        b.arg(k)
+            .arg(v)
+            .arg(&ids)
+            .arg(&lens)
+            .arg(&max_len)
+            .arg(&table)
+            .arg(&max_blocks_i)
+            .arg(&kvh)
+            .arg(&d_i)
+            .arg(&bs);
+        // SAFETY: the arguments follow `compact_*` in kernels/attn.cu; every kept position and
+        // every destination lies inside its sequence, whose blocks are in the pool (validated
+        // above), and shared memory holds one chunk of 16 tokens of K and V.
+        unsafe { b.launch(cfg) }?;
+        Ok(new_lens)
+    }
+}
