@@ -80,7 +80,48 @@ __device__ __forceinline__ void unpack(const __nv_bfloat16*, const Raw8& r, floa
 // mode 1: page list, key t is position sel[t / bs] * bs + t % bs.
 // mode 2: token list, key t is position sel[t].
 
-template <typename T, int D, int ROWS, int U>
+// Where the keys of one (sequence, KV head) live, and the fetch of one step's keys: stream key
+// t, t + NSTREAMS, ... (U of them) as raw 16-byte vectors, with their positions (-1: none).
+template <typename T, int D>
+struct Keys {
+    const T* __restrict__ kc;
+    const T* __restrict__ vc;
+    const i32* __restrict__ sel;
+    const i32* __restrict__ table;
+    int mode, bs, num_pages, kv_len, num_blocks, kv_heads, h, e0, t1;
+
+    template <int U, int NSTREAMS>
+    __device__ __forceinline__ void fetch(int t_first, Raw8* kr, Raw8* vr, int* pos) const {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int t = t_first + u * NSTREAMS;
+            int p = -1;
+            if (t < t1) {
+                if (mode == 0) {
+                    p = t;
+                } else if (mode == 1) {
+                    const int page = sel[t / bs];
+                    p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
+                } else {
+                    p = sel[t];
+                }
+                if (p >= kv_len) p = -1;
+            }
+            const int blk = p >= 0 ? table[p / bs] : -1;
+            if (blk < 0 || blk >= num_blocks) p = -1;
+            pos[u] = p;
+            if (p >= 0) {
+                const size_t off = (((size_t)blk * bs + p % bs) * kv_heads + h) * D + e0;
+                load_raw(kc + off, kr[u]);
+                load_raw(vc + off, vr[u]);
+            } else {
+                kr[u].a = kr[u].b = vr[u].a = vr[u].b = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    }
+};
+
+template <typename T, int D, int ROWS, int U, bool PIPE>
 __device__ __forceinline__ void attn_core(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const i32* __restrict__ cu_q, const i32* __restrict__ kv_lens,
@@ -95,10 +136,12 @@ __device__ __forceinline__ void attn_core(
     constexpr int NSTREAMS = WARPS * TPW;
     const int q_heads = kv_heads * group;
 
-    const int sh = blockIdx.z;
-    const int seq = sh / kv_heads;
-    const int h = sh % kv_heads;
-    const int split = blockIdx.x;
+    // Grid: x = (split, KV head) with heads fastest, so the CTAs reading the heads of one token
+    // range run together and read neighbouring memory; y = row tile; z = sequence.
+    const int seq = blockIdx.z;
+    const int h = blockIdx.x % kv_heads;
+    const int sh = seq * kv_heads + h;
+    const int split = blockIdx.x / kv_heads;
     const int row0 = blockIdx.y * ROWS;
 
     const int q_start = cu_q[seq];
@@ -163,33 +206,18 @@ __device__ __forceinline__ void attn_core(
         for (int e = 0; e < 8; e++) acc[r][e] = 0.f;
     }
 
+    // Software pipeline: the keys of the next step (their indices, then K and V) are loaded
+    // while this step's keys are scored and accumulated.
+    const Keys<T, D> keys{kc, vc, sel, table, mode, bs, num_pages, kv_len, num_blocks, kv_heads,
+                          h, e0, t1};
+    Raw8 kr[U], vr[U];
+    int pos[U];
+    keys.template fetch<U, NSTREAMS>(t0 + stream, kr, vr, pos);
+#pragma unroll 1
     for (int base = t0; base < t1; base += NSTREAMS * U) {
-        Raw8 kr[U], vr[U];
-        int pos[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int t = base + u * NSTREAMS + stream;
-            int p = -1;
-            if (t < t1) {
-                if (mode == 0) {
-                    p = t;
-                } else if (mode == 1) {
-                    const int page = sel[t / bs];
-                    p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
-                } else {
-                    p = sel[t];
-                }
-                if (p >= kv_len) p = -1;
-            }
-            int blk = p >= 0 ? table[p / bs] : -1;
-            if (blk < 0 || blk >= num_blocks) p = -1;
-            pos[u] = p;
-            if (p >= 0) {
-                const size_t off = (((size_t)blk * bs + p % bs) * kv_heads + h) * D + e0;
-                load_raw(kc + off, kr[u]);
-                load_raw(vc + off, vr[u]);
-            }
-        }
+        Raw8 kn[U], vn[U];
+        int pn[U];
+        if (PIPE) keys.template fetch<U, NSTREAMS>(base + NSTREAMS * U + stream, kn, vn, pn);
         float s[U][ROWS];
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -215,21 +243,31 @@ __device__ __forceinline__ void attn_core(
 #pragma unroll
             for (int u = 0; u < U; u++) mt = fmaxf(mt, s[u][r]);
             if (mt == NEG_INF) continue;
-            const float alpha = exp2f(m[r] - mt);
-            m[r] = mt;
-            l[r] *= alpha;
+            // Rescale only when the running max grows, which after the first keys is rare.
+            if (mt > m[r]) {
+                const float alpha = exp2f(m[r] - mt);
+                m[r] = mt;
+                l[r] *= alpha;
 #pragma unroll
-            for (int e = 0; e < 8; e++) acc[r][e] *= alpha;
+                for (int e = 0; e < 8; e++) acc[r][e] *= alpha;
+            }
 #pragma unroll
             for (int u = 0; u < U; u++) {
+                // A masked key weighs exp2(-inf) = 0 and its V was zeroed by the fetch.
                 const float pr = exp2f(s[u][r] - mt);
-                if (pr == 0.f) continue;
                 float vf[8];
                 unpack(vc, vr[u], vf);
                 l[r] += pr;
 #pragma unroll
                 for (int e = 0; e < 8; e++) acc[r][e] = fmaf(pr, vf[e], acc[r][e]);
             }
+        }
+        if (!PIPE) keys.template fetch<U, NSTREAMS>(base + NSTREAMS * U + stream, kn, vn, pn);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            kr[u] = kn[u];
+            vr[u] = vn[u];
+            pos[u] = pn[u];
         }
     }
 
@@ -287,26 +325,31 @@ __device__ __forceinline__ void attn_core(
     }
 }
 
-#define ATTN_KERNEL(NAME, T, D, ROWS, U)                                                        \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                    \
+#define ATTN_KERNEL(NAME, T, D, ROWS, U, PIPE, MINB)                                            \
+    extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                                    \
         const T* q, const T* kc, const T* vc, const i32* cu_q, const i32* kv_lens,             \
         const i32* block_table, i32 max_blocks, i32 num_blocks, i32 mode, const i32* sel_ids,  \
         const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk,             \
         i32 split_out, float* out, float* lse, i32 has_lse, i32 total_rows) {                  \
-        attn_core<T, D, ROWS, U>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,            \
+        attn_core<T, D, ROWS, U, PIPE>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,            \
                                  num_blocks, mode, sel_ids, sel_lens, sel_max, kv_heads,       \
                                  group, bs, scale, window, sinks, sink_logits, has_sinks,      \
                                  chunk, split_out, out, has_lse ? lse : nullptr, total_rows);  \
     }
 
-#define ATTN_FOR_TYPE(TN, T)                          \
-    ATTN_KERNEL(attn_##TN##_d64_r4, T, 64, 4, 4)     \
-    ATTN_KERNEL(attn_##TN##_d64_r8, T, 64, 8, 2)     \
-    ATTN_KERNEL(attn_##TN##_d128_r4, T, 128, 4, 4)   \
-    ATTN_KERNEL(attn_##TN##_d128_r8, T, 128, 8, 2)   \
-    ATTN_KERNEL(attn_##TN##_d256_r4, T, 256, 4, 2)   \
-    ATTN_KERNEL(attn_##TN##_d256_r8, T, 256, 8, 1)
+// Variants: rows per CTA 4 (decode with groups up to 4) or 8; U keys per stream and step;
+// pipelined or not; the minimum resident CTAs the register budget must allow.
+#define ATTN_FOR_TYPE(TN, T)                                       \
+    ATTN_KERNEL(attn_##TN##_d64_r4, T, 64, 4, 2, true, 4)         \
+    ATTN_KERNEL(attn_##TN##_d64_r8, T, 64, 8, 2, false, 2)        \
+    ATTN_KERNEL(attn_##TN##_d128_r4, T, 128, 4, 2, true, 4)       \
+    ATTN_KERNEL(attn_##TN##_d128_r8, T, 128, 8, 2, false, 2)      \
+    ATTN_KERNEL(attn_##TN##_d256_r4, T, 256, 4, 2, false, 2)      \
+    ATTN_KERNEL(attn_##TN##_d256_r8, T, 256, 8, 1, false, 2)      \
+    ATTN_KERNEL(attn_##TN##_d128_r4_u4, T, 128, 4, 4, false, 4)   \
+    ATTN_KERNEL(attn_##TN##_d128_r4_u4p, T, 128, 4, 4, true, 3)   \
+    ATTN_KERNEL(attn_##TN##_d128_r4_u1p, T, 128, 4, 1, true, 4)
 
 ATTN_FOR_TYPE(f32, float)
 ATTN_FOR_TYPE(f16, __half)

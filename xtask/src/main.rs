@@ -212,7 +212,8 @@ fn run_peers(out_dir: &Path) -> Result<(), String> {
 /// The device bundle's script: checks, the sanitizers, benches and peers, then one table.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # attn-op's GPU checks and benchmarks. Usage: bash run.sh OUTDIR
-# Writes check.log, bench.log/json, peers.log/json, sanitize.log and table.txt into OUTDIR.
+# Writes check.log, bench.log/json, peers.log/json, tools.log (sanitizers, ncu) and table.txt
+# into OUTDIR.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/out}
@@ -222,15 +223,25 @@ mkdir -p "$out"
 check=${PIPESTATUS[0]}
 "$here/bin/gpu" bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 python3 "$here/torch_gpu_attn.py" --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "torch peer failed (see peers.log)"
-: > "$out/sanitize.log"
+: > "$out/tools.log"
 if command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool gpu check --small" >> "$out/sanitize.log"
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu" check --small >> "$out/sanitize.log" 2>&1
-    echo "$tool exit $?" | tee -a "$out/sanitize.log"
+    echo "== compute-sanitizer --tool $tool gpu check --small" >> "$out/tools.log"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu" check --small >> "$out/tools.log" 2>&1
+    echo "$tool exit $?" | tee -a "$out/tools.log"
   done
 else
-  echo "compute-sanitizer not found" | tee "$out/sanitize.log"
+  echo "compute-sanitizer not found" | tee -a "$out/tools.log"
+fi
+if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
+  # Launch 6 of the attention kernel is a timed dense B8 L32K run, launch 61 a sparse one.
+  for skip in 5 60; do
+    echo "== ncu attention kernel, launch-skip $skip" >> "$out/tools.log"
+    timeout 180 ncu --clock-control none --kernel-name regex:attn_bf16_d128 --launch-skip $skip \
+      --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section LaunchStats "$here/bin/gpu" profile >> "$out/tools.log" 2>&1
+    echo "ncu exit $?" >> "$out/tools.log"
+  done
 fi
 grep -E "^(FAIL|check:)" "$out/check.log"
 python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" | tee "$out/table.txt"

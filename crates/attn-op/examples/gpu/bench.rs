@@ -31,7 +31,7 @@ struct Row {
 }
 
 /// Runs every benchmark, prints the table and writes it as JSON when asked.
-pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
+pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<(), AttnError> {
     let mut rows = Vec::new();
     let copy = copy_bandwidth(gpu)?;
     rows.push(Row {
@@ -53,6 +53,7 @@ pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
     drop((k, v));
     let params = AttnParams::new(Q_HEADS, D);
     let mut rng = Rng::new(7);
+    let mut sweep = Vec::new();
 
     for (b, ctx) in [(8usize, 32 * 1024usize), (1, 128 * 1024)] {
         let blocks = ctx / BS;
@@ -72,8 +73,9 @@ pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
         let mut out = gpu.zeros::<f32>(b * Q_HEADS * D)?;
         let mut lse = gpu.zeros::<f32>(b * Q_HEADS)?;
         let kv_bytes = (b * ctx * KV_HEADS * D * 2 * 2) as f64;
-        let ms = time(gpu, || {
-            gpu.paged_attention(&q, &kv, &dmeta, &params, &mut out, Some(&mut lse))
+        let g = &*gpu;
+        let ms = time(g, || {
+            g.paged_attention(&q, &kv, &dmeta, &params, &mut out, Some(&mut lse))
         })?;
         rows.push(Row {
             name: format!("dense decode B{b} L{}K", ctx / 1024),
@@ -96,9 +98,9 @@ pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
             .collect::<Result<_, _>>()?;
         let sel_bytes = (b * KV_HEADS * BUDGET_PAGES * BS * D * 2 * 2) as f64;
         let mut i = 0;
-        let ms = time(gpu, || {
+        let ms = time(g, || {
             i += 1;
-            gpu.sparse_page_attention(
+            g.sparse_page_attention(
                 &q,
                 &kv,
                 &dmeta,
@@ -116,9 +118,9 @@ pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
             note: format!("{:.2} x bytes floor ({floor:.4} ms)", ms / floor),
         });
         let mut i = 0;
-        let ms = time(gpu, || {
+        let ms = time(g, || {
             i += 1;
-            gpu.gather_page_offsets(&sels[i % 4], BS, &dmeta).map(drop)
+            g.gather_page_offsets(&sels[i % 4], BS, &dmeta).map(drop)
         })?;
         rows.push(Row {
             name: format!("gather pages B{b} L{}K", ctx / 1024),
@@ -126,6 +128,46 @@ pub(crate) fn all(gpu: &Gpu, json: Option<&str>) -> Result<(), AttnError> {
             bytes: 0.0,
             note: "device gather_page_offsets".to_owned(),
         });
+        if profile {
+            continue;
+        }
+        // The sweep: kernel variants and wave targets, defaults restored after.
+        for variant in ["", "_u4", "_u4p", "_u1p"] {
+            for waves in [1, 2, 4] {
+                gpu.set_variant(variant)?;
+                gpu.set_waves(waves);
+                let g = &*gpu;
+                let dense = time(g, || {
+                    g.paged_attention(&q, &kv, &dmeta, &params, &mut out, Some(&mut lse))
+                })?;
+                let mut i = 0;
+                let sparse = time(g, || {
+                    i += 1;
+                    g.sparse_page_attention(
+                        &q,
+                        &kv,
+                        &dmeta,
+                        &sels[i % 4],
+                        &params,
+                        &mut out,
+                        Some(&mut lse),
+                    )
+                })?;
+                let v = if variant.is_empty() { "_u2p" } else { variant };
+                sweep.push(format!(
+                    "sweep B{b} L{}K {v:<5} waves {waves}: dense {dense:.4} ms ({:.2} of copy), \
+                     sparse {sparse:.4} ms ({:.2} x floor)",
+                    ctx / 1024,
+                    kv_bytes / dense * 1e3 / bw,
+                    sparse / floor
+                ));
+            }
+        }
+        gpu.set_variant("")?;
+        gpu.set_waves(1);
+    }
+    for line in &sweep {
+        println!("{line}");
     }
 
     let mut text = String::new();

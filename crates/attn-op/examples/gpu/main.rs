@@ -6,6 +6,8 @@
 //! - `gpu bench [--json FILE]`: device copy bandwidth, dense paged decode and sparse page-list
 //!   decode (bf16, 32 q / 8 KV heads, D 128, pages of 16), CUDA events, median of many runs.
 //!
+//! - `gpu profile`: the bench's main rows only, for `ncu`.
+//!
 //! Without a CUDA driver or device every command prints "skipped: no CUDA device" and exits 0:
 //! these are not tests and never count as passed where no GPU exists.
 #![allow(
@@ -52,14 +54,14 @@ fn run(cmd: &str, rest: &[String]) -> Result<i32, AttnError> {
             println!("device: {}", gpu.name()?);
             check::all(&gpu, rest.iter().any(|a| a == "--small"))
         }
-        "bench" => {
-            let gpu = Gpu::new(0)?;
+        "bench" | "profile" => {
+            let mut gpu = Gpu::new(0)?;
             println!("device: {}", gpu.name()?);
             let json = rest
                 .iter()
                 .position(|a| a == "--json")
                 .and_then(|i| rest.get(i + 1));
-            bench::all(&gpu, json.map(String::as_str))?;
+            bench::all(&mut gpu, json.map(String::as_str), cmd == "profile")?;
             Ok(0)
         }
         other => {

@@ -97,18 +97,27 @@ const KERNEL_NAMES: &[&str] = &[
     "attn_f32_d128_r8",
     "attn_f32_d256_r4",
     "attn_f32_d256_r8",
+    "attn_f32_d128_r4_u4",
+    "attn_f32_d128_r4_u4p",
+    "attn_f32_d128_r4_u1p",
     "attn_f16_d64_r4",
     "attn_f16_d64_r8",
     "attn_f16_d128_r4",
     "attn_f16_d128_r8",
     "attn_f16_d256_r4",
     "attn_f16_d256_r8",
+    "attn_f16_d128_r4_u4",
+    "attn_f16_d128_r4_u4p",
+    "attn_f16_d128_r4_u1p",
     "attn_bf16_d64_r4",
     "attn_bf16_d64_r8",
     "attn_bf16_d128_r4",
     "attn_bf16_d128_r8",
     "attn_bf16_d256_r4",
     "attn_bf16_d256_r8",
+    "attn_bf16_d128_r4_u4",
+    "attn_bf16_d128_r4_u4p",
+    "attn_bf16_d128_r4_u1p",
     "attn_merge",
     "set_kv",
     "gather_pages",
@@ -128,8 +137,10 @@ pub struct Gpu {
     sms: usize,
     /// Scratch for split-KV partial results, grown on demand and reused.
     scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
-    /// Target CTAs of a split-KV launch, as a multiple of the multiprocessor count.
+    /// Target CTAs of a split-KV launch, in waves of the resident CTAs the device holds.
     waves: usize,
+    /// Suffix of the head-dim-128, 4-row kernel variant to use ("" = the default).
+    variant: &'static str,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -173,7 +184,8 @@ impl Gpu {
             funcs,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             scratch: Mutex::new(None),
-            waves: 4,
+            waves: 1,
+            variant: "",
         })
     }
 
@@ -187,10 +199,21 @@ impl Gpu {
         self.sms
     }
 
-    /// Sets how many CTAs a split-KV launch aims for, as a multiple of the multiprocessor count
-    /// (4 unless set; at least 1).
+    /// Sets how many CTAs a split-KV launch aims for, in waves of the CTAs the device holds
+    /// at once (1 unless set: fewer, longer CTAs measured fastest on an H200; at least 1).
     pub fn set_waves(&mut self, waves: usize) {
         self.waves = waves.max(1);
+    }
+
+    /// Picks a variant of the head-dim-128 decode kernel for benchmarking: "" (the default,
+    /// two keys per stream and step, pipelined), "_u4" (four keys, not pipelined), "_u4p" (four,
+    /// pipelined) or "_u1p" (one, pipelined). Other names are rejected.
+    pub fn set_variant(&mut self, variant: &'static str) -> Result<(), AttnError> {
+        if !["", "_u4", "_u4p", "_u1p"].contains(&variant) {
+            return Err(AttnError::Invalid(format!("no kernel variant {variant:?}")));
+        }
+        self.variant = variant;
+        Ok(())
     }
 
     /// The context.

@@ -148,25 +148,34 @@ impl Gpu {
         let rows_cta = if max_rows <= 4 { 4 } else { 8 };
         let tiles = max_rows.div_ceil(rows_cta);
         let units = meta.num_seqs() * layout.kv_heads * tiles;
-        let mut splits = (self.waves * self.sms).div_ceil(units.max(1)).max(1);
-        splits = splits.min(n_keys.div_ceil(256).max(1));
+        let variant = if d == 128 && rows_cta == 4 {
+            self.variant
+        } else {
+            ""
+        };
+        let name = format!("attn_{}_d{d}_r{rows_cta}{variant}", T::KERNEL);
+        let func = self.function(&name)?;
+        let streams = WARPS * (32 / (d / 8));
+        let smem = streams * rows_cta * (d + 2) * 4;
+        // Split the keys so that the CTAs fill whole waves of what the device holds at once.
+        let resident = func
+            .occupancy_max_active_blocks_per_multiprocessor(to_u32(WARPS * 32)?, smem, None)
+            .map_or(1, |b| b.max(1) as usize);
+        let target = self.waves * resident * self.sms;
+        let mut splits = (target / units.max(1)).max(1);
         while splits > 1 && splits * total_rows * (d + 1) * 4 > SCRATCH_BUDGET {
             splits /= 2;
         }
-        let chunk = n_keys.div_ceil(splits).div_ceil(64).max(1) * 64;
+        let chunk = n_keys.div_ceil(splits).div_ceil(16).max(4) * 16;
         let splits = n_keys.div_ceil(chunk).max(1);
-
-        let name = format!("attn_{}_d{d}_r{rows_cta}", T::KERNEL);
-        let func = self.function(&name)?;
-        let streams = WARPS * (32 / (d / 8));
         let cfg = LaunchConfig {
             grid_dim: (
-                to_u32(splits)?,
+                to_u32(splits * layout.kv_heads)?,
                 to_u32(tiles)?,
-                to_u32(meta.num_seqs() * layout.kv_heads)?,
+                to_u32(meta.num_seqs())?,
             ),
             block_dim: (to_u32(WARPS * 32)?, 1, 1),
-            shared_mem_bytes: to_u32(streams * rows_cta * (d + 2) * 4)?,
+            shared_mem_bytes: to_u32(smem)?,
         };
         let ints = [
             to_i32(meta.max_blocks)?,
