@@ -73,17 +73,6 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         let mut out = gpu.zeros::<f32>(b * Q_HEADS * D)?;
         let mut lse = gpu.zeros::<f32>(b * Q_HEADS)?;
         let kv_bytes = (b * ctx * KV_HEADS * D * 2 * 2) as f64;
-        let g = &*gpu;
-        let ms = time(g, || {
-            g.paged_attention(&q, &kv, &dmeta, &params, &mut out, Some(&mut lse))
-        })?;
-        rows.push(Row {
-            name: format!("dense decode B{b} L{}K", ctx / 1024),
-            ms,
-            bytes: kv_bytes,
-            note: format!("{:.2} of copy bw", kv_bytes / ms * 1e3 / bw),
-        });
-
         // Sparse: four rotating selections of BUDGET_PAGES pages (the last page always).
         let sels: Vec<DeviceSelection> = (0..4)
             .map(|_| {
@@ -97,25 +86,27 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
             })
             .collect::<Result<_, _>>()?;
         let sel_bytes = (b * KV_HEADS * BUDGET_PAGES * BS * D * 2 * 2) as f64;
-        let mut i = 0;
-        let ms = time(g, || {
-            i += 1;
-            g.sparse_page_attention(
-                &q,
-                &kv,
-                &dmeta,
-                &sels[i % 4],
-                &params,
-                &mut out,
-                Some(&mut lse),
-            )
-        })?;
         let floor = sel_bytes / bw * 1e3;
+        let step = Step {
+            q: &q,
+            kv: &kv,
+            meta: &dmeta,
+            params: &params,
+            sels: &sels,
+        };
+        let g = &*gpu;
+        let (ms, sparse_ms) = step.time_pair(g, &mut out, &mut lse)?;
+        rows.push(Row {
+            name: format!("dense decode B{b} L{}K", ctx / 1024),
+            ms,
+            bytes: kv_bytes,
+            note: format!("{:.2} of copy bw", kv_bytes / ms * 1e3 / bw),
+        });
         rows.push(Row {
             name: format!("sparse decode 2K B{b} L{}K", ctx / 1024),
-            ms,
+            ms: sparse_ms,
             bytes: sel_bytes,
-            note: format!("{:.2} x bytes floor ({floor:.4} ms)", ms / floor),
+            note: format!("{:.2} x bytes floor ({floor:.4} ms)", sparse_ms / floor),
         });
         let mut i = 0;
         let ms = time(g, || {
@@ -136,23 +127,7 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
             for waves in [1, 2, 4] {
                 gpu.set_variant(variant)?;
                 gpu.set_waves(waves);
-                let g = &*gpu;
-                let dense = time(g, || {
-                    g.paged_attention(&q, &kv, &dmeta, &params, &mut out, Some(&mut lse))
-                })?;
-                let mut i = 0;
-                let sparse = time(g, || {
-                    i += 1;
-                    g.sparse_page_attention(
-                        &q,
-                        &kv,
-                        &dmeta,
-                        &sels[i % 4],
-                        &params,
-                        &mut out,
-                        Some(&mut lse),
-                    )
-                })?;
+                let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
                 let v = if variant.is_empty() { "_u2p" } else { variant };
                 sweep.push(format!(
                     "sweep B{b} L{}K {v:<5} waves {waves}: dense {dense:.4} ms ({:.2} of copy), \
@@ -200,6 +175,36 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         std::fs::write(path, body).map_err(|e| AttnError::Device(format!("{path}: {e}")))?;
     }
     Ok(())
+}
+
+/// The inputs of one decode shape: queries, cache, metadata and the sparse selections.
+struct Step<'a> {
+    q: &'a CudaSlice<bf16>,
+    kv: &'a DevicePagedKv<bf16>,
+    meta: &'a DeviceBatch,
+    params: &'a AttnParams,
+    sels: &'a [DeviceSelection],
+}
+
+impl Step<'_> {
+    /// Median times of dense decode and of sparse decode (rotating the selections), in ms.
+    fn time_pair(
+        &self,
+        g: &Gpu,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(f64, f64), AttnError> {
+        let dense = time(g, || {
+            g.paged_attention(self.q, self.kv, self.meta, self.params, out, Some(lse))
+        })?;
+        let mut i = 0;
+        let sparse = time(g, || {
+            i += 1;
+            let sel = &self.sels[i % self.sels.len()];
+            g.sparse_page_attention(self.q, self.kv, self.meta, sel, self.params, out, Some(lse))
+        })?;
+        Ok((dense, sparse))
+    }
 }
 
 /// Median milliseconds of `RUNS` timed runs of `f` after 5 warm-up runs, CUDA events around

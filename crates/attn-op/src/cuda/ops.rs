@@ -87,7 +87,7 @@ impl Gpu {
         keys: Keys<'_>,
         params: &AttnParams,
         out: &mut CudaSlice<f32>,
-        lse: Option<&mut CudaSlice<f32>>,
+        mut lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), AttnError> {
         let layout = kv.layout();
         if meta.layout != layout {
@@ -211,59 +211,30 @@ impl Gpu {
             sel.map_or((&self.dummy_i32, &self.dummy_i32), |s| (&s.ids, &s.lens));
         let sinks_buf = sink_buf.as_ref().unwrap_or(&self.dummy_f32);
 
-        if splits == 1 {
-            let has_lse = i32::from(lse.is_some());
-            let mut dummy = None;
-            let lse_buf = match lse {
-                Some(l) => l,
-                None => dummy.insert(self.zeros::<f32>(1)?),
-            };
-            let mut b = self.stream.launch_builder(func);
-            b.arg(q)
-                .arg(kv.k())
-                .arg(kv.v())
-                .arg(&meta.cu_seqlens_q)
-                .arg(&meta.seq_lens_kv)
-                .arg(&meta.block_table)
-                .arg(&max_blocks)
-                .arg(&num_blocks)
-                .arg(&mode)
-                .arg(sel_ids)
-                .arg(sel_lens)
-                .arg(&sel_max)
-                .arg(&kvh)
-                .arg(&group)
-                .arg(&bs)
-                .arg(&params.scale)
-                .arg(&window)
-                .arg(&sinks)
-                .arg(sinks_buf)
-                .arg(&has_sinks)
-                .arg(&chunk)
-                .arg(&split_out)
-                .arg(&mut *out)
-                .arg(&mut *lse_buf)
-                .arg(&has_lse)
-                .arg(&total_rows_i);
-            // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out
-            // and lse have the lengths checked above, the metadata was validated against this
-            // layout on upload, and the kernel range-checks every id it reads from device memory.
-            unsafe { b.launch(cfg) }?;
-            return Ok(());
-        }
-
+        // One split writes the result itself; several write partials into the scratch buffers,
+        // which the merge kernel then folds into `out` and `lse`.
         let mut guard = self
             .scratch
             .lock()
             .map_err(|_| AttnError::Device("scratch lock poisoned".to_owned()))?;
-        let need = splits * total_rows;
-        if guard.as_ref().is_none_or(|(_, l)| l.len() < need) {
-            *guard = Some((self.zeros(need * d)?, self.zeros(need)?));
-        }
-        let (p_out, p_lse) = guard
-            .as_mut()
-            .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
-        let one = 1i32;
+        let mut dummy = None;
+        let has_lse = i32::from(splits > 1 || lse.is_some());
+        let (dst_out, dst_lse) = if splits == 1 {
+            let lse_buf = match lse.as_deref_mut() {
+                Some(l) => l,
+                None => dummy.insert(self.zeros::<f32>(1)?),
+            };
+            (&mut *out, lse_buf)
+        } else {
+            let need = splits * total_rows;
+            if guard.as_ref().is_none_or(|(_, l)| l.len() < need) {
+                *guard = Some((self.zeros(need * d)?, self.zeros(need)?));
+            }
+            let (p_out, p_lse) = guard
+                .as_mut()
+                .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
+            (p_out, p_lse)
+        };
         let mut b = self.stream.launch_builder(func);
         b.arg(q)
             .arg(kv.k())
@@ -287,13 +258,22 @@ impl Gpu {
             .arg(&has_sinks)
             .arg(&chunk)
             .arg(&split_out)
-            .arg(&mut *p_out)
-            .arg(&mut *p_lse)
-            .arg(&one)
+            .arg(dst_out)
+            .arg(dst_lse)
+            .arg(&has_lse)
             .arg(&total_rows_i);
-        // SAFETY: as above; in split mode the kernel writes `splits * total_rows` partial rows,
-        // which the scratch buffers hold (grown just before).
+        // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out and
+        // lse have the lengths checked above (in split mode the kernel writes
+        // `splits * total_rows` partial rows, which the scratch buffers hold), the metadata was
+        // validated against this layout on upload, and the kernel range-checks every id it
+        // reads from device memory.
         unsafe { b.launch(cfg) }?;
+        if splits == 1 {
+            return Ok(());
+        }
+        let (p_out, p_lse) = guard
+            .as_ref()
+            .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
         self.merge_launch(
             p_out,
             p_lse,
