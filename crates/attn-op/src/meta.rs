@@ -211,15 +211,8 @@ pub struct Selection<'a> {
 }
 
 impl<'a> Selection<'a> {
-    /// The valid ids of row (seq, head); checks shapes and that every id is in `0..limit(seq)`.
-    pub(crate) fn rows(
-        &self,
-        num_seqs: usize,
-        kv_heads: usize,
-        what: &'static str,
-        limit: impl Fn(usize) -> usize,
-    ) -> Result<Vec<&'a [i32]>, AttnError> {
-        let rows = num_seqs * kv_heads;
+    /// Checks that the selection has `rows` rows and every length lies in `0..=max_len`.
+    pub(crate) fn check_shape(&self, rows: usize) -> Result<(), AttnError> {
         if self.lens.len() != rows {
             return Err(AttnError::Length {
                 what: "selection lens",
@@ -234,16 +227,34 @@ impl<'a> Selection<'a> {
                 got: self.ids.len(),
             });
         }
+        if let Some((r, &len)) = self
+            .lens
+            .iter()
+            .enumerate()
+            .find(|&(_, &l)| l < 0 || l as usize > self.max_len)
+        {
+            return Err(AttnError::Metadata(format!(
+                "selection row {r}: length {len} outside 0..={}",
+                self.max_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// The valid ids of row (seq, head); checks shapes and that every id is in `0..limit(seq)`.
+    pub(crate) fn rows(
+        &self,
+        num_seqs: usize,
+        kv_heads: usize,
+        what: &'static str,
+        limit: impl Fn(usize) -> usize,
+    ) -> Result<Vec<&'a [i32]>, AttnError> {
+        let rows = num_seqs * kv_heads;
+        self.check_shape(rows)?;
         let mut out = Vec::with_capacity(rows);
         for r in 0..rows {
-            let len = self.lens[r];
-            if len < 0 || len as usize > self.max_len {
-                return Err(AttnError::Metadata(format!(
-                    "selection row {r}: length {len} outside 0..={}",
-                    self.max_len
-                )));
-            }
-            let row = &self.ids[r * self.max_len..r * self.max_len + len as usize];
+            let len = self.lens[r] as usize;
+            let row = &self.ids[r * self.max_len..r * self.max_len + len];
             let lim = limit(r / kv_heads);
             if let Some(&bad) = row.iter().find(|&&i| i < 0 || i as usize >= lim) {
                 return Err(AttnError::IndexOutOfRange {

@@ -70,9 +70,9 @@ impl DeviceSelection {
     /// Uploads a host selection of `rows` rows after checking its shape and lengths. Ids are
     /// checked on the device, where out-of-range ones are skipped.
     pub fn upload(gpu: &Gpu, sel: &Selection<'_>, rows: usize) -> Result<Self, AttnError> {
-        let ids = shape_checked(sel, rows)?;
+        sel.check_shape(rows)?;
         Ok(DeviceSelection {
-            ids: gpu.upload(ids)?,
+            ids: gpu.upload(sel.ids)?,
             lens: gpu.upload(sel.lens)?,
             max_len: sel.max_len,
             rows,
@@ -100,36 +100,6 @@ impl DeviceSelection {
             rows,
         })
     }
-}
-
-/// Checks a host selection's shape and lengths for `rows` rows; returns its ids.
-fn shape_checked<'a>(sel: &Selection<'a>, rows: usize) -> Result<&'a [i32], AttnError> {
-    if sel.lens.len() != rows {
-        return Err(AttnError::Length {
-            what: "selection lens",
-            expected: rows,
-            got: sel.lens.len(),
-        });
-    }
-    if sel.ids.len() != rows * sel.max_len {
-        return Err(AttnError::Length {
-            what: "selection ids",
-            expected: rows * sel.max_len,
-            got: sel.ids.len(),
-        });
-    }
-    if let Some((r, &l)) = sel
-        .lens
-        .iter()
-        .enumerate()
-        .find(|&(_, &l)| l < 0 || l as usize > sel.max_len)
-    {
-        return Err(AttnError::Metadata(format!(
-            "selection row {r}: length {l} outside 0..={}",
-            sel.max_len
-        )));
-    }
-    Ok(sel.ids)
 }
 
 /// The output of [`Gpu::gather_page_offsets`]: sorted unique logical pages per (sequence, KV
