@@ -46,22 +46,19 @@ __device__ __forceinline__ void unpack(const float*, const Raw8& r, float* f) {
     f[4] = __uint_as_float(r.b.x); f[5] = __uint_as_float(r.b.y);
     f[6] = __uint_as_float(r.b.z); f[7] = __uint_as_float(r.b.w);
 }
-__device__ __forceinline__ void unpack(const __half*, const Raw8& r, float* f) {
-    const u32 w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
-        float2 v = __half22float2(h);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
-    }
+// The two 16-bit types unpack alike: four pairs, each widened by the type's own conversion.
+__device__ __forceinline__ float2 widen2(const __half*, u32 w) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
-__device__ __forceinline__ void unpack(const __nv_bfloat16*, const Raw8& r, float* f) {
+__device__ __forceinline__ float2 widen2(const __nv_bfloat16*, u32 w) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+template <typename H>
+__device__ __forceinline__ void unpack(const H* tag, const Raw8& r, float* f) {
     const u32 w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-        float2 v = __bfloat1622float2(h);
+        const float2 v = widen2(tag, w[i]);
         f[2 * i] = v.x;
         f[2 * i + 1] = v.y;
     }
@@ -346,14 +343,16 @@ __device__ __forceinline__ void attn_core(
     ATTN_KERNEL(attn_##TN##_d128_r4, T, 128, 4, 2, true, 4)       \
     ATTN_KERNEL(attn_##TN##_d128_r8, T, 128, 8, 2, false, 2)      \
     ATTN_KERNEL(attn_##TN##_d256_r4, T, 256, 4, 2, false, 2)      \
-    ATTN_KERNEL(attn_##TN##_d256_r8, T, 256, 8, 1, false, 2)      \
-    ATTN_KERNEL(attn_##TN##_d128_r4_u4, T, 128, 4, 4, false, 4)   \
-    ATTN_KERNEL(attn_##TN##_d128_r4_u4p, T, 128, 4, 4, true, 3)   \
-    ATTN_KERNEL(attn_##TN##_d128_r4_u1p, T, 128, 4, 1, true, 4)
+    ATTN_KERNEL(attn_##TN##_d256_r8, T, 256, 8, 1, false, 2)
 
 ATTN_FOR_TYPE(f32, float)
 ATTN_FOR_TYPE(f16, __half)
 ATTN_FOR_TYPE(bf16, __nv_bfloat16)
+
+// Variants of the bf16 decode kernel of record, for the bench's sweep (Gpu::set_variant).
+ATTN_KERNEL(attn_bf16_d128_r4_u4, __nv_bfloat16, 128, 4, 4, false, 4)
+ATTN_KERNEL(attn_bf16_d128_r4_u4p, __nv_bfloat16, 128, 4, 4, true, 3)
+ATTN_KERNEL(attn_bf16_d128_r4_u1p, __nv_bfloat16, 128, 4, 1, true, 4)
 
 // ---------------------------------------------------------------------------------------------
 // Merge of stacked partial results: parts_out [n_parts, rows, D], parts_lse [n_parts, rows];

@@ -26,7 +26,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use half::{bf16, f16};
 
 use crate::kv::Memory;
-use crate::{AttnError, Element, KvCache, KvLayout};
+use crate::{AttnError, DType, Element, KvCache, KvLayout};
 
 pub use meta::{DeviceBatch, DeviceGathered, DeviceSelection};
 
@@ -89,35 +89,8 @@ pub fn compile_kernels(arch: &'static str) -> Result<Ptx, AttnError> {
         .map_err(|e| AttnError::Device(format!("NVRTC compile of kernels/attn.cu: {e}")))
 }
 
-/// Every kernel of [`KERNEL_SOURCE`].
+/// The kernels of [`KERNEL_SOURCE`] other than attention (those are in [`Gpu::attn`]).
 const KERNEL_NAMES: &[&str] = &[
-    "attn_f32_d64_r4",
-    "attn_f32_d64_r8",
-    "attn_f32_d128_r4",
-    "attn_f32_d128_r8",
-    "attn_f32_d256_r4",
-    "attn_f32_d256_r8",
-    "attn_f32_d128_r4_u4",
-    "attn_f32_d128_r4_u4p",
-    "attn_f32_d128_r4_u1p",
-    "attn_f16_d64_r4",
-    "attn_f16_d64_r8",
-    "attn_f16_d128_r4",
-    "attn_f16_d128_r8",
-    "attn_f16_d256_r4",
-    "attn_f16_d256_r8",
-    "attn_f16_d128_r4_u4",
-    "attn_f16_d128_r4_u4p",
-    "attn_f16_d128_r4_u1p",
-    "attn_bf16_d64_r4",
-    "attn_bf16_d64_r8",
-    "attn_bf16_d128_r4",
-    "attn_bf16_d128_r8",
-    "attn_bf16_d256_r4",
-    "attn_bf16_d256_r8",
-    "attn_bf16_d128_r4_u4",
-    "attn_bf16_d128_r4_u4p",
-    "attn_bf16_d128_r4_u1p",
     "attn_merge",
     "set_kv",
     "gather_pages",
@@ -126,11 +99,35 @@ const KERNEL_NAMES: &[&str] = &[
     "compact_bf16",
 ];
 
+/// Head dims and rows per CTA the attention kernels are built for.
+const ATTN_DIMS: [usize; 3] = [64, 128, 256];
+const ATTN_ROWS: [usize; 2] = [4, 8];
+/// Variants of the bf16, head-dim-128, 4-row attention kernel (for the bench's sweep).
+const VARIANTS: [&str; 4] = ["", "_u4", "_u4p", "_u1p"];
+/// Warps per attention CTA (`WARPS` in kernels/attn.cu).
+pub(crate) const WARPS: usize = 4;
+
+/// Dynamic shared memory of an attention CTA: each stream's accumulators, max and sum.
+pub(crate) fn attn_smem(d: usize, rows: usize) -> usize {
+    let streams = WARPS * (32 / (d / 8));
+    streams * rows * (d + 2) * 4
+}
+
+/// Which attention kernel: element type, head dim, rows per CTA, variant suffix.
+type AttnKey = (DType, usize, usize, &'static str);
+
+/// A loaded attention kernel and how many of its CTAs one multiprocessor holds at once.
+pub(crate) struct AttnKernel {
+    pub(crate) func: CudaFunction,
+    pub(crate) resident: usize,
+}
+
 /// A CUDA device with the attention kernels loaded and one stream to run them on.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
+    attn: HashMap<AttnKey, AttnKernel>,
     /// One-element buffers passed where a kernel argument is unused.
     dummy_f32: CudaSlice<f32>,
     dummy_i32: CudaSlice<i32>,
@@ -176,12 +173,45 @@ impl Gpu {
                 .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
             funcs.insert(name, f);
         }
+        let mut attn = HashMap::new();
+        for (dtype, tn) in [
+            (DType::F32, "f32"),
+            (DType::F16, "f16"),
+            (DType::BF16, "bf16"),
+        ] {
+            for d in ATTN_DIMS {
+                for rows in ATTN_ROWS {
+                    let variants: &[&'static str] = if dtype == DType::BF16 && d == 128 && rows == 4
+                    {
+                        &VARIANTS
+                    } else {
+                        &[""]
+                    };
+                    for &v in variants {
+                        let name = format!("attn_{tn}_d{d}_r{rows}{v}");
+                        let func = module
+                            .load_function(&name)
+                            .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
+                        let threads = u32::try_from(WARPS * 32).unwrap_or(128);
+                        let resident = func
+                            .occupancy_max_active_blocks_per_multiprocessor(
+                                threads,
+                                attn_smem(d, rows),
+                                None,
+                            )?
+                            .max(1) as usize;
+                        attn.insert((dtype, d, rows, v), AttnKernel { func, resident });
+                    }
+                }
+            }
+        }
         Ok(Gpu {
             dummy_f32: stream.alloc_zeros(1)?,
             dummy_i32: stream.alloc_zeros(1)?,
             ctx,
             stream,
             funcs,
+            attn,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             scratch: Mutex::new(None),
             waves: 1,
@@ -205,11 +235,12 @@ impl Gpu {
         self.waves = waves.max(1);
     }
 
-    /// Picks a variant of the head-dim-128 decode kernel for benchmarking: "" (the default,
-    /// two keys per stream and step, pipelined), "_u4" (four keys, not pipelined), "_u4p" (four,
-    /// pipelined) or "_u1p" (one, pipelined). Other names are rejected.
+    /// Picks a variant of the bf16, head-dim-128 decode kernel for benchmarking: "" (the
+    /// default, two keys per stream and step, pipelined), "_u4" (four keys, not pipelined),
+    /// "_u4p" (four, pipelined) or "_u1p" (one, pipelined). Other names are rejected; other
+    /// types and shapes always use their one kernel.
     pub fn set_variant(&mut self, variant: &'static str) -> Result<(), AttnError> {
-        if !["", "_u4", "_u4p", "_u1p"].contains(&variant) {
+        if !VARIANTS.contains(&variant) {
             return Err(AttnError::Invalid(format!("no kernel variant {variant:?}")));
         }
         self.variant = variant;
@@ -247,6 +278,26 @@ impl Gpu {
         len: usize,
     ) -> Result<CudaSlice<T>, AttnError> {
         Ok(self.stream.alloc_zeros(len.max(1))?)
+    }
+
+    /// The attention kernel for an element type, head dim and rows per CTA (with the chosen
+    /// variant where one applies).
+    pub(crate) fn attn_kernel(
+        &self,
+        dtype: DType,
+        d: usize,
+        rows: usize,
+    ) -> Result<&AttnKernel, AttnError> {
+        let v = if dtype == DType::BF16 && d == 128 && rows == 4 {
+            self.variant
+        } else {
+            ""
+        };
+        self.attn.get(&(dtype, d, rows, v)).ok_or_else(|| {
+            AttnError::Invalid(format!(
+                "no device attention kernel for {dtype:?}, head_dim {d}, {rows} rows"
+            ))
+        })
     }
 
     /// A loaded kernel by name (every name of [`KERNEL_NAMES`] is loaded by [`Gpu::new`]).

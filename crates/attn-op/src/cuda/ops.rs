@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu};
-use super::{to_i32, to_u32};
+use super::{WARPS, attn_smem, to_i32, to_u32};
 use crate::ops::check_keep;
 use crate::{AttnError, AttnParams, KvCache, Selection};
 
@@ -16,8 +16,6 @@ enum Keys<'a> {
     Tokens(&'a DeviceSelection),
 }
 
-/// Warps per attention CTA (must match `WARPS` in kernels/attn.cu).
-const WARPS: usize = 4;
 /// The most bytes of split-KV partial results one launch may use before it splits less.
 const SCRATCH_BUDGET: usize = 256 << 20;
 
@@ -148,20 +146,10 @@ impl Gpu {
         let rows_cta = if max_rows <= 4 { 4 } else { 8 };
         let tiles = max_rows.div_ceil(rows_cta);
         let units = meta.num_seqs() * layout.kv_heads * tiles;
-        let variant = if d == 128 && rows_cta == 4 {
-            self.variant
-        } else {
-            ""
-        };
-        let name = format!("attn_{}_d{d}_r{rows_cta}{variant}", T::KERNEL);
-        let func = self.function(&name)?;
-        let streams = WARPS * (32 / (d / 8));
-        let smem = streams * rows_cta * (d + 2) * 4;
+        let kernel = self.attn_kernel(T::DTYPE, d, rows_cta)?;
+        let smem = attn_smem(d, rows_cta);
         // Split the keys so that the CTAs fill whole waves of what the device holds at once.
-        let resident = func
-            .occupancy_max_active_blocks_per_multiprocessor(to_u32(WARPS * 32)?, smem, None)
-            .map_or(1, |b| b.max(1) as usize);
-        let target = self.waves * resident * self.sms;
+        let target = self.waves * kernel.resident * self.sms;
         let mut splits = (target / units.max(1)).max(1);
         while splits > 1 && splits * total_rows * (d + 1) * 4 > SCRATCH_BUDGET {
             splits /= 2;
@@ -217,14 +205,9 @@ impl Gpu {
             .scratch
             .lock()
             .map_err(|_| AttnError::Device("scratch lock poisoned".to_owned()))?;
-        let mut dummy = None;
         let has_lse = i32::from(splits > 1 || lse.is_some());
         let (dst_out, dst_lse) = if splits == 1 {
-            let lse_buf = match lse.as_deref_mut() {
-                Some(l) => l,
-                None => dummy.insert(self.zeros::<f32>(1)?),
-            };
-            (&mut *out, lse_buf)
+            (&mut *out, lse.as_deref_mut())
         } else {
             let need = splits * total_rows;
             if guard.as_ref().is_none_or(|(_, l)| l.len() < need) {
@@ -233,9 +216,9 @@ impl Gpu {
             let (p_out, p_lse) = guard
                 .as_mut()
                 .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
-            (p_out, p_lse)
+            (p_out, Some(p_lse))
         };
-        let mut b = self.stream.launch_builder(func);
+        let mut b = self.stream.launch_builder(&kernel.func);
         b.arg(q)
             .arg(kv.k())
             .arg(kv.v())
@@ -258,10 +241,13 @@ impl Gpu {
             .arg(&has_sinks)
             .arg(&chunk)
             .arg(&split_out)
-            .arg(dst_out)
-            .arg(dst_lse)
-            .arg(&has_lse)
-            .arg(&total_rows_i);
+            .arg(dst_out);
+        // Without an lse the kernel is told so (has_lse = 0) and never writes the dummy.
+        match dst_lse {
+            Some(l) => b.arg(l),
+            None => b.arg(&self.dummy_f32),
+        };
+        b.arg(&has_lse).arg(&total_rows_i);
         // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out and
         // lse have the lengths checked above (in split mode the kernel writes
         // `splits * total_rows` partial rows, which the scratch buffers hold), the metadata was
@@ -343,11 +329,6 @@ impl Gpu {
             return Ok(());
         }
         let has_lse = i32::from(lse.is_some());
-        let mut dummy = None;
-        let lse_buf = match lse {
-            Some(l) => l,
-            None => dummy.insert(self.zeros::<f32>(1)?),
-        };
         let (n, r, dd, qh) = (
             to_i32(n_parts)?,
             to_i32(rows)?,
@@ -368,9 +349,13 @@ impl Gpu {
             .arg(sinks)
             .arg(&has_sinks)
             .arg(&qh)
-            .arg(out)
-            .arg(lse_buf)
-            .arg(&has_lse);
+            .arg(out);
+        // Without an lse the kernel is told so (has_lse = 0) and never writes the dummy.
+        match lse {
+            Some(l) => b.arg(l),
+            None => b.arg(&self.dummy_f32),
+        };
+        b.arg(&has_lse);
         // SAFETY: the arguments follow `attn_merge` in kernels/attn.cu; the parts hold
         // n_parts * rows rows of d, out holds rows * d and lse rows (checked by the callers), and
         // sink logits, when present, hold q_heads values indexed by row % q_heads.
