@@ -65,6 +65,178 @@ __device__ __forceinline__ void unpack(const H* tag, const Raw8& r, float* f) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Where an attention launch writes. With one split per unit (a row tile of one sequence and
+// KV head), each CTA writes its final rows into out and lse (lse may be null). With several,
+// each CTA writes a normalized partial of its split into part_out [splits][total_rows][D] and
+// part_lse [splits][total_rows]; the last CTA of a unit to finish (counted in counters[unit],
+// zero between launches) merges the unit's partials into out and lse and resets the count.
+struct Outs {
+    float* __restrict__ out;
+    float* __restrict__ lse;
+    float* __restrict__ part_out;
+    float* __restrict__ part_lse;
+    i32* __restrict__ counters;
+    int splits;
+    int total_rows;
+};
+
+// Element d of row r merged over n_parts normalized partials (natural-log lse), with an optional
+// sink logit joining the denominator with a zero value: writes out[r, d], and lse[r] for d == 0.
+__device__ __forceinline__ void merge_elem(const float* parts_out, const float* parts_lse,
+                                           int n_parts, int rows, int r, int d, int D,
+                                           float sink, bool has_sink, float* out, float* lse) {
+    float M = NEG_INF;
+    for (int p = 0; p < n_parts; p++) M = fmaxf(M, __ldcg(parts_lse + (size_t)p * rows + r));
+    const float m2 = fmaxf(M, has_sink ? sink : NEG_INF);
+    float L = 0.f, A = 0.f;
+    if (m2 != NEG_INF) {
+        for (int p = 0; p < n_parts; p++) {
+            const float lp = __ldcg(parts_lse + (size_t)p * rows + r);
+            if (lp == NEG_INF) continue;
+            const float w = __expf(lp - m2);
+            L += w;
+            A += w * __ldcg(parts_out + ((size_t)p * rows + r) * D + d);
+        }
+        if (has_sink) L += __expf(sink - m2);
+    }
+    out[(size_t)r * D + d] = L > 0.f ? A / L : 0.f;
+    if (d == 0 && lse != nullptr) lse[r] = L > 0.f ? m2 + logf(L) : NEG_INF;
+}
+
+// The merge of a unit's split partials by its last CTA, in two passes. First a warp per row
+// reduces the row's partial LSEs (lanes striding over the splits) to the merged maximum and
+// sum; then each thread merges 4 consecutive dims of a row, with 16-byte loads and several
+// splits in flight.
+template <int D, int ROWS>
+__device__ __forceinline__ void merge_unit(int row0, int group, int q_len, int q_start,
+                                           int q_heads, int h,
+                                           const float* __restrict__ sink_logits,
+                                           int has_sinks, const Outs& o) {
+    __shared__ float s_max[ROWS], s_sum[ROWS];
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    for (int r = threadIdx.x >> 5; r < ROWS; r += warps) {
+        const int rr = row0 + r;
+        const int qi = rr / group;
+        if (qi >= q_len) continue;
+        const int orw = (q_start + qi) * q_heads + h * group + rr % group;
+        const float* pl = o.part_lse + orw;
+        float M = NEG_INF;
+        for (int p = lane; p < o.splits; p += 32) M = fmaxf(M, __ldcg(pl + (size_t)p * o.total_rows));
+#pragma unroll
+        for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+        const float sk = has_sinks ? sink_logits[h * group + rr % group] : NEG_INF;
+        const float m2 = fmaxf(M, sk);
+        float L = 0.f;
+        if (m2 != NEG_INF) {
+            for (int p = lane; p < o.splits; p += 32) {
+                const float lp = __ldcg(pl + (size_t)p * o.total_rows);
+                if (lp != NEG_INF) L += __expf(lp - m2);
+            }
+        }
+#pragma unroll
+        for (int x = 16; x > 0; x >>= 1) L += __shfl_xor_sync(0xffffffffu, L, x);
+        if (has_sinks && m2 != NEG_INF) L += __expf(sk - m2);
+        if (lane == 0) {
+            s_max[r] = m2;
+            s_sum[r] = L;
+        }
+    }
+    __syncthreads();
+    constexpr int Q4 = D / 4;
+    for (int i = threadIdx.x; i < ROWS * Q4; i += blockDim.x) {
+        const int r = i / Q4;
+        const int d4 = i % Q4;
+        const int rr = row0 + r;
+        const int qi = rr / group;
+        if (qi >= q_len) continue;
+        const int orw = (q_start + qi) * q_heads + h * group + rr % group;
+        const float m2 = s_max[r];
+        const float L = s_sum[r];
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (L > 0.f) {
+#pragma unroll 4
+            for (int p = 0; p < o.splits; p++) {
+                const size_t pr = (size_t)p * o.total_rows + orw;
+                const float lp = __ldcg(o.part_lse + pr);
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(o.part_out + pr * D) + d4);
+                const float w = lp == NEG_INF ? 0.f : __expf(lp - m2);
+                a.x += w * v.x;
+                a.y += w * v.y;
+                a.z += w * v.z;
+                a.w += w * v.w;
+            }
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        reinterpret_cast<float4*>(o.out + (size_t)orw * D)[d4] =
+            make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        if (d4 == 0 && o.lse != nullptr) o.lse[orw] = L > 0.f ? m2 + logf(L) : NEG_INF;
+    }
+}
+
+// The end of an attention CTA: the per-stream states in shared memory (accumulators
+// [NSTREAMS][ROWS][D], then maxima and sums [NSTREAMS][ROWS], base 2) are merged per row and
+// written out (see Outs). Row rr of the tile is query rr / group, head h * group + rr % group.
+template <int D, int ROWS, int NSTREAMS>
+__device__ __forceinline__ void finish_rows(
+    const float* __restrict__ smem, int row0, int group, int q_len, int q_start, int q_heads,
+    int h, int unit, int split, const float* __restrict__ sink_logits, int has_sinks,
+    const Outs& o) {
+    const float* s_acc = smem;
+    const float* s_m = s_acc + NSTREAMS * ROWS * D;
+    const float* s_l = s_m + NSTREAMS * ROWS;
+    for (int i = threadIdx.x; i < ROWS * D; i += blockDim.x) {
+        const int r = i / D;
+        const int d = i % D;
+        const int rr = row0 + r;
+        const int qi = rr / group;
+        if (qi >= q_len) continue;
+        const int g = rr % group;
+        const int orw = (q_start + qi) * q_heads + h * group + g;
+        float M = NEG_INF;
+        for (int st = 0; st < NSTREAMS; st++) M = fmaxf(M, s_m[st * ROWS + r]);
+        float L = 0.f, A = 0.f;
+        if (M != NEG_INF) {
+            for (int st = 0; st < NSTREAMS; st++) {
+                const float w = exp2f(s_m[st * ROWS + r] - M);
+                L += w * s_l[st * ROWS + r];
+                A += w * s_acc[(st * ROWS + r) * D + d];
+            }
+        }
+        if (o.splits > 1) {
+            const size_t pr = (size_t)split * o.total_rows + orw;
+            o.part_out[pr * D + d] = L > 0.f ? A / L : 0.f;
+            if (d == 0) o.part_lse[pr] = L > 0.f ? (M + log2f(L)) * LN2 : NEG_INF;
+        } else {
+            float scale_acc = 1.f;
+            float Mn = M * LN2;  // natural log from here
+            if (has_sinks) {
+                const float sk = sink_logits[h * group + g];
+                const float m2 = fmaxf(Mn, sk);
+                scale_acc = Mn == NEG_INF ? 0.f : __expf(Mn - m2);
+                L = L * scale_acc + __expf(sk - m2);
+                Mn = m2;
+            }
+            o.out[(size_t)orw * D + d] = L > 0.f ? A * scale_acc / L : 0.f;
+            if (d == 0 && o.lse != nullptr) o.lse[orw] = L > 0.f ? Mn + logf(L) : NEG_INF;
+        }
+    }
+    if (o.splits <= 1) return;
+    // Publish the partial, count this split in, and let the last one merge the unit.
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(o.counters + unit, 1) == o.splits - 1;
+        if (last) o.counters[unit] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    merge_unit<D, ROWS>(row0, group, q_len, q_start, q_heads, h, sink_logits, has_sinks, o);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Attention core.
 //
 // One CTA of WARPS warps handles ROWS query rows of one (sequence, KV head) over one split of
@@ -87,28 +259,35 @@ struct Keys {
     const i32* __restrict__ table;
     int mode, bs, num_pages, kv_len, num_blocks, kv_heads, h, e0, t1;
 
+    // The pool slot of key t of the list and its position p; both -1 where the key is past the
+    // split, outside the sequence, or on a page the block table does not map.
+    __device__ __forceinline__ int slot_of(int t, int& p) const {
+        p = -1;
+        if (t < t1) {
+            if (mode == 0) {
+                p = t;
+            } else if (mode == 1) {
+                const int page = sel[t / bs];
+                p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
+            } else {
+                p = sel[t];
+            }
+            if (p >= kv_len) p = -1;
+        }
+        const int blk = p >= 0 ? table[p / bs] : -1;
+        if (blk < 0 || blk >= num_blocks) p = -1;
+        return p >= 0 ? blk * bs + p % bs : -1;
+    }
+
     template <int U, int NSTREAMS>
     __device__ __forceinline__ void fetch(int t_first, Raw8* kr, Raw8* vr, int* pos) const {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const int t = t_first + u * NSTREAMS;
-            int p = -1;
-            if (t < t1) {
-                if (mode == 0) {
-                    p = t;
-                } else if (mode == 1) {
-                    const int page = sel[t / bs];
-                    p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
-                } else {
-                    p = sel[t];
-                }
-                if (p >= kv_len) p = -1;
-            }
-            const int blk = p >= 0 ? table[p / bs] : -1;
-            if (blk < 0 || blk >= num_blocks) p = -1;
+            int p;
+            const int slot = slot_of(t_first + u * NSTREAMS, p);
             pos[u] = p;
             if (p >= 0) {
-                const size_t off = (((size_t)blk * bs + p % bs) * kv_heads + h) * D + e0;
+                const size_t off = ((size_t)slot * kv_heads + h) * D + e0;
                 load_raw(kc + off, kr[u]);
                 load_raw(vc + off, vr[u]);
             } else {
@@ -125,8 +304,7 @@ __device__ __forceinline__ void attn_core(
     const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks,
     i32 mode, const i32* __restrict__ sel_ids, const i32* __restrict__ sel_lens, i32 sel_max,
     i32 kv_heads, i32 group, i32 bs, float scale, i32 window, i32 sinks,
-    const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, i32 split_out,
-    float* __restrict__ out, float* __restrict__ lse, i32 total_rows) {
+    const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, const Outs& o) {
     constexpr int WARPS = 4;
     constexpr int LANES = D / 8;
     constexpr int TPW = 32 / LANES;
@@ -283,43 +461,8 @@ __device__ __forceinline__ void attn_core(
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * D; i += blockDim.x) {
-        const int r = i / D;
-        const int d = i % D;
-        int rr = row0 + r;
-        int qi = rr / group;
-        if (qi >= q_len) continue;
-        const int g = rr % group;
-        const int orw = (q_start + qi) * q_heads + h * group + g;
-        float M = NEG_INF;
-        for (int st = 0; st < NSTREAMS; st++) M = fmaxf(M, s_m[st * ROWS + r]);
-        float L = 0.f, A = 0.f;
-        if (M != NEG_INF) {
-            for (int st = 0; st < NSTREAMS; st++) {
-                const float w = exp2f(s_m[st * ROWS + r] - M);
-                L += w * s_l[st * ROWS + r];
-                A += w * s_acc[(st * ROWS + r) * D + d];
-            }
-        }
-        if (split_out) {
-            // A normalized partial over this split, merged later by attn_merge.
-            const size_t pr = (size_t)split * total_rows + orw;
-            out[pr * D + d] = L > 0.f ? A / L : 0.f;
-            if (d == 0) lse[pr] = L > 0.f ? (M + log2f(L)) * LN2 : NEG_INF;
-        } else {
-            float scale_acc = 1.f;
-            float Mn = M * LN2;  // natural log from here
-            if (has_sinks) {
-                const float sk = sink_logits[h * group + g];
-                const float m2 = fmaxf(Mn, sk);
-                scale_acc = Mn == NEG_INF ? 0.f : __expf(Mn - m2);
-                L = L * scale_acc + __expf(sk - m2);
-                Mn = m2;
-            }
-            out[(size_t)orw * D + d] = L > 0.f ? A * scale_acc / L : 0.f;
-            if (d == 0 && lse != nullptr) lse[orw] = L > 0.f ? Mn + logf(L) : NEG_INF;
-        }
-    }
+    finish_rows<D, ROWS, NSTREAMS>(smem, row0, group, q_len, q_start, q_heads, h,
+                                   sh * gridDim.y + blockIdx.y, split, sink_logits, has_sinks, o);
 }
 
 #define ATTN_KERNEL(NAME, T, D, ROWS, U, PIPE, MINB)                                            \
@@ -327,12 +470,15 @@ __device__ __forceinline__ void attn_core(
         const T* q, const T* kc, const T* vc, const i32* cu_q, const i32* kv_lens,             \
         const i32* block_table, i32 max_blocks, i32 num_blocks, i32 mode, const i32* sel_ids,  \
         const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
-        i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk,             \
-        i32 split_out, float* out, float* lse, i32 has_lse, i32 total_rows) {                  \
+        i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
+        float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
+        i32 total_rows) {                                                                      \
+        const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
+                     total_rows};                                                              \
         attn_core<T, D, ROWS, U, PIPE>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,            \
                                  num_blocks, mode, sel_ids, sel_lens, sel_max, kv_heads,       \
                                  group, bs, scale, window, sinks, sink_logits, has_sinks,      \
-                                 chunk, split_out, out, has_lse ? lse : nullptr, total_rows);  \
+                                 chunk, o);                                                    \
     }
 
 // Variants: rows per CTA 4 (decode with groups up to 4) or 8; U keys per stream and step;
@@ -355,36 +501,332 @@ ATTN_KERNEL(attn_bf16_d128_r4_u4p, __nv_bfloat16, 128, 4, 4, true, 3)
 ATTN_KERNEL(attn_bf16_d128_r4_u1p, __nv_bfloat16, 128, 4, 1, true, 4)
 
 // ---------------------------------------------------------------------------------------------
-// Merge of stacked partial results: parts_out [n_parts, rows, D], parts_lse [n_parts, rows];
-// one CTA per row, one thread per element. With sink logits (per q head, row % q_heads) the sink
-// joins the denominator with a zero value, as in the CPU implementation.
+// Tensor-core attention for the 16-bit types (head dims 64 and 128).
+//
+// Same arguments, modes and outputs as attn_core. A CTA takes up to 8 rows of one (sequence, KV
+// head); its 4 warps walk the split's keys in tiles of 16 (KT tiles per warp and round, loaded
+// together) with mma.sync m16n8k16 (f32 accumulation):
+//   S^T (16 keys x 8 rows) = K (16 keys x D) . Q^T (D x 8 rows), D / 16 MMAs;
+//   O^T (D x 8 rows) += V^T (D x 16 keys) . P^T (16 keys x 8 rows), D / 16 MMAs.
+// With the rows on the narrow N side, the 4 rows of a decode GQA group waste half an MMA, not
+// three quarters. The reduction index of an MMA may be permuted freely as long as both operands
+// use the same order, so each thread loads whole 16-byte vectors: for K and Q, thread (g, t)
+// (g = lane / 4, t = lane % 4) holds dims i * 32 + t * 8 .. + 8 of key g, key g + 8 and row g;
+// for V, dims v * 64 + g * 8 .. + 8 of keys 2t, 2t + 1, 2t + 8 and 2t + 9, paired across keys
+// with byte permutes. P (f32 in the S^T fragment) is rounded to the 16-bit type and turned into
+// the B fragment by movmatrix. A thread's rows are 2t and 2t + 1 in both S^T and O^T, so the
+// online softmax (base 2, rescaled only when a maximum grows) needs no exchange but the row
+// maximum across the 8 lanes of a column.
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u32 b0, u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&v);
+    }
+};
+
+template <>
+struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u32 b0, u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        const __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&v);
+    }
+};
+
+// The transpose of an 8x8 matrix of 16-bit elements held as a warp fragment (row lane / 4,
+// columns 2 (lane % 4) and 2 (lane % 4) + 1).
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint4 load16(const void* p) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+template <typename T, int D, int KT>
+__device__ __forceinline__ void attn_mma_core(
+    const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+    const i32* __restrict__ cu_q, const i32* __restrict__ kv_lens,
+    const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks,
+    i32 mode, const i32* __restrict__ sel_ids, const i32* __restrict__ sel_lens, i32 sel_max,
+    i32 kv_heads, i32 group, i32 bs, float scale, i32 window, i32 sinks,
+    const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, const Outs& o) {
+    static_assert(D % 64 == 0, "head dim a multiple of 64");
+    constexpr int WARPS = 4;
+    constexpr int ROWS = 8;
+    constexpr int KVEC = D / 32;  // 16-byte vectors of K (and Q) per key and thread
+    constexpr int VVEC = D / 64;  // 16-byte vectors of V per key and thread
+    constexpr int STEPS = D / 16; // MMAs per product
+    const int q_heads = kv_heads * group;
+
+    const int seq = blockIdx.z;
+    const int h = blockIdx.x % kv_heads;
+    const int sh = seq * kv_heads + h;
+    const int split = blockIdx.x / kv_heads;
+    const int row0 = blockIdx.y * ROWS;
+    const int q_start = cu_q[seq];
+    const int q_len = cu_q[seq + 1] - q_start;
+    const int kv_len = kv_lens[seq];
+    if (row0 >= q_len * group) return;
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+
+    // Row g of the tile, raw: the B operand of S^T = K Q^T.
+    uint4 qf[KVEC];
+    {
+        const int rr = row0 + g;
+        const int qi = rr / group;
+#pragma unroll
+        for (int i = 0; i < KVEC; i++) qf[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (qi < q_len) {
+            const size_t orow = (size_t)(q_start + qi) * q_heads + h * group + rr % group;
+#pragma unroll
+            for (int i = 0; i < KVEC; i++) qf[i] = load16(q + orow * D + i * 32 + t * 8);
+        }
+    }
+    // Positions of this thread's rows 2t and 2t + 1 (-1: padding).
+    int rpos[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int qi = (row0 + 2 * t + r) / group;
+        rpos[r] = qi < q_len ? kv_len - q_len + qi : -1;
+    }
+    const int max_pos = kv_len - q_len + min(q_len - 1, (row0 + ROWS - 1) / group);
+
+    int n_keys;
+    const i32* sel = nullptr;
+    if (mode == 0) {
+        n_keys = min(kv_len, max_pos + 1);
+    } else {
+        const int cnt = min(max(sel_lens[sh], 0), sel_max);
+        sel = sel_ids + (size_t)sh * sel_max;
+        n_keys = mode == 1 ? cnt * bs : cnt;
+    }
+    const int t0 = split * chunk;
+    const int t1 = min(n_keys, t0 + chunk);
+    const int num_pages = (kv_len + bs - 1) / bs;
+    const i32* table = block_table + (size_t)seq * max_blocks;
+    const Keys<T, D> keys{kc, vc, sel, table, mode, bs, num_pages, kv_len, num_blocks, kv_heads,
+                          h, 0, t1};
+
+    const float sl2 = scale * LOG2E;
+    float acc[STEPS][4];
+#pragma unroll
+    for (int i = 0; i < STEPS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF};
+    float l[2] = {0.f, 0.f};
+
+    // Each warp takes KT tiles of 16 keys per round: tile kt of warp w starts at round base +
+    // (w * KT + kt) * 16. Keys g and g + 8 of a tile (K and the mask) are resolved one round
+    // ahead, so the index loads of the next round overlap this round's K and V loads.
+    constexpr int ROUND = WARPS * KT * 16;
+    int kpos[KT][2], kslot[KT][2];
+#pragma unroll
+    for (int kt = 0; kt < KT; kt++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            kslot[kt][j] = keys.slot_of(t0 + (warp * KT + kt) * 16 + g + 8 * j, kpos[kt][j]);
+#pragma unroll 1
+    for (int base = t0; base < t1; base += ROUND) {
+        uint4 kf[KT][2][KVEC], vf[KT][4][VVEC];
+#pragma unroll
+        for (int kt = 0; kt < KT; kt++) {
+            // Keys 2t, 2t+1, 2t+8, 2t+9 (V) take their slots from the lanes that resolved them.
+            int vslot[4];
+            vslot[0] = __shfl_sync(0xffffffffu, kslot[kt][0], 8 * t);
+            vslot[1] = __shfl_sync(0xffffffffu, kslot[kt][0], 8 * t + 4);
+            vslot[2] = __shfl_sync(0xffffffffu, kslot[kt][1], 8 * t);
+            vslot[3] = __shfl_sync(0xffffffffu, kslot[kt][1], 8 * t + 4);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const T* src = kc + ((size_t)max(kslot[kt][j], 0) * kv_heads + h) * D + t * 8;
+#pragma unroll
+                for (int i = 0; i < KVEC; i++)
+                    kf[kt][j][i] =
+                        kslot[kt][j] >= 0 ? load16(src + i * 32) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const T* src = vc + ((size_t)max(vslot[j], 0) * kv_heads + h) * D + g * 8;
+#pragma unroll
+                for (int v = 0; v < VVEC; v++)
+                    vf[kt][j][v] =
+                        vslot[j] >= 0 ? load16(src + v * 64) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        int npos[KT][2], nslot[KT][2];
+#pragma unroll
+        for (int kt = 0; kt < KT; kt++)
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+                nslot[kt][j] =
+                    keys.slot_of(base + ROUND + (warp * KT + kt) * 16 + g + 8 * j, npos[kt][j]);
+
+#pragma unroll
+        for (int kt = 0; kt < KT; kt++) {
+            // S^T = K Q^T: s[0], s[1] = key g, rows 2t, 2t+1; s[2], s[3] = key g + 8.
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < STEPS; j++) {
+                const int i = j / 2;
+                const int w = (j % 2) * 2;
+                Mma<T>::run(s, word(kf[kt][0][i], w), word(kf[kt][1][i], w),
+                            word(kf[kt][0][i], w + 1), word(kf[kt][1][i], w + 1), word(qf[i], w),
+                            word(qf[i], w + 1));
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int p = kpos[kt][e / 2];
+                const int rp = rpos[e % 2];
+                bool vis = p >= 0 && p <= rp;
+                if (window > 0) vis = vis && (p > rp - window || p < sinks);
+                s[e] = vis ? s[e] * sl2 : NEG_INF;
+            }
+            float mx[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(s[r], s[2 + r]);
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1)
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o));
+            }
+            // Rescale only when a running maximum grows (uniform over the lanes of a column).
+            if (mx[0] > m[0] || mx[1] > m[1]) {
+                float alpha[2];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const float mn = fmaxf(m[r], mx[r]);
+                    alpha[r] = m[r] == NEG_INF ? 0.f : exp2f(m[r] - mn);
+                    m[r] = mn;
+                    l[r] *= alpha[r];
+                }
+#pragma unroll
+                for (int i = 0; i < STEPS; i++) {
+                    acc[i][0] *= alpha[0];
+                    acc[i][1] *= alpha[1];
+                    acc[i][2] *= alpha[0];
+                    acc[i][3] *= alpha[1];
+                }
+            }
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) p[e] = m[e % 2] == NEG_INF ? 0.f : exp2f(s[e] - m[e % 2]);
+            l[0] += p[0] + p[2];
+            l[1] += p[1] + p[3];
+            const u32 b0 = transpose8x8(Mma<T>::pack(p[0], p[1]));
+            const u32 b1 = transpose8x8(Mma<T>::pack(p[2], p[3]));
+
+            // O^T += V^T P^T: A rows are dims, pairs of keys (2t, 2t+1) and (2t+8, 2t+9).
+#pragma unroll
+            for (int j = 0; j < STEPS; j++) {
+                const int v = j / 4;
+                const int w = j % 4;
+                const u32 x0 = word(vf[kt][0][v], w), x1 = word(vf[kt][1][v], w);
+                const u32 x2 = word(vf[kt][2][v], w), x3 = word(vf[kt][3][v], w);
+                Mma<T>::run(acc[j], __byte_perm(x0, x1, 0x5410), __byte_perm(x0, x1, 0x7632),
+                            __byte_perm(x2, x3, 0x5410), __byte_perm(x2, x3, 0x7632), b0, b1);
+            }
+        }
+#pragma unroll
+        for (int kt = 0; kt < KT; kt++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                kpos[kt][j] = npos[kt][j];
+                kslot[kt][j] = nslot[kt][j];
+            }
+    }
+
+    // Each lane summed only its own keys: complete the row sums over the lanes of a column.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], o);
+    }
+    // acc[j][hf * 2 + r] is row 2t + r at dim (j / 4) * 64 + g * 8 + (j % 4) * 2 + hf.
+    extern __shared__ float smem[];
+    float* s_acc = smem;
+    float* s_m = s_acc + WARPS * ROWS * D;
+    float* s_l = s_m + WARPS * ROWS;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float* dst = s_acc + (warp * ROWS + 2 * t + r) * D + g * 8;
+#pragma unroll
+        for (int j = 0; j < STEPS; j++) {
+            dst[(j / 4) * 64 + (j % 4) * 2] = acc[j][r];
+            dst[(j / 4) * 64 + (j % 4) * 2 + 1] = acc[j][2 + r];
+        }
+        if (g == 0) {
+            s_m[warp * ROWS + 2 * t + r] = m[r];
+            s_l[warp * ROWS + 2 * t + r] = l[r];
+        }
+    }
+    __syncthreads();
+    finish_rows<D, ROWS, WARPS>(smem, row0, group, q_len, q_start, q_heads, h,
+                                sh * gridDim.y + blockIdx.y, split, sink_logits, has_sinks, o);
+}
+
+#define ATTN_MMA_KERNEL(NAME, T, D, KT, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                              \
+        const T* q, const T* kc, const T* vc, const i32* cu_q, const i32* kv_lens,             \
+        const i32* block_table, i32 max_blocks, i32 num_blocks, i32 mode, const i32* sel_ids,  \
+        const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
+        i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
+        float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
+        i32 total_rows) {                                                                      \
+        const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
+                     total_rows};                                                              \
+        attn_mma_core<T, D, KT>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks, num_blocks,     \
+                            mode, sel_ids, sel_lens, sel_max, kv_heads, group, bs, scale,      \
+                            window, sinks, sink_logits, has_sinks, chunk, o);                  \
+    }
+
+// Tiles per warp and round, and the CTAs per multiprocessor the register budget allows (at
+// head dim 128, a budget of 4 spilled and measured slower than 3 on an H200).
+ATTN_MMA_KERNEL(attn_bf16_d64_tc, __nv_bfloat16, 64, 1, 4)
+ATTN_MMA_KERNEL(attn_bf16_d128_tc, __nv_bfloat16, 128, 1, 3)
+ATTN_MMA_KERNEL(attn_f16_d64_tc, __half, 64, 1, 4)
+ATTN_MMA_KERNEL(attn_f16_d128_tc, __half, 128, 1, 3)
+// For the bench's sweep: two tiles per warp in flight, 2 CTAs per multiprocessor.
+ATTN_MMA_KERNEL(attn_bf16_d128_tc2, __nv_bfloat16, 128, 2, 2)
+
+// ---------------------------------------------------------------------------------------------
+// Merge of stacked partial results (Gpu::merge_attention): parts_out [n_parts, rows, D],
+// parts_lse [n_parts, rows]; one CTA per row, one thread per element. Split-KV attention merges
+// its own splits in-kernel (finish_rows), with the same merge_elem.
 
 extern "C" __global__ void attn_merge(const float* __restrict__ parts_out,
                                       const float* __restrict__ parts_lse, i32 n_parts, i32 rows,
-                                      i32 D, const float* __restrict__ sink_logits,
-                                      i32 has_sinks, i32 q_heads, float* __restrict__ out,
-                                      float* __restrict__ lse, i32 has_lse) {
-    const int r = blockIdx.x;
-    float M = NEG_INF;
-    for (int p = 0; p < n_parts; p++) M = fmaxf(M, parts_lse[(size_t)p * rows + r]);
-    float sk = NEG_INF;
-    if (has_sinks) sk = sink_logits[r % q_heads];
-    const float m2 = fmaxf(M, sk);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float L = 0.f, A = 0.f;
-        if (m2 != NEG_INF) {
-            for (int p = 0; p < n_parts; p++) {
-                const float lp = parts_lse[(size_t)p * rows + r];
-                if (lp == NEG_INF) continue;
-                const float w = __expf(lp - m2);
-                L += w;
-                A += w * parts_out[((size_t)p * rows + r) * D + d];
-            }
-            if (has_sinks) L += __expf(sk - m2);
-        }
-        out[(size_t)r * D + d] = L > 0.f ? A / L : 0.f;
-        if (d == 0 && has_lse) lse[r] = L > 0.f ? m2 + logf(L) : NEG_INF;
-    }
+                                      i32 D, float* __restrict__ out, float* __restrict__ lse) {
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        merge_elem(parts_out, parts_lse, n_parts, rows, blockIdx.x, d, D, NEG_INF, false, out,
+                   lse);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ Same shapes and data sizes as `attn-op`'s `gpu bench`: bf16, 32 query / 8 KV hea
 - torch gather + SDPA: K/V gathered from the pool through a random page table, then SDPA.
 - torch sparse gather + SDPA: 128 selected pages per (sequence, KV head) gathered, then SDPA.
 
-Timing: CUDA events around each run after warm-up, median of 50 runs. Writes JSON with --json.
+Timing: after warm-up, medians of 50 runs, each alone between CUDA events (synced) and enqueued
+back to back with events between (queued). Writes JSON with --json.
 """
 import argparse
 import json
@@ -24,9 +25,11 @@ RUNS = 50
 
 
 def timed(fn):
+    """(synced, queued) medians in ms: each run alone between events and waited for; then runs
+    enqueued back to back with an event between each two, so host work overlaps the GPU's."""
     for _ in range(5):
         fn()
-    times = []
+    synced = []
     for _ in range(RUNS):
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
@@ -34,9 +37,21 @@ def timed(fn):
         fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[RUNS // 2]
+        synced.append(a.elapsed_time(b))
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(RUNS + 1)]
+    marks[0].record()
+    for m in marks[1:]:
+        fn()
+        m.record()
+    torch.cuda.synchronize()
+    queued = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    synced.sort()
+    queued.sort()
+    return synced[RUNS // 2], queued[RUNS // 2]
+
+
+def row(name, times, nbytes):
+    return {"name": name, "ms": times[0], "queued_ms": times[1], "bytes": nbytes}
 
 
 def main():
@@ -50,8 +65,7 @@ def main():
     n = 1 << 28
     src = torch.rand(n, device=dev, generator=g)
     dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src))
-    rows.append({"name": "torch copy d2d 1 GiB", "ms": ms, "bytes": n * 4 * 2})
+    rows.append(row("torch copy d2d 1 GiB", timed(lambda: dst.copy_(src)), n * 4 * 2))
     del src, dst
 
     pool_k = torch.rand(POOL_BLOCKS, BS, KVH, D, device=dev, generator=g, dtype=torch.bfloat16)
@@ -64,8 +78,8 @@ def main():
 
         k = torch.rand(b, KVH, ctx, D, device=dev, generator=g, dtype=torch.bfloat16)
         v = torch.rand(b, KVH, ctx, D, device=dev, generator=g, dtype=torch.bfloat16)
-        ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-        rows.append({"name": f"torch SDPA dense {tag}", "ms": ms, "bytes": kv_bytes})
+        t = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        rows.append(row(f"torch SDPA dense {tag}", t, kv_bytes))
         del k, v
 
         table = torch.randperm(POOL_BLOCKS, device=dev, generator=g)[: b * blocks].view(b, blocks)
@@ -75,8 +89,7 @@ def main():
             vv = pool_v[table].view(b, ctx, KVH, D).transpose(1, 2)
             return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
-        ms = timed(gathered)
-        rows.append({"name": f"torch gather+SDPA {tag}", "ms": ms, "bytes": kv_bytes})
+        rows.append(row(f"torch gather+SDPA {tag}", timed(gathered), kv_bytes))
 
         # Sparse: per (sequence, KV head) BUDGET_PAGES logical pages, gathered per head.
         sel = torch.stack([
@@ -95,11 +108,11 @@ def main():
             vv = pool_v.permute(0, 2, 1, 3)[phys, heads].reshape(b, KVH, BUDGET_PAGES * BS, D)
             return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
-        ms = timed(sparse)
-        rows.append({"name": f"torch sparse gather+SDPA 2K {tag}", "ms": ms, "bytes": sel_bytes})
+        rows.append(row(f"torch sparse gather+SDPA 2K {tag}", timed(sparse), sel_bytes))
 
     for r in rows:
-        print(f"{r['name']:<40} {r['ms']:>10.4f} ms {r['bytes'] / r['ms'] / 1e6:>10.1f} GB/s")
+        print(f"{r['name']:<40} {r['ms']:>10.4f} ms (queued {r['queued_ms']:.4f}) "
+              f"{r['bytes'] / r['ms'] / 1e6:>10.1f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f)

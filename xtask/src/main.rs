@@ -234,8 +234,9 @@ else
   echo "compute-sanitizer not found" | tee -a "$out/tools.log"
 fi
 if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
-  # Launch 6 of the attention kernel is a timed dense B8 L32K run, launch 61 a sparse one.
-  for skip in 5 60; do
+  # Each timing runs 105 launches (5 warm-up, 50 synced, 50 queued): launch 6 of the attention
+  # kernel is a dense B8 L32K run, launch 111 a sparse one.
+  for skip in 5 110; do
     echo "== ncu attention kernel, launch-skip $skip" >> "$out/tools.log"
     timeout 180 ncu --clock-control none --kernel-name regex:attn_bf16_d128 --launch-skip $skip \
       --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \

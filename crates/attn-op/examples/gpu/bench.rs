@@ -25,7 +25,7 @@ const RUNS: usize = 50;
 /// One timed row of the table.
 struct Row {
     name: String,
-    ms: f64,
+    t: Timing,
     bytes: f64,
     note: String,
 }
@@ -36,11 +36,11 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
     let copy = copy_bandwidth(gpu)?;
     rows.push(Row {
         name: "copy d2d 1 GiB".to_owned(),
-        ms: copy.0,
+        t: copy.0,
         bytes: copy.1,
         note: "read + write".to_owned(),
     });
-    let bw = copy.1 / copy.0 * 1e3;
+    let bw = copy.1 / copy.0.synced * 1e3;
 
     let layout = KvLayout {
         num_blocks: POOL_BLOCKS,
@@ -95,27 +95,35 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
             sels: &sels,
         };
         let g = &*gpu;
-        let (ms, sparse_ms) = step.time_pair(g, &mut out, &mut lse)?;
+        let (dense, sparse) = step.time_pair(g, &mut out, &mut lse)?;
         rows.push(Row {
             name: format!("dense decode B{b} L{}K", ctx / 1024),
-            ms,
+            t: dense,
             bytes: kv_bytes,
-            note: format!("{:.2} of copy bw", kv_bytes / ms * 1e3 / bw),
+            note: format!(
+                "{:.2} / {:.2} of copy bw",
+                kv_bytes / dense.synced * 1e3 / bw,
+                kv_bytes / dense.queued * 1e3 / bw
+            ),
         });
         rows.push(Row {
             name: format!("sparse decode 2K B{b} L{}K", ctx / 1024),
-            ms: sparse_ms,
+            t: sparse,
             bytes: sel_bytes,
-            note: format!("{:.2} x bytes floor ({floor:.4} ms)", sparse_ms / floor),
+            note: format!(
+                "{:.2} / {:.2} x bytes floor ({floor:.4} ms)",
+                sparse.synced / floor,
+                sparse.queued / floor
+            ),
         });
         let mut i = 0;
-        let ms = time(g, || {
+        let t = time(g, || {
             i += 1;
             g.gather_page_offsets(&sels[i % 4], BS, &dmeta).map(drop)
         })?;
         rows.push(Row {
             name: format!("gather pages B{b} L{}K", ctx / 1024),
-            ms,
+            t,
             bytes: 0.0,
             note: "device gather_page_offsets".to_owned(),
         });
@@ -123,22 +131,25 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
             continue;
         }
         // The sweep: kernel variants and wave targets, defaults restored after.
-        for variant in ["", "_u4", "_u4p", "_u1p"] {
+        for variant in ["tc", "tc2", "r4", "r4_u4", "r4_u4p", "r4_u1p"] {
             for waves in [1, 2, 4] {
-                gpu.set_variant(variant)?;
+                gpu.set_variant(Some(variant))?;
                 gpu.set_waves(waves);
                 let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
-                let v = if variant.is_empty() { "_u2p" } else { variant };
                 sweep.push(format!(
-                    "sweep B{b} L{}K {v:<5} waves {waves}: dense {dense:.4} ms ({:.2} of copy), \
-                     sparse {sparse:.4} ms ({:.2} x floor)",
+                    "sweep B{b} L{}K {variant:<6} waves {waves}: dense {:.4} ms ({:.2} of copy), \
+                     sparse {:.4} ms ({:.2} x floor); queued {:.4} / {:.4} ms",
                     ctx / 1024,
-                    kv_bytes / dense * 1e3 / bw,
-                    sparse / floor
+                    dense.synced,
+                    kv_bytes / dense.synced * 1e3 / bw,
+                    sparse.synced,
+                    sparse.synced / floor,
+                    dense.queued,
+                    sparse.queued,
                 ));
             }
         }
-        gpu.set_variant("")?;
+        gpu.set_variant(None)?;
         gpu.set_waves(1);
     }
     for line in &sweep {
@@ -146,17 +157,21 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
     }
 
     let mut text = String::new();
-    let _ = writeln!(text, "{:<28} {:>10} {:>10}  note", "bench", "ms", "GB/s");
+    let _ = writeln!(
+        text,
+        "{:<28} {:>10} {:>10} {:>10}  note (synced / queued)",
+        "bench", "ms", "queued ms", "GB/s"
+    );
     for r in &rows {
         let gbs = if r.bytes > 0.0 {
-            r.bytes / r.ms / 1e6
+            r.bytes / r.t.synced / 1e6
         } else {
             0.0
         };
         let _ = writeln!(
             text,
-            "{:<28} {:>10.4} {:>10.1}  {}",
-            r.name, r.ms, gbs, r.note
+            "{:<28} {:>10.4} {:>10.4} {:>10.1}  {}",
+            r.name, r.t.synced, r.t.queued, gbs, r.note
         );
     }
     print!("{text}");
@@ -165,8 +180,9 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"name\":\"{}\",\"ms\":{},\"bytes\":{},\"note\":\"{}\"}}",
-                    r.name, r.ms, r.bytes, r.note
+                    "{{\"name\":\"{}\",\"ms\":{},\"queued_ms\":{},\"bytes\":{},\
+                     \"note\":\"{}\"}}",
+                    r.name, r.t.synced, r.t.queued, r.bytes, r.note
                 )
             })
             .collect();
@@ -193,7 +209,7 @@ impl Step<'_> {
         g: &Gpu,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
-    ) -> Result<(f64, f64), AttnError> {
+    ) -> Result<(Timing, Timing), AttnError> {
         let dense = time(g, || {
             g.paged_attention(self.q, self.kv, self.meta, self.params, out, Some(lse))
         })?;
@@ -207,36 +223,64 @@ impl Step<'_> {
     }
 }
 
-/// Median milliseconds of `RUNS` timed runs of `f` after 5 warm-up runs, CUDA events around
-/// each run.
-fn time(gpu: &Gpu, mut f: impl FnMut() -> Result<(), AttnError>) -> Result<f64, AttnError> {
+/// Medians of one operation, in milliseconds.
+#[derive(Clone, Copy)]
+struct Timing {
+    /// Each run alone: events around it, then a wait for it. This includes the host's launch
+    /// work, which the device waits for.
+    synced: f64,
+    /// Runs enqueued back to back with an event between each two, as an engine enqueues one
+    /// layer after another: the host's launch work overlaps the device's.
+    queued: f64,
+}
+
+/// `RUNS` timed runs of `f` after 5 warm-up runs, synced and queued (see [`Timing`]).
+fn time(gpu: &Gpu, mut f: impl FnMut() -> Result<(), AttnError>) -> Result<Timing, AttnError> {
     for _ in 0..5 {
         f()?;
     }
     let ctx = gpu.context();
     let stream = gpu.stream();
-    let mut ms = Vec::with_capacity(RUNS);
+    let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+    let mut synced = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
-        let a = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let b = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let (a, b) = (event()?, event()?);
         a.record(stream)?;
         f()?;
         b.record(stream)?;
         b.synchronize()?;
-        ms.push(f64::from(a.elapsed_ms(&b)?));
+        synced.push(f64::from(a.elapsed_ms(&b)?));
     }
-    ms.sort_by(f64::total_cmp);
-    Ok(ms[RUNS / 2])
+    let marks = (0..=RUNS).map(|_| event()).collect::<Result<Vec<_>, _>>()?;
+    marks[0].record(stream)?;
+    for m in &marks[1..] {
+        f()?;
+        m.record(stream)?;
+    }
+    gpu.synchronize()?;
+    let mut queued = marks
+        .windows(2)
+        .map(|w| Ok(f64::from(w[0].elapsed_ms(&w[1])?)))
+        .collect::<Result<Vec<_>, AttnError>>()?;
+    Ok(Timing {
+        synced: median(&mut synced),
+        queued: median(&mut queued),
+    })
 }
 
-/// Device-to-device copy of 1 GiB: (median ms, bytes read + written).
-fn copy_bandwidth(gpu: &Gpu) -> Result<(f64, f64), AttnError> {
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Device-to-device copy of 1 GiB: (timing, bytes read + written).
+fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
     let n = 1 << 28;
     let src: CudaSlice<u32> = gpu.zeros(n)?;
     let mut dst: CudaSlice<u32> = gpu.zeros(n)?;
     let stream = gpu.stream().clone();
-    let ms = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
-    Ok((ms, (n * 4 * 2) as f64))
+    let t = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
+    Ok((t, (n * 4 * 2) as f64))
 }
 
 /// `n` random bf16 values in [-1, 1), generated in parallel chunks with fixed seeds.

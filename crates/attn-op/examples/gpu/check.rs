@@ -22,9 +22,23 @@ struct Shape {
     window: Option<u32>,
     sink_tokens: u32,
     sink_logits: bool,
+    /// Queries are drawn from `[-q_scale, q_scale)`: large values make the softmax peaked.
+    q_scale: f32,
 }
 
 const SHAPES: &[Shape] = &[
+    Shape {
+        name: "peaked GQA 16/4 D128",
+        head_dim: 128,
+        q_heads: 16,
+        kv_heads: 4,
+        block_size: 16,
+        seqs: &[(1, 3000), (9, 900)],
+        window: None,
+        sink_tokens: 0,
+        sink_logits: false,
+        q_scale: 12.0,
+    },
     Shape {
         name: "decode B4 32/8 D128",
         head_dim: 128,
@@ -35,6 +49,7 @@ const SHAPES: &[Shape] = &[
         window: None,
         sink_tokens: 0,
         sink_logits: false,
+        q_scale: 1.0,
     },
     Shape {
         name: "mixed 9/3 D64",
@@ -46,6 +61,7 @@ const SHAPES: &[Shape] = &[
         window: None,
         sink_tokens: 0,
         sink_logits: false,
+        q_scale: 1.0,
     },
     Shape {
         name: "window+sinks MHA D128",
@@ -57,6 +73,7 @@ const SHAPES: &[Shape] = &[
         window: Some(50),
         sink_tokens: 4,
         sink_logits: true,
+        q_scale: 1.0,
     },
     Shape {
         name: "MQA 8/1 D256",
@@ -68,6 +85,7 @@ const SHAPES: &[Shape] = &[
         window: None,
         sink_tokens: 0,
         sink_logits: true,
+        q_scale: 1.0,
     },
     Shape {
         name: "long decode 32/8 D128",
@@ -79,13 +97,14 @@ const SHAPES: &[Shape] = &[
         window: None,
         sink_tokens: 0,
         sink_logits: false,
+        q_scale: 1.0,
     },
 ];
 
 /// Runs every check for every dtype and prints one line each; returns the exit code.
 /// With `small`, shapes longer than 10K tokens are left out (for the sanitizers, which run the
 /// kernels far slower).
-pub(crate) fn all(gpu: &Gpu, small: bool) -> Result<i32, AttnError> {
+pub(crate) fn all(gpu: &mut Gpu, small: bool) -> Result<i32, AttnError> {
     let mut failed = 0;
     let mut seed = 1;
     for shape in SHAPES {
@@ -93,23 +112,35 @@ pub(crate) fn all(gpu: &Gpu, small: bool) -> Result<i32, AttnError> {
             continue;
         }
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            seed += 1;
-            let results = match dtype {
-                DType::F32 => Case::<f32>::run(gpu, shape, seed)?,
-                DType::F16 => Case::<f16>::run(gpu, shape, seed)?,
-                DType::BF16 => Case::<bf16>::run(gpu, shape, seed)?,
+            // The 16-bit types run on tensor cores by default; their CUDA-core kernels are
+            // checked too.
+            let kernels: &[Option<&'static str>] = if dtype == DType::F32 {
+                &[None]
+            } else {
+                &[None, Some("tc2"), Some("r4"), Some("r8")]
             };
-            for (what, err, tol) in results {
-                let ok = err <= tol;
-                failed += usize::from(!ok);
-                println!(
-                    "{} {:<24} {dtype:<5?} {what:<28} err {err:.2e} (tol {tol:.0e})",
-                    if ok { "ok  " } else { "FAIL" },
-                    shape.name
-                );
+            for &kernel in kernels {
+                seed += 1;
+                gpu.set_variant(kernel)?;
+                let results = match dtype {
+                    DType::F32 => Case::<f32>::run(gpu, shape, seed)?,
+                    DType::F16 => Case::<f16>::run(gpu, shape, seed)?,
+                    DType::BF16 => Case::<bf16>::run(gpu, shape, seed)?,
+                };
+                for (what, err, tol) in results {
+                    let ok = err <= tol;
+                    failed += usize::from(!ok);
+                    println!(
+                        "{} {:<24} {dtype:<5?} {:<7} {what:<28} err {err:.2e} (tol {tol:.0e})",
+                        if ok { "ok  " } else { "FAIL" },
+                        shape.name,
+                        kernel.unwrap_or("default"),
+                    );
+                }
             }
         }
     }
+    gpu.set_variant(None)?;
     failed += merge_check(gpu)?;
     println!("check: {failed} failed");
     Ok(i32::from(failed > 0))
@@ -167,7 +198,9 @@ impl<T: CudaElement> Case<T> {
             cu.push(cu[cu.len() - 1] + ql as i32);
         }
         let total_q = cu[cu.len() - 1] as usize;
-        let q = rand(total_q * shape.q_heads * shape.head_dim, rng);
+        let q = (0..total_q * shape.q_heads * shape.head_dim)
+            .map(|_| T::from_f32(rng.unit() * shape.q_scale))
+            .collect();
         let mut params = AttnParams::new(shape.q_heads, shape.head_dim);
         params.window = shape.window;
         params.sink_tokens = shape.sink_tokens;

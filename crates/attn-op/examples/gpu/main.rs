@@ -50,9 +50,9 @@ fn run(cmd: &str, rest: &[String]) -> Result<i32, AttnError> {
             Ok(0)
         }
         "check" => {
-            let gpu = Gpu::new(0)?;
+            let mut gpu = Gpu::new(0)?;
             println!("device: {}", gpu.name()?);
-            check::all(&gpu, rest.iter().any(|a| a == "--small"))
+            check::all(&mut gpu, rest.iter().any(|a| a == "--small"))
         }
         "bench" | "profile" => {
             let mut gpu = Gpu::new(0)?;

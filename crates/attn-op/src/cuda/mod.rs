@@ -99,27 +99,113 @@ const KERNEL_NAMES: &[&str] = &[
     "compact_bf16",
 ];
 
-/// Head dims and rows per CTA the attention kernels are built for.
+/// Head dims the attention kernels are built for.
 const ATTN_DIMS: [usize; 3] = [64, 128, 256];
-const ATTN_ROWS: [usize; 2] = [4, 8];
-/// Variants of the bf16, head-dim-128, 4-row attention kernel (for the bench's sweep).
-const VARIANTS: [&str; 4] = ["", "_u4", "_u4p", "_u1p"];
 /// Warps per attention CTA (`WARPS` in kernels/attn.cu).
 pub(crate) const WARPS: usize = 4;
 
-/// Dynamic shared memory of an attention CTA: each stream's accumulators, max and sum.
-pub(crate) fn attn_smem(d: usize, rows: usize) -> usize {
-    let streams = WARPS * (32 / (d / 8));
-    streams * rows * (d + 2) * 4
+/// One attention kernel of kernels/attn.cu, by the suffix of its name (`attn_{type}_d{dim}_`
+/// suffix): which types and head dims it is built for and how many rows a CTA takes.
+struct AttnSpec {
+    suffix: &'static str,
+    /// Rows (query, head-in-group pairs) per CTA.
+    rows: usize,
+    /// Tensor cores (16-bit types, head dims 64 and 128) or CUDA cores (every type and dim).
+    tensor_cores: bool,
+    /// Only built for bf16, head dim 128: a variant for the bench's sweep.
+    sweep_only: bool,
 }
 
-/// Which attention kernel: element type, head dim, rows per CTA, variant suffix.
-type AttnKey = (DType, usize, usize, &'static str);
+/// Every attention kernel. The first that applies to a launch is its default: tensor cores
+/// where they exist, else 4 or 8 rows per CTA on CUDA cores.
+const ATTN_SPECS: [AttnSpec; 7] = [
+    AttnSpec {
+        suffix: "tc",
+        rows: 8,
+        tensor_cores: true,
+        sweep_only: false,
+    },
+    AttnSpec {
+        suffix: "r4",
+        rows: 4,
+        tensor_cores: false,
+        sweep_only: false,
+    },
+    AttnSpec {
+        suffix: "r8",
+        rows: 8,
+        tensor_cores: false,
+        sweep_only: false,
+    },
+    AttnSpec {
+        suffix: "tc2",
+        rows: 8,
+        tensor_cores: true,
+        sweep_only: true,
+    },
+    AttnSpec {
+        suffix: "r4_u4",
+        rows: 4,
+        tensor_cores: false,
+        sweep_only: true,
+    },
+    AttnSpec {
+        suffix: "r4_u4p",
+        rows: 4,
+        tensor_cores: false,
+        sweep_only: true,
+    },
+    AttnSpec {
+        suffix: "r4_u1p",
+        rows: 4,
+        tensor_cores: false,
+        sweep_only: true,
+    },
+];
 
-/// A loaded attention kernel and how many of its CTAs one multiprocessor holds at once.
+impl AttnSpec {
+    /// Whether kernels/attn.cu builds this kernel for an element type and head dim.
+    fn built_for(&self, dtype: DType, d: usize) -> bool {
+        if self.sweep_only {
+            dtype == DType::BF16 && d == 128
+        } else if self.tensor_cores {
+            dtype != DType::F32 && d <= 128
+        } else {
+            true
+        }
+    }
+
+    /// Dynamic shared memory of a CTA: each stream's accumulators, maxima and sums. A stream
+    /// is a warp on tensor cores, and the `d / 8` lanes that share a key on CUDA cores.
+    fn smem(&self, d: usize) -> usize {
+        let streams = if self.tensor_cores {
+            WARPS
+        } else {
+            WARPS * (32 / (d / 8))
+        };
+        streams * self.rows * (d + 2) * 4
+    }
+}
+
+/// Which attention kernel: element type, head dim, name suffix.
+type AttnKey = (DType, usize, &'static str);
+
+/// A loaded attention kernel, its CTA shape and how many of its CTAs one multiprocessor holds
+/// at once.
 pub(crate) struct AttnKernel {
     pub(crate) func: CudaFunction,
+    pub(crate) rows: usize,
+    pub(crate) smem: usize,
     pub(crate) resident: usize,
+}
+
+/// Where split-KV launches write their partial results: outputs `[splits, rows, head_dim]`,
+/// LSEs `[splits, rows]`, and per unit (row tile of one sequence and KV head) the count of
+/// splits done, zero between launches (the last split of a unit merges it and resets it).
+pub(crate) struct Scratch {
+    pub(crate) out: CudaSlice<f32>,
+    pub(crate) lse: CudaSlice<f32>,
+    pub(crate) counters: CudaSlice<i32>,
 }
 
 /// A CUDA device with the attention kernels loaded and one stream to run them on.
@@ -133,11 +219,12 @@ pub struct Gpu {
     dummy_i32: CudaSlice<i32>,
     sms: usize,
     /// Scratch for split-KV partial results, grown on demand and reused.
-    scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    scratch: Mutex<Option<Scratch>>,
     /// Target CTAs of a split-KV launch, in waves of the resident CTAs the device holds.
     waves: usize,
-    /// Suffix of the head-dim-128, 4-row kernel variant to use ("" = the default).
-    variant: &'static str,
+    /// The attention kernel to use where it is built for a launch's type and head dim, in
+    /// place of the default (for the bench's sweep).
+    variant: Option<&'static str>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -180,28 +267,26 @@ impl Gpu {
             (DType::BF16, "bf16"),
         ] {
             for d in ATTN_DIMS {
-                for rows in ATTN_ROWS {
-                    let variants: &[&'static str] = if dtype == DType::BF16 && d == 128 && rows == 4
-                    {
-                        &VARIANTS
-                    } else {
-                        &[""]
+                for spec in ATTN_SPECS.iter().filter(|s| s.built_for(dtype, d)) {
+                    let name = format!("attn_{tn}_d{d}_{}", spec.suffix);
+                    let func = module
+                        .load_function(&name)
+                        .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
+                    let smem = spec.smem(d);
+                    let resident = func
+                        .occupancy_max_active_blocks_per_multiprocessor(
+                            to_u32(WARPS * 32)?,
+                            smem,
+                            None,
+                        )?
+                        .max(1) as usize;
+                    let kernel = AttnKernel {
+                        func,
+                        rows: spec.rows,
+                        smem,
+                        resident,
                     };
-                    for &v in variants {
-                        let name = format!("attn_{tn}_d{d}_r{rows}{v}");
-                        let func = module
-                            .load_function(&name)
-                            .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
-                        let threads = u32::try_from(WARPS * 32).unwrap_or(128);
-                        let resident = func
-                            .occupancy_max_active_blocks_per_multiprocessor(
-                                threads,
-                                attn_smem(d, rows),
-                                None,
-                            )?
-                            .max(1) as usize;
-                        attn.insert((dtype, d, rows, v), AttnKernel { func, resident });
-                    }
+                    attn.insert((dtype, d, spec.suffix), kernel);
                 }
             }
         }
@@ -215,7 +300,7 @@ impl Gpu {
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             scratch: Mutex::new(None),
             waves: 1,
-            variant: "",
+            variant: None,
         })
     }
 
@@ -235,13 +320,17 @@ impl Gpu {
         self.waves = waves.max(1);
     }
 
-    /// Picks a variant of the bf16, head-dim-128 decode kernel for benchmarking: "" (the
-    /// default, two keys per stream and step, pipelined), "_u4" (four keys, not pipelined),
-    /// "_u4p" (four, pipelined) or "_u1p" (one, pipelined). Other names are rejected; other
-    /// types and shapes always use their one kernel.
-    pub fn set_variant(&mut self, variant: &'static str) -> Result<(), AttnError> {
-        if !VARIANTS.contains(&variant) {
-            return Err(AttnError::Invalid(format!("no kernel variant {variant:?}")));
+    /// Picks the attention kernel by the suffix of its name, for benchmarking: `tc` (tensor
+    /// cores, the default for f16 and bf16 at head dims 64 and 128), `r4` or `r8` (CUDA cores,
+    /// 4 or 8 rows per CTA), or one of the CUDA-core variants built for bf16 at head dim 128
+    /// only: `r4_u4` (four keys per stream and step), `r4_u4p` (the same, pipelined),
+    /// `r4_u1p` (one key, pipelined). `None` restores the defaults. A launch for which the
+    /// picked kernel is not built uses its default; unknown names are rejected.
+    pub fn set_variant(&mut self, variant: Option<&'static str>) -> Result<(), AttnError> {
+        if let Some(v) = variant
+            && !ATTN_SPECS.iter().any(|s| s.suffix == v)
+        {
+            return Err(AttnError::Invalid(format!("no attention kernel {v:?}")));
         }
         self.variant = variant;
         Ok(())
@@ -280,22 +369,24 @@ impl Gpu {
         Ok(self.stream.alloc_zeros(len.max(1))?)
     }
 
-    /// The attention kernel for an element type, head dim and rows per CTA (with the chosen
-    /// variant where one applies).
+    /// The attention kernel for an element type, head dim and the most rows of one (sequence,
+    /// KV head): the picked variant where it is built, else the default.
     pub(crate) fn attn_kernel(
         &self,
         dtype: DType,
         d: usize,
-        rows: usize,
+        max_rows: usize,
     ) -> Result<&AttnKernel, AttnError> {
-        let v = if dtype == DType::BF16 && d == 128 && rows == 4 {
-            self.variant
-        } else {
-            ""
+        let picked = self.variant.and_then(|v| self.attn.get(&(dtype, d, v)));
+        let default = || {
+            let cuda_cores = if max_rows <= 4 { "r4" } else { "r8" };
+            self.attn
+                .get(&(dtype, d, "tc"))
+                .or_else(|| self.attn.get(&(dtype, d, cuda_cores)))
         };
-        self.attn.get(&(dtype, d, rows, v)).ok_or_else(|| {
+        picked.or_else(default).ok_or_else(|| {
             AttnError::Invalid(format!(
-                "no device attention kernel for {dtype:?}, head_dim {d}, {rows} rows"
+                "no device attention kernel for {dtype:?}, head_dim {d}"
             ))
         })
     }

@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu};
-use super::{WARPS, attn_smem, to_i32, to_u32};
+use super::{Scratch, WARPS, to_i32, to_u32};
 use crate::ops::check_keep;
 use crate::{AttnError, AttnParams, KvCache, Selection};
 
@@ -85,7 +85,7 @@ impl Gpu {
         keys: Keys<'_>,
         params: &AttnParams,
         out: &mut CudaSlice<f32>,
-        mut lse: Option<&mut CudaSlice<f32>>,
+        lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), AttnError> {
         let layout = kv.layout();
         if meta.layout != layout {
@@ -143,11 +143,9 @@ impl Gpu {
 
         // Rows per CTA, row tiles per (sequence, KV head), and the split of the keys.
         let max_rows = meta.q_lens.iter().max().copied().unwrap_or(0) * group;
-        let rows_cta = if max_rows <= 4 { 4 } else { 8 };
-        let tiles = max_rows.div_ceil(rows_cta);
+        let kernel = self.attn_kernel(T::DTYPE, d, max_rows)?;
+        let tiles = max_rows.div_ceil(kernel.rows);
         let units = meta.num_seqs() * layout.kv_heads * tiles;
-        let kernel = self.attn_kernel(T::DTYPE, d, rows_cta)?;
-        let smem = attn_smem(d, rows_cta);
         // Split the keys so that the CTAs fill whole waves of what the device holds at once.
         let target = self.waves * kernel.resident * self.sms;
         let mut splits = (target / units.max(1)).max(1);
@@ -163,7 +161,7 @@ impl Gpu {
                 to_u32(meta.num_seqs())?,
             ),
             block_dim: (to_u32(WARPS * 32)?, 1, 1),
-            shared_mem_bytes: to_u32(smem)?,
+            shared_mem_bytes: to_u32(kernel.smem)?,
         };
         let ints = [
             to_i32(meta.max_blocks)?,
@@ -177,7 +175,8 @@ impl Gpu {
             to_i32(params.sink_tokens as usize)?,
             i32::from(sink_buf.is_some()),
             to_i32(chunk)?,
-            i32::from(splits > 1),
+            i32::from(lse.is_some()),
+            to_i32(splits)?,
             to_i32(total_rows)?,
         ];
         let [
@@ -192,32 +191,42 @@ impl Gpu {
             sinks,
             has_sinks,
             chunk,
-            split_out,
+            has_lse,
+            splits_i,
             total_rows_i,
         ] = ints;
         let (sel_ids, sel_lens) =
             sel.map_or((&self.dummy_i32, &self.dummy_i32), |s| (&s.ids, &s.lens));
         let sinks_buf = sink_buf.as_ref().unwrap_or(&self.dummy_f32);
 
-        // One split writes the result itself; several write partials into the scratch buffers,
-        // which the merge kernel then folds into `out` and `lse`.
+        // Several splits write partials into the scratch buffers; the last split of each unit
+        // merges them into `out` and `lse` in the same launch.
         let mut guard = self
             .scratch
             .lock()
             .map_err(|_| AttnError::Device("scratch lock poisoned".to_owned()))?;
-        let has_lse = i32::from(splits > 1 || lse.is_some());
-        let (dst_out, dst_lse) = if splits == 1 {
-            (&mut *out, lse.as_deref_mut())
-        } else {
+        if splits > 1 {
             let need = splits * total_rows;
-            if guard.as_ref().is_none_or(|(_, l)| l.len() < need) {
-                *guard = Some((self.zeros(need * d)?, self.zeros(need)?));
+            // Sized by the largest launch so far, in each of rows, elements and units (the
+            // head dim of an earlier launch may have been smaller).
+            if guard.as_ref().is_none_or(|s| {
+                s.lse.len() < need || s.out.len() < need * d || s.counters.len() < units
+            }) {
+                let old = guard.take();
+                let (rows, elems, units) = old.map_or((need, need * d, units), |s| {
+                    (
+                        need.max(s.lse.len()),
+                        (need * d).max(s.out.len()),
+                        units.max(s.counters.len()),
+                    )
+                });
+                *guard = Some(Scratch {
+                    out: self.zeros(elems)?,
+                    lse: self.zeros(rows)?,
+                    counters: self.zeros(units)?,
+                });
             }
-            let (p_out, p_lse) = guard
-                .as_mut()
-                .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
-            (p_out, Some(p_lse))
-        };
+        }
         let mut b = self.stream.launch_builder(&kernel.func);
         b.arg(q)
             .arg(kv.k())
@@ -240,36 +249,29 @@ impl Gpu {
             .arg(sinks_buf)
             .arg(&has_sinks)
             .arg(&chunk)
-            .arg(&split_out)
-            .arg(dst_out);
+            .arg(out);
         // Without an lse the kernel is told so (has_lse = 0) and never writes the dummy.
-        match dst_lse {
+        match lse {
             Some(l) => b.arg(l),
             None => b.arg(&self.dummy_f32),
         };
-        b.arg(&has_lse).arg(&total_rows_i);
+        b.arg(&has_lse);
+        // With one split the kernel never touches the scratch: dummies stand in.
+        match guard.as_mut().filter(|_| splits > 1) {
+            Some(s) => b.arg(&mut s.out).arg(&mut s.lse).arg(&mut s.counters),
+            None => b
+                .arg(&self.dummy_f32)
+                .arg(&self.dummy_f32)
+                .arg(&self.dummy_i32),
+        };
+        b.arg(&splits_i).arg(&total_rows_i);
         // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out and
-        // lse have the lengths checked above (in split mode the kernel writes
-        // `splits * total_rows` partial rows, which the scratch buffers hold), the metadata was
-        // validated against this layout on upload, and the kernel range-checks every id it
-        // reads from device memory.
+        // lse have the lengths checked above; with several splits the kernel writes
+        // `splits * total_rows` partial rows and counts `units` units, which the scratch
+        // buffers hold; the metadata was validated against this layout on upload, and the
+        // kernel range-checks every id it reads from device memory.
         unsafe { b.launch(cfg) }?;
-        if splits == 1 {
-            return Ok(());
-        }
-        let (p_out, p_lse) = guard
-            .as_ref()
-            .ok_or_else(|| AttnError::Device("scratch missing".to_owned()))?;
-        self.merge_launch(
-            p_out,
-            p_lse,
-            splits,
-            total_rows,
-            d,
-            (sinks_buf, has_sinks, params.q_heads),
-            out,
-            lse,
-        )
+        Ok(())
     }
 
     /// [`merge_attention`](crate::merge_attention) on the device, for parts stacked in one
@@ -301,43 +303,13 @@ impl Gpu {
                 });
             }
         }
-        self.merge_launch(
-            parts_out,
-            parts_lse,
-            n_parts,
-            rows,
-            head_dim,
-            (&self.dummy_f32, 0, 1),
-            out,
-            Some(lse),
-        )
-    }
-
-    #[allow(clippy::too_many_arguments, reason = "the merge kernel's arguments")]
-    fn merge_launch(
-        &self,
-        parts_out: &CudaSlice<f32>,
-        parts_lse: &CudaSlice<f32>,
-        n_parts: usize,
-        rows: usize,
-        d: usize,
-        (sinks, has_sinks, q_heads): (&CudaSlice<f32>, i32, usize),
-        out: &mut CudaSlice<f32>,
-        lse: Option<&mut CudaSlice<f32>>,
-    ) -> Result<(), AttnError> {
         if rows == 0 {
             return Ok(());
         }
-        let has_lse = i32::from(lse.is_some());
-        let (n, r, dd, qh) = (
-            to_i32(n_parts)?,
-            to_i32(rows)?,
-            to_i32(d)?,
-            to_i32(q_heads)?,
-        );
+        let (n, r, dd) = (to_i32(n_parts)?, to_i32(rows)?, to_i32(head_dim)?);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(rows)?, 1, 1),
-            block_dim: (to_u32(d.div_ceil(32).min(8) * 32)?, 1, 1),
+            block_dim: (to_u32(head_dim.div_ceil(32).min(8) * 32)?, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(self.function("attn_merge")?);
@@ -346,19 +318,11 @@ impl Gpu {
             .arg(&n)
             .arg(&r)
             .arg(&dd)
-            .arg(sinks)
-            .arg(&has_sinks)
-            .arg(&qh)
-            .arg(out);
-        // Without an lse the kernel is told so (has_lse = 0) and never writes the dummy.
-        match lse {
-            Some(l) => b.arg(l),
-            None => b.arg(&self.dummy_f32),
-        };
-        b.arg(&has_lse);
+            .arg(out)
+            .arg(lse);
         // SAFETY: the arguments follow `attn_merge` in kernels/attn.cu; the parts hold
-        // n_parts * rows rows of d, out holds rows * d and lse rows (checked by the callers), and
-        // sink logits, when present, hold q_heads values indexed by row % q_heads.
+        // n_parts * rows rows of head_dim, out holds rows * head_dim and lse rows (checked
+        // above).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
