@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Prints the GPU attention table of the device bundle from `gpu bench --json` and the torch
-peer's JSON: our time, the peers' times and the ratios, and the fraction of copy bandwidth."""
+"""Prints the GPU table of the device bundle from `gpu bench --json`, the torch peer's JSON and
+(optionally) `gpu_io bench --json`: our attention times, the peers' times and the ratios, the
+fraction of copy bandwidth, then the diff and IO rows."""
 import json
 import sys
 
@@ -57,6 +58,13 @@ def main():
     print("judged: dense, fraction of the copy bandwidth (goal >= 0.85); sparse, time over its "
           "bytes floor (F, goal <= 1.3). ratio: peer time / our time (sparse rows: SDPA dense, "
           "then torch sparse gather+SDPA)")
+    io, _ = load(sys.argv[3]) if len(sys.argv) > 3 else ({}, "?")
+    if io:
+        print()
+        print(f"{'offload diff and IO':<32} {'ms':>9} {'GB/s':>7}  note")
+        for name, r in io.items():
+            gbs = r["bytes"] / r["ms"] / 1e6 if r["bytes"] else 0.0
+            print(f"{name:<32} {r['ms']:>9.4f} {gbs:>7.1f}  {r['note']}")
 
 
 if __name__ == "__main__":

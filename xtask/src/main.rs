@@ -211,9 +211,9 @@ fn run_peers(out_dir: &Path) -> Result<(), String> {
 
 /// The device bundle's script: checks, the sanitizers, benches and peers, then one table.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# attn-op's GPU checks and benchmarks. Usage: bash run.sh OUTDIR
-# Writes check.log, bench.log/json, peers.log/json, tools.log (sanitizers, ncu) and table.txt
-# into OUTDIR.
+# The GPU checks and benchmarks of attn-op (gpu) and offload (gpu_io). Usage: bash run.sh OUTDIR
+# Writes check.log, bench.log/json, io.log/json, peers.log/json, tools.log (sanitizers, ncu)
+# and table.txt into OUTDIR.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/out}
@@ -221,7 +221,10 @@ mkdir -p "$out"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo; } > "$out/check.log" 2>&1
 "$here/bin/gpu" check 2>&1 | tee -a "$out/check.log"
 check=${PIPESTATUS[0]}
+"$here/bin/gpu_io" check 2>&1 | tee -a "$out/check.log"
+[ "${PIPESTATUS[0]}" = 0 ] || check=1
 "$here/bin/gpu" bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+"$here/bin/gpu_io" bench --json "$out/io.json" 2>&1 | tee "$out/io.log"
 python3 "$here/torch_gpu_attn.py" --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "torch peer failed (see peers.log)"
 : > "$out/tools.log"
 if command -v compute-sanitizer > /dev/null; then
@@ -229,6 +232,9 @@ if command -v compute-sanitizer > /dev/null; then
     echo "== compute-sanitizer --tool $tool gpu check --small" >> "$out/tools.log"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu" check --small >> "$out/tools.log" 2>&1
     echo "$tool exit $?" | tee -a "$out/tools.log"
+    echo "== compute-sanitizer --tool $tool gpu_io check" >> "$out/tools.log"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu_io" check >> "$out/tools.log" 2>&1
+    echo "$tool gpu_io exit $?" | tee -a "$out/tools.log"
   done
 else
   echo "compute-sanitizer not found" | tee -a "$out/tools.log"
@@ -245,26 +251,13 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
   done
 fi
 grep -E "^(FAIL|check:)" "$out/check.log"
-python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" | tee "$out/table.txt"
+python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" | tee "$out/table.txt"
 exit $check
 "#;
 
 /// Builds the device bundle: release GPU binaries built with `--features cuda`, stripped, with
 /// the peer scripts and `run.sh`, in `target/device/` (at most 64 MiB).
 fn gpu_bundle() -> Result<(), String> {
-    cargo(
-        &[
-            "build",
-            "--release",
-            "-p",
-            "attn-op",
-            "--features",
-            "cuda",
-            "--example",
-            "gpu",
-        ],
-        &[],
-    )?;
     let target = target_dir();
     let bundle = target.join("device");
     let bin = bundle.join("bin");
@@ -274,11 +267,27 @@ fn gpu_bundle() -> Result<(), String> {
             .map(drop)
             .map_err(|e| format!("copy {} -> {}: {e}", from.display(), to.display()))
     };
-    let exe = bin.join("gpu");
-    copy(&target.join("release/examples/gpu"), &exe)?;
-    let stripped = Command::new("strip").arg(&exe).status();
-    if !matches!(stripped, Ok(s) if s.success()) {
-        eprintln!("xtask: strip failed or is missing; the bundle keeps symbols");
+    // attn-op's attention checks and benches, and offload's diff and IO ones.
+    for (package, example) in [("attn-op", "gpu"), ("offload", "gpu_io")] {
+        cargo(
+            &[
+                "build",
+                "--release",
+                "-p",
+                package,
+                "--features",
+                "cuda",
+                "--example",
+                example,
+            ],
+            &[],
+        )?;
+        let exe = bin.join(example);
+        copy(&target.join("release/examples").join(example), &exe)?;
+        let stripped = Command::new("strip").arg(&exe).status();
+        if !matches!(stripped, Ok(s) if s.success()) {
+            eprintln!("xtask: strip failed or is missing; the bundle keeps symbols");
+        }
     }
     let root = workspace_root();
     copy(

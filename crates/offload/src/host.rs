@@ -82,6 +82,12 @@ impl<T: Element> HostPool<T> {
         self.layout
     }
 
+    /// K and V as stored, in the pool's layout (for copies into other memory, such as a pinned
+    /// pool).
+    pub fn tensors(&self) -> (&[T], &[T]) {
+        (&self.k, &self.v)
+    }
+
     /// Bytes held (K and V).
     pub fn bytes(&self) -> usize {
         2 * self.k.len() * size_of::<T>()

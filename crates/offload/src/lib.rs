@@ -11,6 +11,8 @@
 //! per-layer completion tickets) and [`execute_block_transfers`] runs kv-blocks' tier moves.
 #![deny(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod exec;
 mod host;

@@ -69,6 +69,13 @@ impl From<DriverError> for AttnError {
 /// Compiles [`KERNEL_SOURCE`] to PTX for `arch` (for example `sm_90`) with NVRTC. Needs only the
 /// NVRTC library, not a device: a build machine can check that the kernels compile.
 pub fn compile_kernels(arch: &'static str) -> Result<Ptx, AttnError> {
+    compile_source("kernels/attn.cu", KERNEL_SOURCE, arch)
+}
+
+/// Compiles CUDA C source (`name` is for messages) to PTX for `arch` with NVRTC, with the CUDA
+/// headers from `/usr/local/cuda/include` or `HSA_CUDA_INCLUDE`. Other crates' kernels (offload's)
+/// are compiled through this too.
+pub fn compile_source(name: &str, src: &str, arch: &'static str) -> Result<Ptx, AttnError> {
     // SAFETY: only probes whether the NVRTC shared library can be opened.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(AttnError::Device(
@@ -85,8 +92,8 @@ pub fn compile_kernels(arch: &'static str) -> Result<Ptx, AttnError> {
         options: vec!["--std=c++17".to_owned()],
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts)
-        .map_err(|e| AttnError::Device(format!("NVRTC compile of kernels/attn.cu: {e}")))
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+        .map_err(|e| AttnError::Device(format!("NVRTC compile of {name}: {e}")))
 }
 
 /// The kernels of [`KERNEL_SOURCE`] other than attention (those are in [`Gpu::attn`]).
@@ -225,6 +232,8 @@ pub struct Gpu {
     /// The attention kernel to use where it is built for a launch's type and head dim, in
     /// place of the default (for the bench's sweep).
     variant: Option<&'static str>,
+    /// The NVRTC architecture the kernels were compiled for.
+    arch: &'static str,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -301,7 +310,14 @@ impl Gpu {
             scratch: Mutex::new(None),
             waves: 1,
             variant: None,
+            arch,
         })
+    }
+
+    /// The NVRTC architecture of the device (for example `sm_90`), for compiling more kernels
+    /// with [`compile_source`].
+    pub fn arch(&self) -> &'static str {
+        self.arch
     }
 
     /// The device's name, as the driver reports it.

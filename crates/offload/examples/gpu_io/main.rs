@@ -1,0 +1,605 @@
+//! The GPU half of offload's checks and benchmarks, for the device bundle (`cargo xtask gpu`).
+//!
+//! - `gpu_io check`: the device diff against [`HotBuffer::diff`] over several steps (slots,
+//!   misses, counts, LRU order and slot pages), the zero-copy loads of its misses against the
+//!   host pages, and row copies both ways; exits 1 on any mismatch.
+//! - `gpu_io bench [--json FILE]`: contiguous pinned host-to-device bandwidth, 2048 scattered
+//!   pages through the zero-copy kernel and through one `cuMemcpyHtoDAsync` each, scattered
+//!   656-byte rows, and the diff at B64, top-k 2048, HOT 4096.
+//!
+//! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a command-line tool"
+)]
+
+use attn_op::cuda::{DevicePagedKv, DeviceSelection, Gpu};
+use attn_op::{AttnError, KvLayout, Selection};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::bf16;
+use offload::cuda::{DeviceDiff, DeviceHotBuffers, IoKernels, PinnedHostPool};
+use offload::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, OffloadError};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cmd = args.first().map_or("check", String::as_str);
+    let code = match run(cmd, &args) {
+        Ok(code) => code,
+        Err(OffloadError::Attn(AttnError::Device(why))) if why.starts_with("no CUDA") => {
+            println!("skipped: no CUDA device ({why})");
+            0
+        }
+        Err(e) => {
+            eprintln!("gpu_io {cmd}: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(cmd: &str, args: &[String]) -> Result<i32, OffloadError> {
+    let gpu = Gpu::new(0)?;
+    println!("device: {}", gpu.name()?);
+    let io = IoKernels::new(&gpu)?;
+    match cmd {
+        "check" => check(&gpu, &io),
+        "bench" => {
+            let json = args
+                .iter()
+                .position(|a| a == "--json")
+                .and_then(|i| args.get(i + 1));
+            bench(&gpu, &io, json.map(String::as_str))?;
+            Ok(0)
+        }
+        other => {
+            eprintln!("unknown command {other}; use check or bench");
+            Ok(2)
+        }
+    }
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo) as u64) as usize
+    }
+
+    /// `n` distinct values of `0..m`, ascending.
+    fn subset(&mut self, n: usize, m: usize) -> Vec<i32> {
+        let mut v: Vec<usize> = (0..m).collect();
+        for i in 0..n.min(m) {
+            let j = self.range(i, m);
+            v.swap(i, j);
+        }
+        let mut s: Vec<i32> = v[..n.min(m)].iter().map(|&x| x as i32).collect();
+        s.sort_unstable();
+        s
+    }
+}
+
+/// Per-row selections of the next step: a random ascending subset of each row's pages, the
+/// current (last) page always, most pages kept from the previous step so that hits occur.
+fn next_selections(
+    rng: &mut Rng,
+    prev: &[Vec<i32>],
+    pages: usize,
+    k: usize,
+    churn: usize,
+) -> Vec<Vec<i32>> {
+    prev.iter()
+        .map(|p| {
+            let mut s: Vec<i32> = p
+                .iter()
+                .copied()
+                .filter(|_| rng.range(0, 100) >= churn)
+                .collect();
+            s.retain(|&x| x != pages as i32 - 1);
+            for x in rng.subset(k, pages - 1) {
+                if s.len() + 1 >= k {
+                    break;
+                }
+                if s.binary_search(&x).is_err() {
+                    s.push(x);
+                    s.sort_unstable();
+                }
+            }
+            s.push(pages as i32 - 1);
+            s
+        })
+        .collect()
+}
+
+/// Flattened, -1 padded rows for upload.
+fn pad(rows: &[Vec<i32>], width: usize) -> (Vec<i32>, Vec<i32>) {
+    let mut ids = vec![-1; rows.len() * width];
+    for (r, row) in rows.iter().enumerate() {
+        ids[r * width..r * width + row.len()].copy_from_slice(row);
+    }
+    (ids, rows.iter().map(|r| r.len() as i32).collect())
+}
+
+/// The device diff of one step, with its inputs uploaded.
+fn device_diff(
+    gpu: &Gpu,
+    io: &IoKernels,
+    dev: &mut DeviceHotBuffers,
+    sels: &[Vec<i32>],
+    width: usize,
+    current: &CudaSlice<i32>,
+    blocks: &CudaSlice<i32>,
+) -> Result<DeviceDiff, OffloadError> {
+    let (ids, lens) = pad(sels, width);
+    let sel = Selection {
+        ids: &ids,
+        lens: &lens,
+        max_len: width,
+    };
+    let dsel = DeviceSelection::upload(gpu, &sel, sels.len())?;
+    io.diff(dev, &dsel, current, blocks)
+}
+
+/// Prints one check's line; 1 if it failed.
+fn report(what: &str, ok: bool) -> usize {
+    println!("{} {what}", if ok { "ok  " } else { "FAIL" });
+    usize::from(!ok)
+}
+
+fn check(gpu: &Gpu, io: &IoKernels) -> Result<i32, OffloadError> {
+    let mut failed = 0;
+    // (rows, hot, pages per row, top-k, steps)
+    for (rows, hot, pages, k, steps) in [(16, 64, 300, 48, 6), (64, 4096, 8192, 2048, 3)] {
+        let mut rng = Rng::new(hot as u64);
+        let mut cpu: Vec<HotBuffer> = (0..rows).map(|_| HotBuffer::new(hot)).collect();
+        let mut dev = DeviceHotBuffers::upload(gpu, &cpu)?;
+        let current = gpu.upload(&vec![pages as i32 - 1; rows])?;
+        // Slots map to distinct, shuffled device blocks (7 is prime to nb).
+        let nb = rows * (hot + 1) + 1;
+        let blocks: Vec<i32> = (0..nb - 1).map(|i| (i * 7 % nb) as i32).collect();
+        let dblocks = gpu.upload(&blocks)?;
+        let mut sels: Vec<Vec<i32>> = vec![Vec::new(); rows];
+        for step in 0..steps {
+            sels = next_selections(&mut rng, &sels, pages, k, 30);
+            let d = device_diff(gpu, io, &mut dev, &sels, k, &current, &dblocks)?;
+            let (slots, table) = (gpu.download(&d.slots)?, gpu.download(&d.table)?);
+            let (mp, ms) = (gpu.download(&d.miss_pages)?, gpu.download(&d.miss_slots)?);
+            let (mc, hc) = (gpu.download(&d.miss_counts)?, gpu.download(&d.hit_counts)?);
+            let errors = gpu.download(&d.errors)?;
+            let (lru, sp) = dev.download(gpu)?;
+            let mut same = errors.iter().all(|&e| e == 0);
+            let (mut misses, mut hits) = (0, 0);
+            for r in 0..rows {
+                let want = cpu[r].diff(&sels[r], pages as i32 - 1);
+                misses += want.misses.len();
+                hits += want.hits as usize;
+                let n = sels[r].len();
+                let row = |v: &[i32], n: usize| v[r * k..r * k + n].to_vec();
+                let want_slots: Vec<i32> = want.slots.iter().map(|&s| s as i32).collect();
+                let want_table: Vec<i32> = want
+                    .slots
+                    .iter()
+                    .map(|&s| blocks[r * (hot + 1) + s as usize])
+                    .collect();
+                let want_mp: Vec<i32> = want.misses.iter().map(|m| m.0 as i32).collect();
+                let want_ms: Vec<i32> = want.misses.iter().map(|m| m.1 as i32).collect();
+                same &= row(&slots, n) == want_slots
+                    && row(&table, n) == want_table
+                    && mc[r] as usize == want.misses.len()
+                    && hc[r] == want.hits as i32
+                    && row(&mp, want.misses.len()) == want_mp
+                    && row(&ms, want.misses.len()) == want_ms
+                    && lru[r * hot..(r + 1) * hot] == *cpu[r].lru()
+                    && sp[r * hot..(r + 1) * hot] == *cpu[r].slot_pages();
+            }
+            failed += report(
+                &format!(
+                    "diff {rows} rows HOT {hot} top-{k} step {step}: {misses} misses, {hits} hits \
+                     (slots, table, misses, counts, LRU, slot pages equal the CPU)"
+                ),
+                same,
+            );
+            // The loads of the last step's misses (the small case: its host pool is small).
+            if step + 1 == steps && hot == 64 {
+                failed += usize::from(!check_loads(gpu, io, &d, (rows, hot, pages, nb), &blocks)?);
+            }
+        }
+    }
+    failed += usize::from(!check_rows(gpu, io)?);
+    println!("check: {failed} failed");
+    Ok(i32::from(failed > 0))
+}
+
+/// Loads the last diff's misses (layer 1 of 2) and compares every loaded block with its host
+/// page; every other block must keep its poison.
+fn check_loads(
+    gpu: &Gpu,
+    io: &IoKernels,
+    d: &DeviceDiff,
+    (rows, hot, pages, num_blocks): (usize, usize, usize, usize),
+    blocks: &[i32],
+) -> Result<bool, OffloadError> {
+    let (ps, heads, dim) = (16, 2, 64);
+    let shape = HostShape {
+        layers: 2,
+        pages: rows * pages,
+        page_size: ps,
+        kv_heads: heads,
+        head_dim: dim,
+    };
+    let mut host = HostPool::<bf16>::new(shape, HostLayout::LayerFirst)
+        .ok_or_else(|| OffloadError::Invalid("host pool size".to_owned()))?;
+    let mut rng = Rng::new(5);
+    let tok = heads * dim;
+    for l in 0..2 {
+        for p in 0..shape.pages {
+            for t in 0..ps {
+                let mut val = || bf16::from_f32(rng.range(0, 1 << 16) as f32 / 65536.0 - 0.5);
+                let k: Vec<bf16> = (0..tok).map(|_| val()).collect();
+                let v: Vec<bf16> = (0..tok).map(|_| val()).collect();
+                host.write_token(l, p, t, &k, &v);
+            }
+        }
+    }
+    let pinned = PinnedHostPool::from_host(gpu, &host)?;
+    // Row r's logical page p lives in host page r * pages + (p * 31 + r) % pages.
+    let host_table: Vec<i32> = (0..rows * pages)
+        .map(|i| {
+            let (r, p) = (i / pages, i % pages);
+            (r * pages + (p * 31 + r) % pages) as i32
+        })
+        .collect();
+    let layout = KvLayout {
+        num_blocks,
+        block_size: ps,
+        kv_heads: heads,
+        head_dim: dim,
+    };
+    let poison = vec![bf16::NAN; layout.len()];
+    let mut dev = DevicePagedKv::from_host(gpu, layout, &poison, &poison)?;
+    let (dt, db) = (gpu.upload(&host_table)?, gpu.upload(blocks)?);
+    io.load_misses(&pinned, 1, &dt, pages, &db, hot, d, &mut dev)?;
+    let (k, v) = (gpu.download(dev.k())?, gpu.download(dev.v())?);
+    let (mc, mp, ms) = (
+        gpu.download(&d.miss_counts)?,
+        gpu.download(&d.miss_pages)?,
+        gpu.download(&d.miss_slots)?,
+    );
+    let page = ps * tok;
+    let (hk, hv) = host.tensors();
+    let mut loaded = vec![false; num_blocks];
+    let mut ok = true;
+    let mut n = 0;
+    for r in 0..rows {
+        for m in 0..mc[r] as usize {
+            let (p, s) = (
+                mp[r * d.sel_max + m] as usize,
+                ms[r * d.sel_max + m] as usize,
+            );
+            let hp = host_table[r * pages + p] as usize;
+            let b = blocks[r * (hot + 1) + s] as usize;
+            let src = (shape.pages + hp) * page;
+            ok &= k[b * page..(b + 1) * page] == hk[src..src + page]
+                && v[b * page..(b + 1) * page] == hv[src..src + page];
+            loaded[b] = true;
+            n += 1;
+        }
+    }
+    let untouched = (0..num_blocks)
+        .filter(|&b| !loaded[b])
+        .all(|b| k[b * page..(b + 1) * page].iter().all(|x| x.is_nan()));
+    println!(
+        "{} load_misses: {n} pages equal their host pages bit for bit, other blocks untouched",
+        if ok && untouched { "ok  " } else { "FAIL" }
+    );
+    Ok(ok && untouched)
+}
+
+/// Rows of 656 bytes host -> device and device -> host by random indices, bit for bit.
+fn check_rows(gpu: &Gpu, io: &IoKernels) -> Result<bool, OffloadError> {
+    let (rows, n, width) = (4096, 1000, 656 / 2);
+    let mut rng = Rng::new(11);
+    let data: Vec<bf16> = (0..rows * width)
+        .map(|_| bf16::from_f32(rng.range(0, 1000) as f32))
+        .collect();
+    let shape = HostShape {
+        layers: 1,
+        pages: rows,
+        page_size: 1,
+        kv_heads: 1,
+        head_dim: width,
+    };
+    let mut host = HostPool::<bf16>::new(shape, HostLayout::LayerFirst)
+        .ok_or_else(|| OffloadError::Invalid("host pool size".to_owned()))?;
+    for r in 0..rows {
+        let row = &data[r * width..(r + 1) * width];
+        host.write_token(0, r, 0, row, row);
+    }
+    let pinned = PinnedHostPool::from_host(gpu, &host)?;
+    let src_idx: Vec<i32> = (0..n).map(|_| rng.range(0, rows) as i32).collect();
+    let dst_idx: Vec<i32> = rng.subset(n, n).into_iter().rev().collect();
+    let dev: CudaSlice<bf16> = gpu.upload(&vec![bf16::NAN; n * width])?;
+    let (ds, dd) = (gpu.upload(&src_idx)?, gpu.upload(&dst_idx)?);
+    let (hk, _) = pinned.tensors()?;
+    let hptr = hk.as_ptr() as u64;
+    let dptr = raw(gpu, &dev);
+    // SAFETY: the source is the pinned pool (`rows` rows of 656 bytes) and the destination the
+    // device buffer of `n` rows; both outlive the copy, which is waited for below.
+    unsafe { io.copy_rows(hptr, rows, dptr, n, &ds, &dd, 656)? };
+    let got = gpu.download(&dev)?;
+    let mut ok = (0..n).all(|i| {
+        let (s, d) = (src_idx[i] as usize, dst_idx[i] as usize);
+        got[d * width..(d + 1) * width] == data[s * width..(s + 1) * width]
+    });
+    // And back: device row i to host row dst_idx[i] of a fresh pinned buffer.
+    let empty = HostPool::<bf16>::new(shape, HostLayout::LayerFirst)
+        .ok_or_else(|| OffloadError::Invalid("host pool size".to_owned()))?;
+    let back = PinnedHostPool::from_host(gpu, &empty)?;
+    let (bk, _) = back.tensors()?;
+    let bptr = bk.as_ptr() as u64;
+    let idx: Vec<i32> = (0..n as i32).collect();
+    let di = gpu.upload(&idx)?;
+    // SAFETY: the source is the device buffer (`n` rows), the destination the pinned buffer of
+    // `rows` rows; the stream is synchronized before the host reads it.
+    unsafe { io.copy_rows(dptr, n, bptr, rows, &di, &dd, 656)? };
+    gpu.synchronize()?;
+    let (bk, _) = back.tensors()?;
+    ok &= (0..n).all(|i| {
+        let d = dst_idx[i] as usize;
+        bk[d * width..(d + 1) * width] == got[i * width..(i + 1) * width]
+    });
+    println!(
+        "{} copy_rows: {n} rows of 656 bytes host -> device and device -> host, bit for bit",
+        if ok { "ok  " } else { "FAIL" }
+    );
+    Ok(ok)
+}
+
+/// The raw device address of a buffer.
+fn raw<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
+    let (p, _sync) = s.device_ptr(gpu.stream());
+    p
+}
+
+/// Median milliseconds of 30 runs after 3 warm-up runs, CUDA events around each.
+fn time(gpu: &Gpu, mut f: impl FnMut() -> Result<(), OffloadError>) -> Result<f64, OffloadError> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let ctx = gpu.context();
+    let ev = || {
+        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| OffloadError::Attn(AttnError::from(e)))
+    };
+    let mut ms = Vec::new();
+    for _ in 0..30 {
+        let (a, b) = (ev()?, ev()?);
+        a.record(gpu.stream()).map_err(AttnError::from)?;
+        f()?;
+        b.record(gpu.stream()).map_err(AttnError::from)?;
+        b.synchronize().map_err(AttnError::from)?;
+        ms.push(f64::from(a.elapsed_ms(&b).map_err(AttnError::from)?));
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
+fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadError> {
+    let mut rows: Vec<(String, f64, f64, String)> = Vec::new();
+    // Host pool: 8192 pages of 16 tokens x 8 heads x 128 (bf16): 32 KiB per page, K and V.
+    let (ps, heads, dim, pages) = (16, 8, 128, 8192);
+    let shape = HostShape {
+        layers: 1,
+        pages,
+        page_size: ps,
+        kv_heads: heads,
+        head_dim: dim,
+    };
+    let mut host = HostPool::<bf16>::new(shape, HostLayout::LayerFirst)
+        .ok_or_else(|| OffloadError::Invalid("host pool size".to_owned()))?;
+    let mut rng = Rng::new(3);
+    let tok = heads * dim;
+    let kv: Vec<bf16> = (0..tok)
+        .map(|i| bf16::from_f32(i as f32 / 1024.0))
+        .collect();
+    for p in (0..pages).step_by(97) {
+        host.write_token(0, p, 0, &kv, &kv);
+    }
+    let pinned = PinnedHostPool::from_host(gpu, &host)?;
+    drop(host);
+    let page_bytes = ps * tok * 2;
+
+    // Contiguous pinned -> device: 256 MiB of the pool.
+    let (hk, _) = pinned.tensors()?;
+    let n = (256 << 20) / 2;
+    let dst: CudaSlice<bf16> = gpu.zeros(n)?;
+    let contiguous = {
+        let src = &hk[..n];
+        let stream = gpu.stream().clone();
+        time(gpu, || {
+            // SAFETY: `src` is pinned host memory that outlives the copy (waited for by the
+            // timing), `dst` holds n elements.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(raw(gpu, &dst), src, stream.cu_stream())
+            }
+            .map_err(|e| OffloadError::Attn(AttnError::from(e)))
+        })?
+    };
+    let cbw = (n * 2) as f64 / contiguous / 1e6;
+    rows.push((
+        "pinned H2D contiguous 256 MiB".into(),
+        contiguous,
+        (n * 2) as f64,
+        "ceiling".into(),
+    ));
+
+    // 2048 scattered pages (K and V) through the zero-copy kernel: one row of 2048 misses.
+    let miss = 2048;
+    let picks = rng.subset(miss, pages);
+    let layout = KvLayout {
+        num_blocks: miss,
+        block_size: ps,
+        kv_heads: heads,
+        head_dim: dim,
+    };
+    let zeros = vec![bf16::ZERO; layout.len()];
+    let mut dev = DevicePagedKv::from_host(gpu, layout, &zeros, &zeros)?;
+    let slots: Vec<i32> = (0..miss as i32).collect();
+    let diff = DeviceDiff {
+        sel_max: miss,
+        slots: gpu.upload(&slots)?,
+        table: gpu.upload(&slots)?,
+        miss_pages: gpu.upload(&picks)?,
+        miss_slots: gpu.upload(&slots)?,
+        miss_counts: gpu.upload(&[miss as i32])?,
+        hit_counts: gpu.upload(&[0])?,
+        errors: gpu.upload(&[0])?,
+    };
+    let identity: Vec<i32> = (0..pages as i32).collect();
+    let mut blocks = slots;
+    blocks.push(0);
+    let (dt, db) = (gpu.upload(&identity)?, gpu.upload(&blocks)?);
+    let ms = time(gpu, || {
+        io.load_misses(&pinned, 0, &dt, pages, &db, miss, &diff, &mut dev)
+    })?;
+    let bytes = (miss * page_bytes * 2) as f64;
+    rows.push((
+        "zero-copy 2048 pages (K+V)".into(),
+        ms,
+        bytes,
+        format!("{:.2} of contiguous", bytes / ms / 1e6 / cbw),
+    ));
+    // Peer: one cuMemcpyHtoDAsync per page (K and V).
+    let (hk, hv) = pinned.tensors()?;
+    let stream = gpu.stream().clone();
+    let (dk, dv) = (raw(gpu, dev.k()), raw(gpu, dev.v()));
+    let ms = time(gpu, || {
+        for (i, &p) in picks.iter().enumerate() {
+            let e = page_bytes / 2;
+            let (s, o) = (p as usize * e, (i * page_bytes) as u64);
+            // SAFETY: pinned sources of one page each; destinations inside the device pool of
+            // `miss` blocks; the timing waits for the copies.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(dk + o, &hk[s..s + e], stream.cu_stream())
+                    .and_then(|()| {
+                        cudarc::driver::result::memcpy_htod_async(
+                            dv + o,
+                            &hv[s..s + e],
+                            stream.cu_stream(),
+                        )
+                    })
+            }
+            .map_err(|e| OffloadError::Attn(AttnError::from(e)))?;
+        }
+        Ok(())
+    })?;
+    rows.push((
+        "cudaMemcpyAsync per page".into(),
+        ms,
+        bytes,
+        format!("{:.2} of contiguous (peer)", bytes / ms / 1e6 / cbw),
+    ));
+
+    // 656-byte rows: 65536 scattered rows of a 262144-row pinned pool.
+    let (nrows, pool_rows, width) = (65536, 262_144, 656 / 2);
+    let rshape = HostShape {
+        layers: 1,
+        pages: pool_rows,
+        page_size: 1,
+        kv_heads: 1,
+        head_dim: width,
+    };
+    let rpool = PinnedHostPool::from_host(
+        gpu,
+        &HostPool::<bf16>::new(rshape, HostLayout::LayerFirst)
+            .ok_or_else(|| OffloadError::Invalid("host pool size".to_owned()))?,
+    )?;
+    let src_idx: Vec<i32> = (0..nrows).map(|_| rng.range(0, pool_rows) as i32).collect();
+    let dst_idx: Vec<i32> = (0..nrows as i32).collect();
+    let (ds, dd) = (gpu.upload(&src_idx)?, gpu.upload(&dst_idx)?);
+    let rdst: CudaSlice<bf16> = gpu.zeros(nrows * width)?;
+    let (rk, _) = rpool.tensors()?;
+    let (sp, dp) = (rk.as_ptr() as u64, raw(gpu, &rdst));
+    // SAFETY: pinned pool of pool_rows rows and a device buffer of nrows rows of 656 bytes,
+    // both alive until the timing has waited for every copy.
+    let ms = time(gpu, || unsafe {
+        io.copy_rows(sp, pool_rows, dp, nrows, &ds, &dd, 656)
+    })?;
+    let bytes = (nrows * 656) as f64;
+    rows.push((
+        "zero-copy 65536 rows of 656 B".into(),
+        ms,
+        bytes,
+        format!("{:.2} of contiguous", bytes / ms / 1e6 / cbw),
+    ));
+
+    // The diff at B64, top-k 2048, HOT 4096, in steady state (30 % of each selection changes
+    // per step), rotating 8 precomputed steps.
+    let (b, hot, k, lpages) = (64, 4096, 2048, 32 * 1024 / 16);
+    let bufs: Vec<HotBuffer> = (0..b).map(|_| HotBuffer::new(hot)).collect();
+    let mut dh = DeviceHotBuffers::upload(gpu, &bufs)?;
+    let current = gpu.upload(&vec![lpages as i32 - 1; b])?;
+    let dblocks = gpu.upload(&(0..b * (hot + 1)).map(|i| i as i32).collect::<Vec<_>>())?;
+    let mut sels: Vec<Vec<i32>> = vec![Vec::new(); b];
+    let mut steps = Vec::new();
+    for _ in 0..8 {
+        sels = next_selections(&mut rng, &sels, lpages, k, 30);
+        let (ids, lens) = pad(&sels, k);
+        let s = Selection {
+            ids: &ids,
+            lens: &lens,
+            max_len: k,
+        };
+        steps.push(DeviceSelection::upload(gpu, &s, b)?);
+    }
+    for s in &steps {
+        io.diff(&mut dh, s, &current, &dblocks)?;
+    }
+    let mut i = 0;
+    let ms = time(gpu, || {
+        i += 1;
+        io.diff(&mut dh, &steps[i % steps.len()], &current, &dblocks)
+            .map(drop)
+    })?;
+    rows.push((
+        "diff B64 top-2048 HOT 4096".into(),
+        ms,
+        0.0,
+        "per layer (goal <= 0.015 ms)".into(),
+    ));
+
+    let mut text = format!("{:<32} {:>10} {:>10}  note\n", "bench", "ms", "GB/s");
+    for (name, ms, bytes, note) in &rows {
+        let gbs = if *bytes > 0.0 { bytes / ms / 1e6 } else { 0.0 };
+        text.push_str(&format!("{name:<32} {ms:>10.4} {gbs:>10.1}  {note}\n"));
+    }
+    print!("{text}");
+    if let Some(path) = json {
+        let items: Vec<String> = rows
+            .iter()
+            .map(|(name, ms, bytes, note)| {
+                format!("{{\"name\":\"{name}\",\"ms\":{ms},\"bytes\":{bytes},\"note\":\"{note}\"}}")
+            })
+            .collect();
+        let body = format!(
+            "{{\"device\":\"{}\",\"rows\":[{}]}}\n",
+            gpu.name()?,
+            items.join(",")
+        );
+        std::fs::write(path, body).map_err(|e| OffloadError::Invalid(format!("{path}: {e}")))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,291 @@
+// Kernels of offload's CUDA backend: the hot-buffer diff (HiSparse swap-in) and the zero-copy IO
+// between pinned host memory and the device. The CPU implementations in crates/offload are the
+// specification (HotBuffer::diff, execute_loads); offload's `gpu_io` example checks each kernel
+// against them.
+//
+// Pointers into pinned host memory are ordinary pointers here: with unified addressing a pinned
+// host allocation is readable and writable from kernels, so loads need no cudaMemcpy per page.
+// Every index read from memory is range-checked before it addresses memory.
+
+typedef int i32;
+typedef unsigned int u32;
+
+// ---------------------------------------------------------------------------------------------
+// The diff: one CTA per (request, layer) row. For a row with `hot` slots:
+//   lru [rows, hot]        slots oldest first, a permutation of 0..hot (updated in place)
+//   slot_page [rows, hot]  the logical page each slot holds, -1 none (updated in place)
+//   pages [rows, sel_max], lens [rows]: the selection, ascending and unique
+//   current [rows]         the page in the reserved slot (index hot): a hit, never loaded
+//   blocks [rows, hot + 1] the device block of each slot, the reserved one last
+// Outputs per row: slots and table [rows, sel_max] (the slot and device block of each selected
+// page, -1 padded), misses as (page, slot) [rows, sel_max] in selection order, miss and hit
+// counts. A selection that does not fit the evictable slots sets errors[row] and changes nothing.
+//
+// Exactly HotBuffer::diff: walk the LRU oldest first; a slot holding a selected page (not the
+// current one) is a hit, the others are evictable in LRU order; the m-th miss (in selection
+// order) takes the m-th evictable slot; the new LRU order is the untouched evictables, the slots
+// just filled, then the hits.
+
+#define DIFF_THREADS 512
+#define HASH_BITS 12  // 4096 entries: selections up to 2048 pages at load <= 1/2
+#define HASH_SIZE (1 << HASH_BITS)
+
+__device__ __forceinline__ u32 hash_page(int page) {
+    return ((u32)page * 2654435761u) >> (32 - HASH_BITS);
+}
+
+// Exclusive scan of one int per thread over the CTA; returns the prefix and sets *total.
+__device__ int block_scan(int x, int* total) {
+    __shared__ int warp_sums[DIFF_THREADS / 32];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    int v = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += y;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < DIFF_THREADS / 32 ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < DIFF_THREADS / 32) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const int before = (warp > 0 ? warp_sums[warp - 1] : 0) + v - x;
+    *total = warp_sums[DIFF_THREADS / 32 - 1];
+    __syncthreads();
+    return before;
+}
+
+extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
+    u32* __restrict__ lru, i32* __restrict__ slot_page, i32 hot,
+    const i32* __restrict__ pages, const i32* __restrict__ lens, i32 sel_max,
+    const i32* __restrict__ current, const i32* __restrict__ blocks,
+    i32* __restrict__ slots_out, i32* __restrict__ table_out, i32* __restrict__ miss_pages,
+    i32* __restrict__ miss_slots, i32* __restrict__ miss_counts, i32* __restrict__ hit_counts,
+    i32* __restrict__ errors) {
+    // Shared: the hash (page, selection index), the hit flag of each selection index, the old
+    // LRU order, and the evictable and hit slots in LRU order.
+    __shared__ int h_page[HASH_SIZE];
+    __shared__ short h_idx[HASH_SIZE];
+    extern __shared__ int dyn[];
+    int* s_lru = dyn;                 // [hot]
+    int* s_evict = s_lru + hot;       // [hot]
+    int* s_hit = s_evict + hot;       // [hot]
+    int* s_cls = s_hit + hot;         // [hot]: selection index of each LRU position's page, -1
+    int* sel_hit = s_cls + hot;       // [sel_max]
+
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int len = min(max(lens[row], 0), sel_max);
+    const int cur = current[row];
+    const i32* sel = pages + (size_t)row * sel_max;
+    u32* lr = lru + (size_t)row * hot;
+    i32* sp = slot_page + (size_t)row * hot;
+    const i32* blk = blocks + (size_t)row * (hot + 1);
+
+    for (int i = tid; i < HASH_SIZE; i += DIFF_THREADS) h_page[i] = -1;
+    for (int i = tid; i < sel_max; i += DIFF_THREADS) sel_hit[i] = 0;
+    for (int i = tid; i < hot; i += DIFF_THREADS) s_lru[i] = (int)lr[i];
+    __syncthreads();
+    // Insert the selection (the current page is never looked up, so it is left out).
+    for (int i = tid; i < len; i += DIFF_THREADS) {
+        const int p = sel[i];
+        if (p < 0 || p == cur) continue;
+        u32 k = hash_page(p);
+        while (true) {
+            const int prev = atomicCAS(&h_page[k], -1, p);
+            if (prev == -1 || prev == p) {
+                h_idx[k] = (short)i;
+                break;
+            }
+            k = (k + 1) & (HASH_SIZE - 1);
+        }
+    }
+    __syncthreads();
+
+    // Walk the LRU: each thread classifies a run of consecutive positions.
+    const int per = (hot + DIFF_THREADS - 1) / DIFF_THREADS;
+    const int a = min(hot, tid * per);
+    const int b = min(hot, a + per);
+    int n_hit = 0;
+    for (int j = a; j < b; j++) {
+        const int slot = s_lru[j];
+        const int p = (slot >= 0 && slot < hot) ? sp[slot] : -1;
+        int idx = -1;
+        if (p >= 0 && p != cur) {
+            u32 k = hash_page(p);
+            while (h_page[k] != -1) {
+                if (h_page[k] == p) {
+                    idx = h_idx[k];
+                    break;
+                }
+                k = (k + 1) & (HASH_SIZE - 1);
+            }
+        }
+        s_cls[j] = idx;
+        n_hit += idx >= 0;
+    }
+    int hits_total;
+    const int hit_at = block_scan(n_hit, &hits_total);
+    const int n_evict = hot - hits_total;
+    int hi = hit_at, ev = a - hit_at;
+    for (int j = a; j < b; j++) {
+        const int slot = s_lru[j];
+        const int idx = s_cls[j];
+        if (idx >= 0) {
+            s_hit[hi++] = slot;
+            sel_hit[idx] = 1;
+            slots_out[(size_t)row * sel_max + idx] = slot;
+            table_out[(size_t)row * sel_max + idx] = blk[slot];
+        } else {
+            s_evict[ev++] = slot;
+        }
+    }
+    __syncthreads();
+
+    // Misses in selection order: the m-th takes the m-th evictable slot.
+    const int sper = (len + DIFF_THREADS - 1) / DIFF_THREADS;
+    const int sa = min(len, tid * sper);
+    const int sb = min(len, sa + sper);
+    int n_miss = 0;
+    for (int i = sa; i < sb; i++) {
+        const int p = sel[i];
+        n_miss += p >= 0 && p != cur && !sel_hit[i];
+    }
+    int misses_total;
+    int m = block_scan(n_miss, &misses_total);
+    if (misses_total > n_evict) {
+        // Cannot happen when the caller keeps the selection within the buffer; nothing changes.
+        if (tid == 0) {
+            errors[row] = 1;
+            miss_counts[row] = 0;
+            hit_counts[row] = 0;
+        }
+        return;
+    }
+    int cur_hits = 0;
+    for (int i = sa; i < sb; i++) {
+        const int p = sel[i];
+        const size_t o = (size_t)row * sel_max + i;
+        if (p < 0) {
+            slots_out[o] = -1;
+            table_out[o] = -1;
+        } else if (p == cur) {
+            slots_out[o] = hot;
+            table_out[o] = blk[hot];
+            cur_hits++;
+        } else if (!sel_hit[i]) {
+            const int slot = s_evict[m];
+            sp[slot] = p;
+            slots_out[o] = slot;
+            table_out[o] = blk[slot];
+            miss_pages[(size_t)row * sel_max + m] = p;
+            miss_slots[(size_t)row * sel_max + m] = slot;
+            m++;
+        }
+    }
+    int cur_total;
+    block_scan(cur_hits, &cur_total);
+    for (int i = len + tid; i < sel_max; i += DIFF_THREADS) {
+        const size_t o = (size_t)row * sel_max + i;
+        slots_out[o] = -1;
+        table_out[o] = -1;
+        miss_pages[o] = -1;
+        miss_slots[o] = -1;
+    }
+    for (int i = misses_total + tid; i < len; i += DIFF_THREADS) {
+        miss_pages[(size_t)row * sel_max + i] = -1;
+        miss_slots[(size_t)row * sel_max + i] = -1;
+    }
+    // New LRU: evictables not reused, the slots just filled, then the hits.
+    const int keep = n_evict - misses_total;
+    for (int j = tid; j < hot; j += DIFF_THREADS) {
+        int slot;
+        if (j < keep) {
+            slot = s_evict[misses_total + j];
+        } else if (j < n_evict) {
+            slot = s_evict[j - keep];
+        } else {
+            slot = s_hit[j - n_evict];
+        }
+        lr[j] = (u32)slot;
+    }
+    if (tid == 0) {
+        errors[row] = 0;
+        miss_counts[row] = misses_total;
+        hit_counts[row] = hits_total + cur_total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loads of the diff's misses, zero-copy from the pinned host pool into the device pool of one
+// layer. Host pool (K and V each): [layers, host_pages, page_elems] (offload's LayerFirst
+// layout); device pool: [num_blocks, page_elems] (attn-op's block tensor). Row r's miss m is
+// logical page miss_pages[r, m] into slot miss_slots[r, m]: host page host_table[r, page],
+// device block blocks[r, slot]. Grid: x = miss chunk, y = row; a warp per (miss, K or V) copies
+// the page in 16-byte vectors, several in flight per lane.
+
+#define IO_WARPS 8
+#define IO_UNROLL 4
+
+__device__ __forceinline__ void copy_vecs(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                          int n, int lane) {
+    int i = lane;
+    for (; i + 32 * (IO_UNROLL - 1) < n; i += 32 * IO_UNROLL) {
+        uint4 v[IO_UNROLL];
+#pragma unroll
+        for (int u = 0; u < IO_UNROLL; u++) v[u] = src[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < IO_UNROLL; u++) dst[i + 32 * u] = v[u];
+    }
+    for (; i < n; i += 32) dst[i] = src[i];
+}
+
+extern "C" __global__ void __launch_bounds__(IO_WARPS * 32) load_misses(
+    const uint4* __restrict__ host_k, const uint4* __restrict__ host_v, i32 layer,
+    i32 host_pages, i32 page_vecs, const i32* __restrict__ host_table, i32 max_pages,
+    const i32* __restrict__ blocks, i32 hot, const i32* __restrict__ miss_pages,
+    const i32* __restrict__ miss_slots, const i32* __restrict__ miss_counts, i32 sel_max,
+    uint4* __restrict__ dev_k, uint4* __restrict__ dev_v, i32 num_blocks) {
+    const int row = blockIdx.y;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int item = blockIdx.x * IO_WARPS + warp;  // (miss, K or V)
+    const int m = item >> 1;
+    if (m >= min(miss_counts[row], sel_max)) return;
+    const int page = miss_pages[(size_t)row * sel_max + m];
+    const int slot = miss_slots[(size_t)row * sel_max + m];
+    if (page < 0 || page >= max_pages || slot < 0 || slot > hot) return;
+    const int hp = host_table[(size_t)row * max_pages + page];
+    const int db = blocks[(size_t)row * (hot + 1) + slot];
+    if (hp < 0 || hp >= host_pages || db < 0 || db >= num_blocks) return;
+    const size_t src = ((size_t)layer * host_pages + hp) * page_vecs;
+    const size_t dst = (size_t)db * page_vecs;
+    if (item & 1)
+        copy_vecs(host_v + src, dev_v + dst, page_vecs, lane);
+    else
+        copy_vecs(host_k + src, dev_k + dst, page_vecs, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows by index, either way (host -> device loads of token rows, device -> host backups of new
+// tokens): row i copies src[src_idx[i]] to dst[dst_idx[i]], rows of row_vecs 16-byte vectors.
+// Indices outside their side's row count are skipped. A warp per row.
+
+extern "C" __global__ void __launch_bounds__(IO_WARPS * 32) copy_rows(
+    const uint4* __restrict__ src, uint4* __restrict__ dst, const i32* __restrict__ src_idx,
+    const i32* __restrict__ dst_idx, i32 n, i32 row_vecs, i32 src_rows, i32 dst_rows) {
+    const int i = blockIdx.x * IO_WARPS + (threadIdx.x >> 5);
+    if (i >= n) return;
+    const int s = src_idx[i];
+    const int d = dst_idx[i];
+    if (s < 0 || s >= src_rows || d < 0 || d >= dst_rows) return;
+    copy_vecs(src + (size_t)s * row_vecs, dst + (size_t)d * row_vecs, row_vecs, threadIdx.x & 31);
+}
