@@ -65,6 +65,134 @@ __device__ __forceinline__ void unpack(const H* tag, const Raw8& r, float* f) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------------
+// Attention core.
+//
+// One CTA of WARPS warps handles ROWS query rows of one (sequence, KV head) over one split of
+// that row's key list. Rows are the flattened (query, head in group) pairs of the KV head, so the
+// query heads of a group read each key once. A "stream" is the LANES = D / 8 lanes that hold one
+// key; each stream walks every NSTREAMS-th key of the split with its own online-softmax state,
+// and the streams are merged through shared memory at the end. Scores are kept in base 2.
+//
+// mode 0: dense, key t is position t.
+// mode 1: page list, key t is position sel[t / bs] * bs + t % bs.
+// mode 2: token list, key t is position sel[t].
+
+// Where the keys of one (sequence, KV head) live, and the fetch of one step's keys: stream key
+// t, t + NSTREAMS, ... (U of them) as raw 16-byte vectors, with their positions (-1: none).
+template <typename T, int D>
+struct Keys {
+    const T* __restrict__ kc;
+    const T* __restrict__ vc;
+    const i32* __restrict__ sel;
+    const i32* __restrict__ table;
+    int mode, bs, num_pages, kv_len, num_blocks, kv_heads, h, e0, t0, t1;
+
+    // The pool slot of key t of the list and its position p; both -1 where the key is past the
+    // split, outside the sequence, or on a page the block table does not map.
+    __device__ __forceinline__ int slot_of(int t, int& p) const {
+        p = -1;
+        if (t < t1) {
+            if (mode == 0) {
+                p = t;
+            } else if (mode == 1) {
+                const int page = sel[t / bs];
+                p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
+            } else {
+                p = sel[t];
+            }
+            if (p >= kv_len) p = -1;
+        }
+        const int blk = p >= 0 ? table[p / bs] : -1;
+        if (blk < 0 || blk >= num_blocks) p = -1;
+        return p >= 0 ? blk * bs + p % bs : -1;
+    }
+
+    template <int U, int NSTREAMS>
+    __device__ __forceinline__ void fetch(int t_first, Raw8* kr, Raw8* vr, int* pos) const {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int p;
+            const int slot = slot_of(t_first + u * NSTREAMS, p);
+            pos[u] = p;
+            if (p >= 0) {
+                const size_t off = ((size_t)slot * kv_heads + h) * D + e0;
+                load_raw(kc + off, kr[u]);
+                load_raw(vc + off, vr[u]);
+            } else {
+                kr[u].a = kr[u].b = vr[u].a = vr[u].b = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    }
+};
+
+// One attention CTA's place in the grid: x = (split, KV head) with heads fastest, so the CTAs
+// reading the heads of one token range run together and read neighbouring memory; y = row tile
+// of `rows` rows; z = sequence. Shared by both attention cores.
+struct Unit {
+    int seq, h, sh, split, row0, q_start, q_len, kv_len;
+
+    __device__ __forceinline__ Unit(int rows, const i32* cu_q, const i32* kv_lens, int kv_heads)
+        : seq(blockIdx.z),
+          h(blockIdx.x % kv_heads),
+          sh(seq * kv_heads + h),
+          split(blockIdx.x / kv_heads),
+          row0(blockIdx.y * rows),
+          q_start(cu_q[seq]),
+          q_len(cu_q[seq + 1] - q_start),
+          kv_len(kv_lens[seq]) {}
+
+    // Whether the tile is past its sequence's rows (the CTA then has nothing to do).
+    __device__ __forceinline__ bool empty(int group) const { return row0 >= q_len * group; }
+
+    // The output row (query, head) of tile row r, -1 for padding past the sequence's rows.
+    __device__ __forceinline__ int out_row(int r, int group, int q_heads) const {
+        const int rr = row0 + r;
+        return rr / group < q_len ? (q_start + rr / group) * q_heads + h * group + rr % group
+                                  : -1;
+    }
+
+    // The unit's index among the launch's units, for the split counters.
+    __device__ __forceinline__ int index() const { return sh * gridDim.y + blockIdx.y; }
+
+    // The position of tile row r (-1: padding past the sequence's rows).
+    __device__ __forceinline__ int pos(int r, int group) const {
+        const int qi = (row0 + r) / group;
+        return qi < q_len ? kv_len - q_len + qi : -1;
+    }
+
+    // This split's keys (Keys::t0 .. t1) in the launch's mode. Dense mode stops at the last
+    // key the tile's last row sees.
+    template <typename T, int D>
+    __device__ __forceinline__ Keys<T, D> keys(int rows, int group, const T* kc, const T* vc,
+                                               const i32* block_table, int max_blocks,
+                                               int num_blocks, int mode, const i32* sel_ids,
+                                               const i32* sel_lens, int sel_max, int kv_heads,
+                                               int bs, int chunk, int e0) const {
+        int n_keys;
+        const i32* sel = nullptr;
+        if (mode == 0) {
+            n_keys = min(kv_len, kv_len - q_len + min(q_len - 1, (row0 + rows - 1) / group) + 1);
+        } else {
+            const int cnt = min(max(sel_lens[sh], 0), sel_max);
+            sel = sel_ids + (size_t)sh * sel_max;
+            n_keys = mode == 1 ? cnt * bs : cnt;
+        }
+        const int t0 = split * chunk;
+        return Keys<T, D>{kc, vc, sel, block_table + (size_t)seq * max_blocks, mode, bs,
+                          (kv_len + bs - 1) / bs, kv_len, num_blocks, kv_heads, h, e0, t0,
+                          min(n_keys, t0 + chunk)};
+    }
+};
+
+// Whether key position p is visible from row position rp (causal, then the sliding window with
+// its sink tokens); p = -1 (no key) and rp = -1 (padding row) see nothing.
+__device__ __forceinline__ bool visible(int p, int rp, int window, int sinks) {
+    bool vis = p >= 0 && p <= rp;
+    if (window > 0) vis = vis && (p > rp - window || p < sinks);
+    return vis;
+}
+
 // Where an attention launch writes. With one split per unit (a row tile of one sequence and
 // KV head), each CTA writes its final rows into out and lse (lse may be null). With several,
 // each CTA writes a normalized partial of its split into part_out [splits][total_rows][D] and
@@ -108,24 +236,21 @@ __device__ __forceinline__ void merge_elem(const float* parts_out, const float* 
 // sum; then each thread merges 4 consecutive dims of a row, with 16-byte loads and several
 // splits in flight.
 template <int D, int ROWS>
-__device__ __forceinline__ void merge_unit(int row0, int group, int q_len, int q_start,
-                                           int q_heads, int h,
+__device__ __forceinline__ void merge_unit(const Unit& u, int group, int q_heads,
                                            const float* __restrict__ sink_logits,
                                            int has_sinks, const Outs& o) {
     __shared__ float s_max[ROWS], s_sum[ROWS];
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     for (int r = threadIdx.x >> 5; r < ROWS; r += warps) {
-        const int rr = row0 + r;
-        const int qi = rr / group;
-        if (qi >= q_len) continue;
-        const int orw = (q_start + qi) * q_heads + h * group + rr % group;
+        const int orw = u.out_row(r, group, q_heads);
+        if (orw < 0) continue;
         const float* pl = o.part_lse + orw;
         float M = NEG_INF;
         for (int p = lane; p < o.splits; p += 32) M = fmaxf(M, __ldcg(pl + (size_t)p * o.total_rows));
 #pragma unroll
         for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
-        const float sk = has_sinks ? sink_logits[h * group + rr % group] : NEG_INF;
+        const float sk = has_sinks ? sink_logits[orw % q_heads] : NEG_INF;
         const float m2 = fmaxf(M, sk);
         float L = 0.f;
         if (m2 != NEG_INF) {
@@ -147,10 +272,8 @@ __device__ __forceinline__ void merge_unit(int row0, int group, int q_len, int q
     for (int i = threadIdx.x; i < ROWS * Q4; i += blockDim.x) {
         const int r = i / Q4;
         const int d4 = i % Q4;
-        const int rr = row0 + r;
-        const int qi = rr / group;
-        if (qi >= q_len) continue;
-        const int orw = (q_start + qi) * q_heads + h * group + rr % group;
+        const int orw = u.out_row(r, group, q_heads);
+        if (orw < 0) continue;
         const float m2 = s_max[r];
         const float L = s_sum[r];
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -176,23 +299,20 @@ __device__ __forceinline__ void merge_unit(int row0, int group, int q_len, int q
 
 // The end of an attention CTA: the per-stream states in shared memory (accumulators
 // [NSTREAMS][ROWS][D], then maxima and sums [NSTREAMS][ROWS], base 2) are merged per row and
-// written out (see Outs). Row rr of the tile is query rr / group, head h * group + rr % group.
+// written out (see Outs).
 template <int D, int ROWS, int NSTREAMS>
-__device__ __forceinline__ void finish_rows(
-    const float* __restrict__ smem, int row0, int group, int q_len, int q_start, int q_heads,
-    int h, int unit, int split, const float* __restrict__ sink_logits, int has_sinks,
-    const Outs& o) {
+__device__ __forceinline__ void finish_rows(const float* __restrict__ smem, const Unit& u,
+                                            int group, int q_heads,
+                                            const float* __restrict__ sink_logits,
+                                            int has_sinks, const Outs& o) {
     const float* s_acc = smem;
     const float* s_m = s_acc + NSTREAMS * ROWS * D;
     const float* s_l = s_m + NSTREAMS * ROWS;
     for (int i = threadIdx.x; i < ROWS * D; i += blockDim.x) {
         const int r = i / D;
         const int d = i % D;
-        const int rr = row0 + r;
-        const int qi = rr / group;
-        if (qi >= q_len) continue;
-        const int g = rr % group;
-        const int orw = (q_start + qi) * q_heads + h * group + g;
+        const int orw = u.out_row(r, group, q_heads);
+        if (orw < 0) continue;
         float M = NEG_INF;
         for (int st = 0; st < NSTREAMS; st++) M = fmaxf(M, s_m[st * ROWS + r]);
         float L = 0.f, A = 0.f;
@@ -204,14 +324,14 @@ __device__ __forceinline__ void finish_rows(
             }
         }
         if (o.splits > 1) {
-            const size_t pr = (size_t)split * o.total_rows + orw;
+            const size_t pr = (size_t)u.split * o.total_rows + orw;
             o.part_out[pr * D + d] = L > 0.f ? A / L : 0.f;
             if (d == 0) o.part_lse[pr] = L > 0.f ? (M + log2f(L)) * LN2 : NEG_INF;
         } else {
             float scale_acc = 1.f;
             float Mn = M * LN2;  // natural log from here
             if (has_sinks) {
-                const float sk = sink_logits[h * group + g];
+                const float sk = sink_logits[orw % q_heads];
                 const float m2 = fmaxf(Mn, sk);
                 scale_acc = Mn == NEG_INF ? 0.f : __expf(Mn - m2);
                 L = L * scale_acc + __expf(sk - m2);
@@ -227,75 +347,14 @@ __device__ __forceinline__ void finish_rows(
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(o.counters + unit, 1) == o.splits - 1;
-        if (last) o.counters[unit] = 0;
+        last = atomicAdd(o.counters + u.index(), 1) == o.splits - 1;
+        if (last) o.counters[u.index()] = 0;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
-    merge_unit<D, ROWS>(row0, group, q_len, q_start, q_heads, h, sink_logits, has_sinks, o);
+    merge_unit<D, ROWS>(u, group, q_heads, sink_logits, has_sinks, o);
 }
-
-// ---------------------------------------------------------------------------------------------
-// Attention core.
-//
-// One CTA of WARPS warps handles ROWS query rows of one (sequence, KV head) over one split of
-// that row's key list. Rows are the flattened (query, head in group) pairs of the KV head, so the
-// query heads of a group read each key once. A "stream" is the LANES = D / 8 lanes that hold one
-// key; each stream walks every NSTREAMS-th key of the split with its own online-softmax state,
-// and the streams are merged through shared memory at the end. Scores are kept in base 2.
-//
-// mode 0: dense, key t is position t.
-// mode 1: page list, key t is position sel[t / bs] * bs + t % bs.
-// mode 2: token list, key t is position sel[t].
-
-// Where the keys of one (sequence, KV head) live, and the fetch of one step's keys: stream key
-// t, t + NSTREAMS, ... (U of them) as raw 16-byte vectors, with their positions (-1: none).
-template <typename T, int D>
-struct Keys {
-    const T* __restrict__ kc;
-    const T* __restrict__ vc;
-    const i32* __restrict__ sel;
-    const i32* __restrict__ table;
-    int mode, bs, num_pages, kv_len, num_blocks, kv_heads, h, e0, t1;
-
-    // The pool slot of key t of the list and its position p; both -1 where the key is past the
-    // split, outside the sequence, or on a page the block table does not map.
-    __device__ __forceinline__ int slot_of(int t, int& p) const {
-        p = -1;
-        if (t < t1) {
-            if (mode == 0) {
-                p = t;
-            } else if (mode == 1) {
-                const int page = sel[t / bs];
-                p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
-            } else {
-                p = sel[t];
-            }
-            if (p >= kv_len) p = -1;
-        }
-        const int blk = p >= 0 ? table[p / bs] : -1;
-        if (blk < 0 || blk >= num_blocks) p = -1;
-        return p >= 0 ? blk * bs + p % bs : -1;
-    }
-
-    template <int U, int NSTREAMS>
-    __device__ __forceinline__ void fetch(int t_first, Raw8* kr, Raw8* vr, int* pos) const {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int p;
-            const int slot = slot_of(t_first + u * NSTREAMS, p);
-            pos[u] = p;
-            if (p >= 0) {
-                const size_t off = ((size_t)slot * kv_heads + h) * D + e0;
-                load_raw(kc + off, kr[u]);
-                load_raw(vc + off, vr[u]);
-            } else {
-                kr[u].a = kr[u].b = vr[u].a = vr[u].b = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-    }
-};
 
 template <typename T, int D, int ROWS, int U, bool PIPE>
 __device__ __forceinline__ void attn_core(
@@ -311,18 +370,8 @@ __device__ __forceinline__ void attn_core(
     constexpr int NSTREAMS = WARPS * TPW;
     const int q_heads = kv_heads * group;
 
-    // Grid: x = (split, KV head) with heads fastest, so the CTAs reading the heads of one token
-    // range run together and read neighbouring memory; y = row tile; z = sequence.
-    const int seq = blockIdx.z;
-    const int h = blockIdx.x % kv_heads;
-    const int sh = seq * kv_heads + h;
-    const int split = blockIdx.x / kv_heads;
-    const int row0 = blockIdx.y * ROWS;
-
-    const int q_start = cu_q[seq];
-    const int q_len = cu_q[seq + 1] - q_start;
-    const int kv_len = kv_lens[seq];
-    if (row0 >= q_len * group) return;
+    const Unit u(ROWS, cu_q, kv_lens, kv_heads);
+    if (u.empty(group)) return;
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -330,47 +379,25 @@ __device__ __forceinline__ void attn_core(
     const int e0 = (lane % LANES) * 8;
     const int stream = warp * TPW + sub;
 
-    // Rows: query position, output row, and q pre-scaled into base 2.
+    // Rows: query position and q pre-scaled into base 2.
     float qv[ROWS][8];
     int rpos[ROWS];
-    int orow[ROWS];
-    int max_pos = -1;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        const int rr = row0 + r;
-        const int qi = rr / group;
-        const int g = rr % group;
-        if (qi < q_len) {
-            rpos[r] = kv_len - q_len + qi;
-            orow[r] = (q_start + qi) * q_heads + h * group + g;
-            max_pos = max(max_pos, rpos[r]);
+        rpos[r] = u.pos(r, group);
+        const int rr = u.row0 + r;
+        if (rpos[r] >= 0) {
+            const int orow = (u.q_start + rr / group) * q_heads + u.h * group + rr % group;
             Raw8 raw;
-            load_raw(q + (size_t)orow[r] * D + e0, raw);
+            load_raw(q + (size_t)orow * D + e0, raw);
             unpack(q, raw, qv[r]);
 #pragma unroll
             for (int e = 0; e < 8; e++) qv[r][e] *= scale * LOG2E;
         } else {
-            rpos[r] = -1;
-            orow[r] = -1;
 #pragma unroll
             for (int e = 0; e < 8; e++) qv[r][e] = 0.f;
         }
     }
-
-    // This split's keys.
-    int n_keys;
-    const i32* sel = nullptr;
-    if (mode == 0) {
-        n_keys = min(kv_len, max_pos + 1);
-    } else {
-        const int cnt = min(max(sel_lens[sh], 0), sel_max);
-        sel = sel_ids + (size_t)sh * sel_max;
-        n_keys = mode == 1 ? cnt * bs : cnt;
-    }
-    const int t0 = split * chunk;
-    const int t1 = min(n_keys, t0 + chunk);
-    const int num_pages = (kv_len + bs - 1) / bs;
-    const i32* table = block_table + (size_t)seq * max_blocks;
 
     float m[ROWS], l[ROWS], acc[ROWS][8];
 #pragma unroll
@@ -383,13 +410,14 @@ __device__ __forceinline__ void attn_core(
 
     // Software pipeline: the keys of the next step (their indices, then K and V) are loaded
     // while this step's keys are scored and accumulated.
-    const Keys<T, D> keys{kc, vc, sel, table, mode, bs, num_pages, kv_len, num_blocks, kv_heads,
-                          h, e0, t1};
+    const Keys<T, D> keys = u.template keys<T, D>(
+        ROWS, group, kc, vc, block_table, max_blocks, num_blocks, mode, sel_ids, sel_lens,
+        sel_max, kv_heads, bs, chunk, e0);
     Raw8 kr[U], vr[U];
     int pos[U];
-    keys.template fetch<U, NSTREAMS>(t0 + stream, kr, vr, pos);
+    keys.template fetch<U, NSTREAMS>(keys.t0 + stream, kr, vr, pos);
 #pragma unroll 1
-    for (int base = t0; base < t1; base += NSTREAMS * U) {
+    for (int base = keys.t0; base < keys.t1; base += NSTREAMS * U) {
         Raw8 kn[U], vn[U];
         int pn[U];
         if (PIPE) keys.template fetch<U, NSTREAMS>(base + NSTREAMS * U + stream, kn, vn, pn);
@@ -405,11 +433,7 @@ __device__ __forceinline__ void attn_core(
                 for (int e = 0; e < 8; e++) d = fmaf(qv[r][e], kf[e], d);
 #pragma unroll
                 for (int o = LANES / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                const int p = pos[u];
-                const int rp = rpos[r];
-                bool vis = p >= 0 && p <= rp;
-                if (window > 0) vis = vis && (p > rp - window || p < sinks);
-                s[u][r] = vis ? d : NEG_INF;
+                s[u][r] = visible(pos[u], rpos[r], window, sinks) ? d : NEG_INF;
             }
         }
 #pragma unroll
@@ -461,8 +485,7 @@ __device__ __forceinline__ void attn_core(
         }
     }
     __syncthreads();
-    finish_rows<D, ROWS, NSTREAMS>(smem, row0, group, q_len, q_start, q_heads, h,
-                                   sh * gridDim.y + blockIdx.y, split, sink_logits, has_sinks, o);
+    finish_rows<D, ROWS, NSTREAMS>(smem, u, group, q_heads, sink_logits, has_sinks, o);
 }
 
 #define ATTN_KERNEL(NAME, T, D, ROWS, U, PIPE, MINB)                                            \
@@ -583,15 +606,8 @@ __device__ __forceinline__ void attn_mma_core(
     constexpr int STEPS = D / 16; // MMAs per product
     const int q_heads = kv_heads * group;
 
-    const int seq = blockIdx.z;
-    const int h = blockIdx.x % kv_heads;
-    const int sh = seq * kv_heads + h;
-    const int split = blockIdx.x / kv_heads;
-    const int row0 = blockIdx.y * ROWS;
-    const int q_start = cu_q[seq];
-    const int q_len = cu_q[seq + 1] - q_start;
-    const int kv_len = kv_lens[seq];
-    if (row0 >= q_len * group) return;
+    const Unit u(ROWS, cu_q, kv_lens, kv_heads);
+    if (u.empty(group)) return;
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -601,40 +617,20 @@ __device__ __forceinline__ void attn_mma_core(
     // Row g of the tile, raw: the B operand of S^T = K Q^T.
     uint4 qf[KVEC];
     {
-        const int rr = row0 + g;
-        const int qi = rr / group;
+        const int rr = u.row0 + g;
 #pragma unroll
         for (int i = 0; i < KVEC; i++) qf[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (qi < q_len) {
-            const size_t orow = (size_t)(q_start + qi) * q_heads + h * group + rr % group;
+        if (u.pos(g, group) >= 0) {
+            const size_t orow = (size_t)(u.q_start + rr / group) * q_heads + u.h * group + rr % group;
 #pragma unroll
             for (int i = 0; i < KVEC; i++) qf[i] = load16(q + orow * D + i * 32 + t * 8);
         }
     }
     // Positions of this thread's rows 2t and 2t + 1 (-1: padding).
-    int rpos[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int qi = (row0 + 2 * t + r) / group;
-        rpos[r] = qi < q_len ? kv_len - q_len + qi : -1;
-    }
-    const int max_pos = kv_len - q_len + min(q_len - 1, (row0 + ROWS - 1) / group);
-
-    int n_keys;
-    const i32* sel = nullptr;
-    if (mode == 0) {
-        n_keys = min(kv_len, max_pos + 1);
-    } else {
-        const int cnt = min(max(sel_lens[sh], 0), sel_max);
-        sel = sel_ids + (size_t)sh * sel_max;
-        n_keys = mode == 1 ? cnt * bs : cnt;
-    }
-    const int t0 = split * chunk;
-    const int t1 = min(n_keys, t0 + chunk);
-    const int num_pages = (kv_len + bs - 1) / bs;
-    const i32* table = block_table + (size_t)seq * max_blocks;
-    const Keys<T, D> keys{kc, vc, sel, table, mode, bs, num_pages, kv_len, num_blocks, kv_heads,
-                          h, 0, t1};
+    const int rpos[2] = {u.pos(2 * t, group), u.pos(2 * t + 1, group)};
+    const Keys<T, D> keys = u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks,
+                                                  num_blocks, mode, sel_ids, sel_lens, sel_max,
+                                                  kv_heads, bs, chunk, 0);
 
     const float sl2 = scale * LOG2E;
     float acc[STEPS][4];
@@ -652,9 +648,9 @@ __device__ __forceinline__ void attn_mma_core(
     for (int kt = 0; kt < KT; kt++)
 #pragma unroll
         for (int j = 0; j < 2; j++)
-            kslot[kt][j] = keys.slot_of(t0 + (warp * KT + kt) * 16 + g + 8 * j, kpos[kt][j]);
+            kslot[kt][j] = keys.slot_of(keys.t0 + (warp * KT + kt) * 16 + g + 8 * j, kpos[kt][j]);
 #pragma unroll 1
-    for (int base = t0; base < t1; base += ROUND) {
+    for (int base = keys.t0; base < keys.t1; base += ROUND) {
         uint4 kf[KT][2][KVEC], vf[KT][4][VVEC];
 #pragma unroll
         for (int kt = 0; kt < KT; kt++) {
@@ -666,7 +662,7 @@ __device__ __forceinline__ void attn_mma_core(
             vslot[3] = __shfl_sync(0xffffffffu, kslot[kt][1], 8 * t + 4);
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                const T* src = kc + ((size_t)max(kslot[kt][j], 0) * kv_heads + h) * D + t * 8;
+                const T* src = kc + ((size_t)max(kslot[kt][j], 0) * kv_heads + u.h) * D + t * 8;
 #pragma unroll
                 for (int i = 0; i < KVEC; i++)
                     kf[kt][j][i] =
@@ -674,7 +670,7 @@ __device__ __forceinline__ void attn_mma_core(
             }
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const T* src = vc + ((size_t)max(vslot[j], 0) * kv_heads + h) * D + g * 8;
+                const T* src = vc + ((size_t)max(vslot[j], 0) * kv_heads + u.h) * D + g * 8;
 #pragma unroll
                 for (int v = 0; v < VVEC; v++)
                     vf[kt][j][v] =
@@ -703,11 +699,7 @@ __device__ __forceinline__ void attn_mma_core(
             }
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int p = kpos[kt][e / 2];
-                const int rp = rpos[e % 2];
-                bool vis = p >= 0 && p <= rp;
-                if (window > 0) vis = vis && (p > rp - window || p < sinks);
-                s[e] = vis ? s[e] * sl2 : NEG_INF;
+                s[e] = visible(kpos[kt][e / 2], rpos[e % 2], window, sinks) ? s[e] * sl2 : NEG_INF;
             }
             float mx[2];
 #pragma unroll
@@ -788,8 +780,7 @@ __device__ __forceinline__ void attn_mma_core(
         }
     }
     __syncthreads();
-    finish_rows<D, ROWS, WARPS>(smem, row0, group, q_len, q_start, q_heads, h,
-                                sh * gridDim.y + blockIdx.y, split, sink_logits, has_sinks, o);
+    finish_rows<D, ROWS, WARPS>(smem, u, group, q_heads, sink_logits, has_sinks, o);
 }
 
 #define ATTN_MMA_KERNEL(NAME, T, D, KT, MINB)                                                       \

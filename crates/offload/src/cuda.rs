@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use attn_op::cuda::{CudaElement, DevicePagedKv, DeviceSelection, Gpu, compile_source};
 use attn_op::{AttnError, KvCache};
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
@@ -47,6 +47,8 @@ fn to_u32(x: usize) -> Result<u32, OffloadError> {
 pub struct IoKernels {
     stream: Arc<CudaStream>,
     diff: CudaFunction,
+    /// The most dynamic shared memory a diff CTA may use (set once at load).
+    diff_smem_max: usize,
     load_misses: CudaFunction,
     copy_rows: CudaFunction,
 }
@@ -62,7 +64,8 @@ pub struct DeviceHotBuffers {
     slot_page: CudaSlice<i32>,
 }
 
-/// The outputs of one diff launch, per row `[rows, sel_max]` and -1 padded where not counts.
+/// The outputs of a diff launch, per row `[rows, sel_max]` and -1 padded where not counts.
+/// Allocated once ([`DeviceDiff::new`]) and rewritten whole by every [`IoKernels::diff`].
 pub struct DeviceDiff {
     /// Columns per row.
     pub sel_max: usize,
@@ -82,6 +85,28 @@ pub struct DeviceDiff {
     pub errors: CudaSlice<i32>,
 }
 
+impl DeviceDiff {
+    /// Output buffers for diffs of `rows` rows of selections up to `sel_max` pages.
+    pub fn new(gpu: &Gpu, rows: usize, sel_max: usize) -> Result<Self, OffloadError> {
+        let alloc = |n: usize| gpu.zeros::<i32>(n);
+        Ok(DeviceDiff {
+            sel_max,
+            slots: alloc(rows * sel_max)?,
+            table: alloc(rows * sel_max)?,
+            miss_pages: alloc(rows * sel_max)?,
+            miss_slots: alloc(rows * sel_max)?,
+            miss_counts: alloc(rows)?,
+            hit_counts: alloc(rows)?,
+            errors: alloc(rows)?,
+        })
+    }
+
+    /// Rows the buffers hold.
+    pub fn rows(&self) -> usize {
+        self.errors.len()
+    }
+}
+
 /// The host KV pool in pinned memory, in offload's [`HostLayout::LayerFirst`] layout (K and V
 /// each `[layers, pages, page_size, kv_heads, head_dim]`). Kernels read it by address, so it
 /// waits for its stream before it frees the memory.
@@ -89,6 +114,8 @@ pub struct PinnedHostPool<T: CudaElement> {
     shape: HostShape,
     k: PinnedHostSlice<T>,
     v: PinnedHostSlice<T>,
+    /// The addresses of `k` and `v`, which kernels read through unified addressing.
+    ptrs: (u64, u64),
     stream: Arc<CudaStream>,
 }
 
@@ -123,10 +150,15 @@ impl<T: CudaElement> PinnedHostPool<T> {
         };
         pk.as_mut_slice().map_err(device_err)?.copy_from_slice(k);
         pv.as_mut_slice().map_err(device_err)?.copy_from_slice(v);
+        let ptrs = (
+            pk.as_ptr().map_err(device_err)? as u64,
+            pv.as_ptr().map_err(device_err)? as u64,
+        );
         Ok(PinnedHostPool {
             shape: pool.shape(),
             k: pk,
             v: pv,
+            ptrs,
             stream: gpu.stream().clone(),
         })
     }
@@ -191,9 +223,26 @@ impl IoKernels {
                 .load_function(name)
                 .map_err(|e| OffloadError::Attn(AttnError::Device(format!("kernel {name}: {e:?}"))))
         };
+        // The diff's dynamic shared memory grows with HOT: allow it, once, all the device
+        // offers a block beyond the kernel's static hash.
+        let diff = load("hot_diff")?;
+        let optin = gpu
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(device_err)?;
+        let fixed = diff
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .map_err(device_err)?;
+        let diff_smem_max = usize::try_from(optin - fixed).unwrap_or(0);
+        diff.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            to_i32(diff_smem_max)?,
+        )
+        .map_err(device_err)?;
         Ok(IoKernels {
             stream: gpu.stream().clone(),
-            diff: load("hot_diff")?,
+            diff,
+            diff_smem_max,
             load_misses: load("load_misses")?,
             copy_rows: load("copy_rows")?,
         })
@@ -202,23 +251,32 @@ impl IoKernels {
     /// The swap-in of every row at once: `pages` (rows of ascending, unique logical pages, at
     /// most [`MAX_DIFF_SELECTION`] per row), `current` (`[rows]`, the page in each reserved
     /// slot) and `blocks` (`[rows, hot + 1]`, each slot's device block). Updates `buffers` as
-    /// [`HotBuffer::diff`] would, row by row; a row whose selection does not fit is left
-    /// unchanged and flagged in [`DeviceDiff::errors`].
+    /// [`HotBuffer::diff`] would, row by row, and rewrites `out` whole; a row whose selection
+    /// does not fit is left unchanged and flagged in [`DeviceDiff::errors`].
     pub fn diff(
         &self,
         buffers: &mut DeviceHotBuffers,
         pages: &DeviceSelection,
         current: &CudaSlice<i32>,
         blocks: &CudaSlice<i32>,
-    ) -> Result<DeviceDiff, OffloadError> {
+        out: &mut DeviceDiff,
+    ) -> Result<(), OffloadError> {
         let (rows, hot, sel_max) = (buffers.rows, buffers.hot, pages.max_len);
-        if pages.rows != rows || current.len() != rows || blocks.len() != rows * (hot + 1) {
+        if pages.rows != rows
+            || current.len() != rows
+            || blocks.len() != rows * (hot + 1)
+            || out.rows() != rows
+            || out.sel_max != sel_max
+        {
             return Err(OffloadError::Invalid(format!(
-                "diff of {rows} rows: selection {} rows, current {}, blocks {} (want {})",
+                "diff of {rows} rows of {sel_max}: selection {} rows, current {}, blocks {} \
+                 (want {}), outputs {} rows of {}",
                 pages.rows,
                 current.len(),
                 blocks.len(),
-                rows * (hot + 1)
+                rows * (hot + 1),
+                out.rows(),
+                out.sel_max
             )));
         }
         if sel_max > MAX_DIFF_SELECTION {
@@ -226,27 +284,17 @@ impl IoKernels {
                 "selections of {sel_max} pages; the device diff takes {MAX_DIFF_SELECTION}"
             )));
         }
-        let alloc = |n: usize| self.stream.alloc_zeros::<i32>(n.max(1)).map_err(device_err);
-        let out = DeviceDiff {
-            sel_max,
-            slots: alloc(rows * sel_max)?,
-            table: alloc(rows * sel_max)?,
-            miss_pages: alloc(rows * sel_max)?,
-            miss_slots: alloc(rows * sel_max)?,
-            miss_counts: alloc(rows)?,
-            hit_counts: alloc(rows)?,
-            errors: alloc(rows)?,
-        };
         if rows == 0 {
-            return Ok(out);
+            return Ok(());
         }
         let smem = (4 * hot + sel_max) * 4;
-        self.diff
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                to_i32(smem)?,
-            )
-            .map_err(device_err)?;
+        if smem > self.diff_smem_max {
+            return Err(OffloadError::Invalid(format!(
+                "a hot buffer of {hot} slots needs {smem} bytes of shared memory per diff CTA; \
+                 the device offers {}",
+                self.diff_smem_max
+            )));
+        }
         let (hot_i, sel_i) = (to_i32(hot)?, to_i32(sel_max)?);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(rows)?, 1, 1),
@@ -262,19 +310,19 @@ impl IoKernels {
             .arg(&sel_i)
             .arg(current)
             .arg(blocks)
-            .arg(&out.slots)
-            .arg(&out.table)
-            .arg(&out.miss_pages)
-            .arg(&out.miss_slots)
-            .arg(&out.miss_counts)
-            .arg(&out.hit_counts)
-            .arg(&out.errors);
+            .arg(&mut out.slots)
+            .arg(&mut out.table)
+            .arg(&mut out.miss_pages)
+            .arg(&mut out.miss_slots)
+            .arg(&mut out.miss_counts)
+            .arg(&mut out.hit_counts)
+            .arg(&mut out.errors);
         // SAFETY: the arguments follow `hot_diff` in kernels/offload.cu; every buffer has the
-        // `[rows, hot]`, `[rows, sel_max]`, `[rows]` or `[rows, hot + 1]` length checked or
-        // allocated above, the dynamic shared memory holds 4 * hot + sel_max ints, and the
-        // selection fits the kernel's hash (sel_max <= MAX_DIFF_SELECTION).
+        // `[rows, hot]`, `[rows, sel_max]`, `[rows]` or `[rows, hot + 1]` length checked above,
+        // the dynamic shared memory holds 4 * hot + sel_max ints (within the limit set at
+        // load), and the selection fits the kernel's hash (sel_max <= MAX_DIFF_SELECTION).
         unsafe { b.launch(cfg) }.map_err(device_err)?;
-        Ok(out)
+        Ok(())
     }
 
     /// Loads the misses of `diff` for `layer` from the pinned host pool into the device pool,
@@ -343,11 +391,7 @@ impl IoKernels {
             sel_i,
             blocks_i,
         ] = ints;
-        let (hk, hv) = (
-            host.k.as_ptr().map_err(device_err)?,
-            host.v.as_ptr().map_err(device_err)?,
-        );
-        let (hk, hv) = (hk as u64, hv as u64);
+        let (hk, hv) = host.ptrs;
         let cfg = LaunchConfig {
             grid_dim: (
                 to_u32((2 * diff.sel_max).div_ceil(IO_WARPS))?,

@@ -113,11 +113,11 @@ pub(crate) fn all(gpu: &mut Gpu, small: bool) -> Result<i32, AttnError> {
         }
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             // The 16-bit types run on tensor cores by default; their CUDA-core kernels are
-            // checked too.
-            let kernels: &[Option<&'static str>] = if dtype == DType::F32 {
-                &[None]
-            } else {
-                &[None, Some("tc2"), Some("r4"), Some("r8")]
+            // checked too, and bf16's sweep-only two-tile kernel (not built for f16).
+            let kernels: &[Option<&'static str>] = match dtype {
+                DType::F32 => &[None],
+                DType::F16 => &[None, Some("r4"), Some("r8")],
+                DType::BF16 => &[None, Some("tc2"), Some("r4"), Some("r8")],
             };
             for &kernel in kernels {
                 seed += 1;

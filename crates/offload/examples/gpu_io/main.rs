@@ -133,24 +133,19 @@ fn pad(rows: &[Vec<i32>], width: usize) -> (Vec<i32>, Vec<i32>) {
     (ids, rows.iter().map(|r| r.len() as i32).collect())
 }
 
-/// The device diff of one step, with its inputs uploaded.
-fn device_diff(
+/// Rows of selections, padded to `width` and uploaded.
+fn upload_selections(
     gpu: &Gpu,
-    io: &IoKernels,
-    dev: &mut DeviceHotBuffers,
     sels: &[Vec<i32>],
     width: usize,
-    current: &CudaSlice<i32>,
-    blocks: &CudaSlice<i32>,
-) -> Result<DeviceDiff, OffloadError> {
+) -> Result<DeviceSelection, OffloadError> {
     let (ids, lens) = pad(sels, width);
     let sel = Selection {
         ids: &ids,
         lens: &lens,
         max_len: width,
     };
-    let dsel = DeviceSelection::upload(gpu, &sel, sels.len())?;
-    io.diff(dev, &dsel, current, blocks)
+    Ok(DeviceSelection::upload(gpu, &sel, sels.len())?)
 }
 
 /// Prints one check's line; 1 if it failed.
@@ -172,9 +167,11 @@ fn check(gpu: &Gpu, io: &IoKernels) -> Result<i32, OffloadError> {
         let blocks: Vec<i32> = (0..nb - 1).map(|i| (i * 7 % nb) as i32).collect();
         let dblocks = gpu.upload(&blocks)?;
         let mut sels: Vec<Vec<i32>> = vec![Vec::new(); rows];
+        let mut d = DeviceDiff::new(gpu, rows, k)?;
         for step in 0..steps {
             sels = next_selections(&mut rng, &sels, pages, k, 30);
-            let d = device_diff(gpu, io, &mut dev, &sels, k, &current, &dblocks)?;
+            let dsel = upload_selections(gpu, &sels, k)?;
+            io.diff(&mut dev, &dsel, &current, &dblocks, &mut d)?;
             let (slots, table) = (gpu.download(&d.slots)?, gpu.download(&d.table)?);
             let (mp, ms) = (gpu.download(&d.miss_pages)?, gpu.download(&d.miss_slots)?);
             let (mc, hc) = (gpu.download(&d.miss_counts)?, gpu.download(&d.hit_counts)?);
@@ -557,22 +554,22 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
     let mut steps = Vec::new();
     for _ in 0..8 {
         sels = next_selections(&mut rng, &sels, lpages, k, 30);
-        let (ids, lens) = pad(&sels, k);
-        let s = Selection {
-            ids: &ids,
-            lens: &lens,
-            max_len: k,
-        };
-        steps.push(DeviceSelection::upload(gpu, &s, b)?);
+        steps.push(upload_selections(gpu, &sels, k)?);
     }
+    let mut out = DeviceDiff::new(gpu, b, k)?;
     for s in &steps {
-        io.diff(&mut dh, s, &current, &dblocks)?;
+        io.diff(&mut dh, s, &current, &dblocks, &mut out)?;
     }
     let mut i = 0;
     let ms = time(gpu, || {
         i += 1;
-        io.diff(&mut dh, &steps[i % steps.len()], &current, &dblocks)
-            .map(drop)
+        io.diff(
+            &mut dh,
+            &steps[i % steps.len()],
+            &current,
+            &dblocks,
+            &mut out,
+        )
     })?;
     rows.push((
         "diff B64 top-2048 HOT 4096".into(),
