@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Prints the GPU table of the device bundle from `gpu bench --json`, the torch peer's JSON and
-(optionally) `gpu_io bench --json`: our attention times, the peers' times and the ratios, the
-fraction of copy bandwidth, then the diff and IO rows."""
+(optionally) `gpu_io bench --json` and `gpu_select bench --json`: our attention times, the
+peers' times and the ratios, the fraction of copy bandwidth, the Quest rows with their ratios
+to the peers, then the diff and IO rows."""
 import json
 import sys
 
@@ -58,6 +59,31 @@ def main():
     print("judged: dense, fraction of the copy bandwidth (goal >= 0.85); sparse, time over its "
           "bytes floor (F, goal <= 1.3). ratio: peer time / our time (sparse rows: SDPA dense, "
           "then torch sparse gather+SDPA)")
+    sel, _ = load(sys.argv[4]) if len(sys.argv) > 4 else ({}, "?")
+    if sel:
+        print()
+        print(f"{'sparse-algo Quest':<36} {'ms':>9} {'queued':>9} {'GB/s':>7}  note")
+        for name, r in sel.items():
+            gbs = r["bytes"] / r["ms"] / 1e6 if r["bytes"] else 0.0
+            print(f"{name:<36} {r['ms']:>9.4f} {r['queued_ms']:>9.4f} {gbs:>7.1f}  {r['note']}")
+        print()
+        print("Quest estimate + top-k + sparse attention (2K budget) against the torch peers, "
+              "synced / queued:")
+        goals = {"B8 L32K": 5.0, "B1 L128K": 6.0}
+        for tag, goal in goals.items():
+            o = sel.get(f"quest+sparse attn 2K {tag}")
+            if not o:
+                continue
+            ot = pair(o)
+            line = f"  {tag:<9} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
+            for peer, want in [(f"torch SDPA dense {tag}", goal),
+                               (f"torch Quest pipeline 2K {tag}", 10.0)]:
+                p = peers.get(peer)
+                if p:
+                    pt = pair(p)
+                    line += (f"; {peer} {pt[0]:.4f}/{pt[1]:.4f} ms = "
+                             f"{pt[0] / ot[0]:.2f}x/{pt[1] / ot[1]:.2f}x (goal >= {want:g}x)")
+            print(line)
     io, _ = load(sys.argv[3]) if len(sys.argv) > 3 else ({}, "?")
     if io:
         print()

@@ -8,6 +8,10 @@ Same shapes and data sizes as `attn-op`'s `gpu bench`: bf16, 32 query / 8 KV hea
 - torch SDPA dense decode: contiguous K/V `[B, 8, L, 128]`, `enable_gqa=True`.
 - torch gather + SDPA: K/V gathered from the pool through a random page table, then SDPA.
 - torch sparse gather + SDPA: 128 selected pages per (sequence, KV head) gathered, then SDPA.
+- torch Quest estimate + top-k: per-page key min/max `[B, 8, pages, 128]`, the bound
+  `sum_d max(q_d kmin_d, q_d kmax_d)` per query head, max over the GQA group, top-127 pages
+  (the last page is always kept); the Quest pipeline adds the gather of the selected pages and
+  SDPA over them (what sparse-algo's `gpu_select bench` times as "quest+sparse attn").
 
 Timing: after warm-up, medians of 50 runs, each alone between CUDA events (synced) and enqueued
 back to back with events between (queued). Writes JSON with --json.
@@ -110,8 +114,31 @@ def main():
 
         rows.append(row(f"torch sparse gather+SDPA 2K {tag}", timed(sparse), sel_bytes))
 
+        # Quest: min/max pages (random, as the bench's own), per-head bound, group max, top-k.
+        kmax = torch.rand(b, KVH, blocks, D, device=dev, generator=g, dtype=torch.bfloat16)
+        kmin = -torch.rand(b, KVH, blocks, D, device=dev, generator=g, dtype=torch.bfloat16)
+        qg = q.view(b, KVH, QH // KVH, 1, D)
+        last_page = torch.full((b, KVH, 1), blocks - 1, device=dev)
+        rep_bytes = b * KVH * blocks * D * 2 * 2
+
+        def quest_topk():
+            bound = torch.maximum(qg * kmax.unsqueeze(2), qg * kmin.unsqueeze(2)).sum(-1)
+            return bound.amax(2)[..., :-1].topk(BUDGET_PAGES - 1, dim=-1).indices
+
+        def quest_pipeline():
+            pages = torch.cat([quest_topk(), last_page], dim=2)
+            phys = torch.gather(table.unsqueeze(1).expand(b, KVH, blocks), 2, pages)
+            kk = pool_k.permute(0, 2, 1, 3)[phys, heads].reshape(b, KVH, BUDGET_PAGES * BS, D)
+            vv = pool_v.permute(0, 2, 1, 3)[phys, heads].reshape(b, KVH, BUDGET_PAGES * BS, D)
+            return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+        rows.append(row(f"torch Quest estimate+top-k {tag}", timed(quest_topk), rep_bytes))
+        rows.append(row(f"torch Quest pipeline 2K {tag}", timed(quest_pipeline),
+                        rep_bytes + sel_bytes))
+        del kmax, kmin
+
     for r in rows:
-        print(f"{r['name']:<40} {r['ms']:>10.4f} ms (queued {r['queued_ms']:.4f}) "
+        print(f"{r['name']:<44} {r['ms']:>10.4f} ms (queued {r['queued_ms']:.4f}) "
               f"{r['bytes'] / r['ms'] / 1e6:>10.1f} GB/s")
     if args.json:
         with open(args.json, "w") as f:

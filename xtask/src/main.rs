@@ -211,9 +211,9 @@ fn run_peers(out_dir: &Path) -> Result<(), String> {
 
 /// The device bundle's script: checks, the sanitizers, benches and peers, then one table.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# The GPU checks and benchmarks of attn-op (gpu) and offload (gpu_io). Usage: bash run.sh OUTDIR
-# Writes check.log, bench.log/json, io.log/json, peers.log/json, tools.log (sanitizers, ncu)
-# and table.txt into OUTDIR.
+# The GPU checks and benchmarks of attn-op (gpu), offload (gpu_io) and sparse-algo (gpu_select).
+# Usage: bash run.sh OUTDIR. Writes check.log, bench.log/json, io.log/json, select.log/json,
+# peers.log/json, tools.log (sanitizers, ncu) and table.txt into OUTDIR.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/out}
@@ -223,8 +223,11 @@ mkdir -p "$out"
 check=${PIPESTATUS[0]}
 "$here/bin/gpu_io" check 2>&1 | tee -a "$out/check.log"
 [ "${PIPESTATUS[0]}" = 0 ] || check=1
+"$here/bin/gpu_select" check 2>&1 | tee -a "$out/check.log"
+[ "${PIPESTATUS[0]}" = 0 ] || check=1
 "$here/bin/gpu" bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 "$here/bin/gpu_io" bench --json "$out/io.json" 2>&1 | tee "$out/io.log"
+"$here/bin/gpu_select" bench --json "$out/select.json" 2>&1 | tee "$out/select.log"
 python3 "$here/torch_gpu_attn.py" --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "torch peer failed (see peers.log)"
 : > "$out/tools.log"
 if command -v compute-sanitizer > /dev/null; then
@@ -235,6 +238,9 @@ if command -v compute-sanitizer > /dev/null; then
     echo "== compute-sanitizer --tool $tool gpu_io check" >> "$out/tools.log"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu_io" check >> "$out/tools.log" 2>&1
     echo "$tool gpu_io exit $?" | tee -a "$out/tools.log"
+    echo "== compute-sanitizer --tool $tool gpu_select check" >> "$out/tools.log"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu_select" check >> "$out/tools.log" 2>&1
+    echo "$tool gpu_select exit $?" | tee -a "$out/tools.log"
   done
 else
   echo "compute-sanitizer not found" | tee -a "$out/tools.log"
@@ -249,9 +255,14 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
       --section MemoryWorkloadAnalysis --section LaunchStats "$here/bin/gpu" profile >> "$out/tools.log" 2>&1
     echo "ncu exit $?" >> "$out/tools.log"
   done
+  echo "== ncu quest_select_bf16 B8 L32K" >> "$out/tools.log"
+  timeout 180 ncu --clock-control none --kernel-name regex:quest_select_bf16 --launch-skip 5 \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis "$here/bin/gpu_select" bench >> "$out/tools.log" 2>&1
+  echo "ncu exit $?" >> "$out/tools.log"
 fi
-grep -E "^(FAIL|check:)" "$out/check.log"
-python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" | tee "$out/table.txt"
+grep -E "^(FAIL|check:|gpu_select check:)" "$out/check.log"
+python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" "$out/select.json" | tee "$out/table.txt"
 exit $check
 "#;
 
@@ -267,8 +278,12 @@ fn gpu_bundle() -> Result<(), String> {
             .map(drop)
             .map_err(|e| format!("copy {} -> {}: {e}", from.display(), to.display()))
     };
-    // attn-op's attention checks and benches, and offload's diff and IO ones.
-    for (package, example) in [("attn-op", "gpu"), ("offload", "gpu_io")] {
+    // attn-op's attention checks and benches, offload's diff and IO ones, sparse-algo's Quest.
+    for (package, example) in [
+        ("attn-op", "gpu"),
+        ("offload", "gpu_io"),
+        ("sparse-algo", "gpu_select"),
+    ] {
         cargo(
             &[
                 "build",

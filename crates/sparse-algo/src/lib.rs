@@ -50,6 +50,8 @@
 mod algo;
 mod basic;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dsa;
 mod error;
 mod exact;

@@ -61,6 +61,23 @@ impl Quest {
             config,
         })
     }
+
+    /// The configuration.
+    pub fn config(&self) -> QuestConfig {
+        self.config
+    }
+
+    /// The budget in pages, forced pages included.
+    pub fn budget_pages(&self) -> usize {
+        self.budget_pages
+    }
+
+    /// The longest row a decode selection can have: the budget, or the forced pages where they
+    /// exceed it (the width of a device selection).
+    pub fn row_width(&self) -> usize {
+        let c = self.config;
+        c.always.max_row_pages(c.budget_tokens, c.page_size)
+    }
 }
 
 /// Quest's page score for one query head: `sum_d max(q_d * kmin_d, q_d * kmax_d)`, computed
@@ -94,9 +111,12 @@ impl SparseAlgorithm for Quest {
     }
 
     fn max_pages(&self, kv_heads: usize) -> Option<usize> {
-        let c = self.config;
-        let row = c.always.max_row_pages(c.budget_tokens, c.page_size);
-        Some(if c.shared_heads { row } else { kv_heads * row })
+        let row = self.row_width();
+        Some(if self.config.shared_heads {
+            row
+        } else {
+            kv_heads * row
+        })
     }
 
     fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {

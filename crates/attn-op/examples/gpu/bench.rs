@@ -3,10 +3,9 @@
 
 use std::fmt::Write as _;
 
-use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu};
+use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Timing};
 use attn_op::{AttnError, AttnParams, BatchMeta, KvLayout, Selection};
 use cudarc::driver::CudaSlice;
-use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -223,54 +222,9 @@ impl Step<'_> {
     }
 }
 
-/// Medians of one operation, in milliseconds.
-#[derive(Clone, Copy)]
-struct Timing {
-    /// Each run alone: events around it, then a wait for it. This includes the host's launch
-    /// work, which the device waits for.
-    synced: f64,
-    /// Runs enqueued back to back with an event between each two, as an engine enqueues one
-    /// layer after another: the host's launch work overlaps the device's.
-    queued: f64,
-}
-
-/// `RUNS` timed runs of `f` after 5 warm-up runs, synced and queued (see [`Timing`]).
-fn time(gpu: &Gpu, mut f: impl FnMut() -> Result<(), AttnError>) -> Result<Timing, AttnError> {
-    for _ in 0..5 {
-        f()?;
-    }
-    let ctx = gpu.context();
-    let stream = gpu.stream();
-    let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-    let mut synced = Vec::with_capacity(RUNS);
-    for _ in 0..RUNS {
-        let (a, b) = (event()?, event()?);
-        a.record(stream)?;
-        f()?;
-        b.record(stream)?;
-        b.synchronize()?;
-        synced.push(f64::from(a.elapsed_ms(&b)?));
-    }
-    let marks = (0..=RUNS).map(|_| event()).collect::<Result<Vec<_>, _>>()?;
-    marks[0].record(stream)?;
-    for m in &marks[1..] {
-        f()?;
-        m.record(stream)?;
-    }
-    gpu.synchronize()?;
-    let mut queued = marks
-        .windows(2)
-        .map(|w| Ok(f64::from(w[0].elapsed_ms(&w[1])?)))
-        .collect::<Result<Vec<_>, AttnError>>()?;
-    Ok(Timing {
-        synced: median(&mut synced),
-        queued: median(&mut queued),
-    })
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// `RUNS` timed runs of `f` (see [`Timing`]).
+fn time(gpu: &Gpu, f: impl FnMut() -> Result<(), AttnError>) -> Result<Timing, AttnError> {
+    gpu.time(RUNS, f)
 }
 
 /// Device-to-device copy of 1 GiB: (timing, bytes read + written).

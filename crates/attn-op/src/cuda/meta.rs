@@ -51,6 +51,36 @@ impl DeviceBatch {
     pub fn seq_lens_kv(&self) -> &CudaSlice<i32> {
         &self.seq_lens_kv
     }
+
+    /// The query prefix sums on the device (`cu_seqlens_q`).
+    pub fn cu_seqlens_q(&self) -> &CudaSlice<i32> {
+        &self.cu_seqlens_q
+    }
+
+    /// The block table on the device, `[num_seqs, max_blocks]`.
+    pub fn block_table(&self) -> &CudaSlice<i32> {
+        &self.block_table
+    }
+
+    /// Columns of the block table.
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+
+    /// Query rows of each sequence (host copy).
+    pub fn q_lens(&self) -> &[usize] {
+        &self.q_lens
+    }
+
+    /// KV length of each sequence (host copy).
+    pub fn kv_lens(&self) -> &[usize] {
+        &self.kv_lens
+    }
+
+    /// The KV layout the batch was validated against.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
 }
 
 /// Per (sequence, KV head) id lists on the device, in the shared format: `ids` is

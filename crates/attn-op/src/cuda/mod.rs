@@ -13,6 +13,7 @@
 
 mod meta;
 mod ops;
+mod timing;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,6 +30,7 @@ use crate::kv::Memory;
 use crate::{AttnError, DType, Element, KvCache, KvLayout};
 
 pub use meta::{DeviceBatch, DeviceGathered, DeviceSelection};
+pub use timing::Timing;
 
 /// The CUDA C source of every kernel, embedded at build time.
 pub const KERNEL_SOURCE: &str = include_str!("../../../../kernels/attn.cu");

@@ -16,11 +16,15 @@
 
 use attn_op::cuda::{DevicePagedKv, DeviceSelection, Gpu};
 use attn_op::{AttnError, KvLayout, Selection};
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 use offload::cuda::{DeviceDiff, DeviceHotBuffers, IoKernels, PinnedHostPool};
 use offload::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, OffloadError};
+
+#[path = "../../../attn-op/examples/gpu/rng.rs"]
+mod rng;
+
+use rng::Rng;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -57,38 +61,6 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, OffloadError> {
             eprintln!("unknown command {other}; use check or bench");
             Ok(2)
         }
-    }
-}
-
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo) as u64) as usize
-    }
-
-    /// `n` distinct values of `0..m`, ascending.
-    fn subset(&mut self, n: usize, m: usize) -> Vec<i32> {
-        let mut v: Vec<usize> = (0..m).collect();
-        for i in 0..n.min(m) {
-            let j = self.range(i, m);
-            v.swap(i, j);
-        }
-        let mut s: Vec<i32> = v[..n.min(m)].iter().map(|&x| x as i32).collect();
-        s.sort_unstable();
-        s
     }
 }
 
@@ -371,27 +343,9 @@ fn raw<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
     p
 }
 
-/// Median milliseconds of 30 runs after 3 warm-up runs, CUDA events around each.
-fn time(gpu: &Gpu, mut f: impl FnMut() -> Result<(), OffloadError>) -> Result<f64, OffloadError> {
-    for _ in 0..3 {
-        f()?;
-    }
-    let ctx = gpu.context();
-    let ev = || {
-        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| OffloadError::Attn(AttnError::from(e)))
-    };
-    let mut ms = Vec::new();
-    for _ in 0..30 {
-        let (a, b) = (ev()?, ev()?);
-        a.record(gpu.stream()).map_err(AttnError::from)?;
-        f()?;
-        b.record(gpu.stream()).map_err(AttnError::from)?;
-        b.synchronize().map_err(AttnError::from)?;
-        ms.push(f64::from(a.elapsed_ms(&b).map_err(AttnError::from)?));
-    }
-    ms.sort_by(f64::total_cmp);
-    Ok(ms[ms.len() / 2])
+/// Median milliseconds of 30 runs, each alone between CUDA events ([`Gpu::time`]'s synced).
+fn time(gpu: &Gpu, f: impl FnMut() -> Result<(), OffloadError>) -> Result<f64, OffloadError> {
+    Ok(gpu.time(30, f)?.synced)
 }
 
 fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadError> {

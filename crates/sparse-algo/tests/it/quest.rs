@@ -276,3 +276,39 @@ fn the_max_of_two_dot_products_is_not_a_bound() {
     );
     assert_eq!(quest_bound(&q, &kmax, &kmin), 2.0);
 }
+
+/// The device kernel (kernels/select.cu) adds `max(q kmax, q kmin)` per element, with NaN
+/// queries read as 0, in the CPU's lane order; the CPU adds `wmax kmax + wmin kmin`. The two
+/// must agree bit for bit, zeros of either sign and NaN queries included, or device selections
+/// would differ from the CPU's.
+#[test]
+fn the_device_form_of_the_bound_is_bit_identical() {
+    let mut rng = Rng::new(31);
+    for d in [16, 48, 64, 128] {
+        for round in 0..200 {
+            let pick = |rng: &mut Rng| match rng.range(0, 8) {
+                0 => 0.0,
+                1 => -0.0,
+                _ => rng.unit() * 2.0,
+            };
+            let (mut kmax, mut kmin) = (Vec::new(), Vec::new());
+            for _ in 0..d {
+                let (a, b) = (pick(&mut rng), pick(&mut rng));
+                kmax.push(a.max(b));
+                kmin.push(a.min(b));
+            }
+            let mut q: Vec<f32> = (0..d).map(|_| pick(&mut rng)).collect();
+            if round % 7 == 0 {
+                q[round % d] = f32::NAN;
+            }
+            let mut acc = [0.0f32; 16];
+            for (i, ((&x, &hi), &lo)) in q.iter().zip(&kmax).zip(&kmin).enumerate() {
+                let x = if x.is_nan() { 0.0 } else { x };
+                acc[i % 16] += (x * hi).max(x * lo);
+            }
+            let device = acc.iter().fold(0.0f32, |s, &a| s + a);
+            let cpu = quest_bound(&q, &kmax, &kmin);
+            assert_eq!(device.to_bits(), cpu.to_bits(), "d {d}, round {round}");
+        }
+    }
+}
