@@ -6,9 +6,8 @@
 // Pointers into pinned host memory are ordinary pointers here: with unified addressing a pinned
 // host allocation is readable and writable from kernels, so loads need no cudaMemcpy per page.
 // Every index read from memory is range-checked before it addresses memory.
-
-typedef int i32;
-typedef unsigned int u32;
+//
+// Compiled after kernels/common.cuh (the integer typedefs and block_scan).
 
 // ---------------------------------------------------------------------------------------------
 // The diff: one CTA per (request, layer) row. For a row with `hot` slots:
@@ -32,35 +31,6 @@ typedef unsigned int u32;
 
 __device__ __forceinline__ u32 hash_page(int page) {
     return ((u32)page * 2654435761u) >> (32 - HASH_BITS);
-}
-
-// Exclusive scan of one int per thread over the CTA; returns the prefix and sets *total.
-__device__ int block_scan(int x, int* total) {
-    __shared__ int warp_sums[DIFF_THREADS / 32];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    int v = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += y;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < DIFF_THREADS / 32 ? warp_sums[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        if (lane < DIFF_THREADS / 32) warp_sums[lane] = w;
-    }
-    __syncthreads();
-    const int before = (warp > 0 ? warp_sums[warp - 1] : 0) + v - x;
-    *total = warp_sums[DIFF_THREADS / 32 - 1];
-    __syncthreads();
-    return before;
 }
 
 extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
@@ -133,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
         n_hit += idx >= 0;
     }
     int hits_total;
-    const int hit_at = block_scan(n_hit, &hits_total);
+    const int hit_at = block_scan<DIFF_THREADS>(n_hit, &hits_total);
     const int n_evict = hot - hits_total;
     int hi = hit_at, ev = a - hit_at;
     for (int j = a; j < b; j++) {
@@ -160,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
         n_miss += p >= 0 && p != cur && !sel_hit[i];
     }
     int misses_total;
-    int m = block_scan(n_miss, &misses_total);
+    int m = block_scan<DIFF_THREADS>(n_miss, &misses_total);
     if (misses_total > n_evict) {
         // Cannot happen when the caller keeps the selection within the buffer; nothing changes.
         if (tid == 0) {
@@ -192,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
         }
     }
     int cur_total;
-    block_scan(cur_hits, &cur_total);
+    block_scan<DIFF_THREADS>(cur_hits, &cur_total);
     for (int i = len + tid; i < sel_max; i += DIFF_THREADS) {
         const size_t o = (size_t)row * sel_max + i;
         slots_out[o] = -1;

@@ -8,12 +8,11 @@
 //           the keys' element type (a max or min of elements is an element: nothing is rounded)
 //   q       [total_q, q_heads, d]: a sequence's decode query is its last row, cu_q[s + 1] - 1
 // Every index read from memory is range-checked before it addresses memory.
+//
+// Compiled after kernels/common.cuh (the integer typedefs and block_scan).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-
-typedef int i32;
-typedef unsigned int u32;
 
 #define SEL_THREADS 256
 #define NEG_INF_F (-__int_as_float(0x7f800000))
@@ -165,35 +164,6 @@ __device__ __forceinline__ u32 order_key(float s) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive scan of one int per thread over a SEL_THREADS CTA; sets *total.
-__device__ int sel_scan(int x, int* total) {
-    __shared__ int warp_sums[SEL_THREADS / 32];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    int v = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += y;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < SEL_THREADS / 32 ? warp_sums[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        if (lane < SEL_THREADS / 32) warp_sums[lane] = w;
-    }
-    __syncthreads();
-    const int before = (warp > 0 ? warp_sums[warp - 1] : 0) + v - x;
-    *total = warp_sums[SEL_THREADS / 32 - 1];
-    __syncthreads();
-    return before;
-}
-
 // Keys other CTAs wrote, read past L1 (they live in L2), or a copy in shared memory.
 template <bool SMEM>
 __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
@@ -259,8 +229,8 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) 
         above += key > t;
     }
     int total;
-    const int eq_first = sel_scan(eq, &total);
-    sel_scan(above, &total);
+    const int eq_first = block_scan<SEL_THREADS>(eq, &total);
+    block_scan<SEL_THREADS>(above, &total);
     const int remaining = pick - total;
     int eq_seen = eq_first;
     int take = 0;
@@ -268,7 +238,7 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) 
         const u32 key = key_at<SMEM>(keys, i);
         take += key > t || (key == t && eq_seen++ < remaining);
     }
-    int at = sel_scan(take, &total);
+    int at = block_scan<SEL_THREADS>(take, &total);
     eq_seen = eq_first;
     for (int i = a; i < b; i++) {
         const u32 key = key_at<SMEM>(keys, i);

@@ -20,8 +20,12 @@ use cudarc::driver::{
 
 use crate::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, OffloadError};
 
-/// The CUDA C source of offload's kernels, embedded at build time.
-pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/offload.cu");
+/// The CUDA C source of offload's kernels (`kernels/common.cuh`, then
+/// `kernels/offload.cu`), embedded at build time.
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("../../../kernels/common.cuh"),
+    include_str!("../../../kernels/offload.cu")
+);
 
 /// Threads of a diff CTA (`DIFF_THREADS` in kernels/offload.cu).
 const DIFF_THREADS: u32 = 512;

@@ -20,10 +20,15 @@ use attn_op::{AttnError, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
+use crate::pool::pool_extent;
 use crate::{AlgoError, Quest, RepShape, minmax};
 
-/// The CUDA C source of sparse-algo's kernels, embedded at build time.
-pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/select.cu");
+/// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, then
+/// `kernels/select.cu`), embedded at build time.
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("../../../kernels/common.cuh"),
+    include_str!("../../../kernels/select.cu")
+);
 
 /// Threads of a selection CTA (`SEL_THREADS` in kernels/select.cu): also the mid pages one
 /// scoring CTA takes.
@@ -76,14 +81,7 @@ impl<T: CudaElement> DeviceRepPool<T> {
         slots: usize,
         max_tokens: usize,
     ) -> Result<Self, AlgoError> {
-        if shape.page_size == 0 {
-            return Err(AlgoError::Config("representation page size 0".to_owned()));
-        }
-        let max_pages = max_tokens.div_ceil(shape.page_size);
-        let len = [layers, slots, max_pages, shape.heads, shape.width]
-            .into_iter()
-            .try_fold(1usize, usize::checked_mul)
-            .ok_or_else(|| AlgoError::Config("representation pool size overflows".to_owned()))?;
+        let (max_pages, len) = pool_extent(shape, layers, slots, max_tokens)?;
         Ok(DeviceRepPool {
             shape,
             layers,

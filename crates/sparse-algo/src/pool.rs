@@ -52,14 +52,7 @@ impl RepPool {
         slots: usize,
         max_tokens: usize,
     ) -> Result<Self, AlgoError> {
-        if shape.page_size == 0 {
-            return Err(AlgoError::Config("representation page size 0".to_owned()));
-        }
-        let max_pages = max_tokens.div_ceil(shape.page_size);
-        let len = [layers, slots, max_pages, shape.heads, shape.width]
-            .into_iter()
-            .try_fold(1usize, usize::checked_mul)
-            .ok_or_else(|| AlgoError::Config("representation pool size overflows".to_owned()))?;
+        let (max_pages, len) = pool_extent(shape, layers, slots, max_tokens)?;
         Ok(RepPool {
             shape,
             layers,
@@ -156,4 +149,23 @@ impl RepPool {
         let row = self.max_pages * self.shape.page_len();
         Ok((&mut self.data[i * row..(i + 1) * row], &mut self.tokens[i]))
     }
+}
+
+/// Pages per (layer, slot) and elements of a pool of `layers` x `slots` rows of `max_tokens`
+/// tokens, rejecting a page size of 0 and sizes that overflow.
+pub(crate) fn pool_extent(
+    shape: RepShape,
+    layers: usize,
+    slots: usize,
+    max_tokens: usize,
+) -> Result<(usize, usize), AlgoError> {
+    if shape.page_size == 0 {
+        return Err(AlgoError::Config("representation page size 0".to_owned()));
+    }
+    let max_pages = max_tokens.div_ceil(shape.page_size);
+    let len = [layers, slots, max_pages, shape.heads, shape.width]
+        .into_iter()
+        .try_fold(1usize, usize::checked_mul)
+        .ok_or_else(|| AlgoError::Config("representation pool size overflows".to_owned()))?;
+    Ok((max_pages, len))
 }

@@ -1,15 +1,13 @@
 //! Device benchmarks: copy bandwidth, dense paged decode, sparse page-list decode and the device
 //! gather, timed with CUDA events after warm-up (median of many runs).
 
-use std::fmt::Write as _;
-
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Timing};
 use attn_op::{AttnError, AttnParams, BatchMeta, KvLayout, Selection};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use rayon::prelude::*;
 
 use crate::Rng;
+use crate::report::{self, Row, random_bf16, table};
 
 const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
@@ -20,14 +18,6 @@ const BUDGET_PAGES: usize = 128;
 /// Blocks of the shared pool: 512K tokens, 1 GiB of K and V in bf16.
 const POOL_BLOCKS: usize = 32 * 1024;
 const RUNS: usize = 50;
-
-/// One timed row of the table.
-struct Row {
-    name: String,
-    t: Timing,
-    bytes: f64,
-    note: String,
-}
 
 /// Runs every benchmark, prints the table and writes it as JSON when asked.
 pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<(), AttnError> {
@@ -155,38 +145,9 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         println!("{line}");
     }
 
-    let mut text = String::new();
-    let _ = writeln!(
-        text,
-        "{:<28} {:>10} {:>10} {:>10}  note (synced / queued)",
-        "bench", "ms", "queued ms", "GB/s"
-    );
-    for r in &rows {
-        let gbs = if r.bytes > 0.0 {
-            r.bytes / r.t.synced / 1e6
-        } else {
-            0.0
-        };
-        let _ = writeln!(
-            text,
-            "{:<28} {:>10.4} {:>10.4} {:>10.1}  {}",
-            r.name, r.t.synced, r.t.queued, gbs, r.note
-        );
-    }
-    print!("{text}");
+    print!("{}", table(&rows));
     if let Some(path) = json {
-        let items: Vec<String> = rows
-            .iter()
-            .map(|r| {
-                format!(
-                    "{{\"name\":\"{}\",\"ms\":{},\"queued_ms\":{},\"bytes\":{},\
-                     \"note\":\"{}\"}}",
-                    r.name, r.t.synced, r.t.queued, r.bytes, r.note
-                )
-            })
-            .collect();
-        let name = gpu.name()?;
-        let body = format!("{{\"device\":\"{name}\",\"rows\":[{}]}}\n", items.join(","));
+        let body = report::json(&gpu.name()?, &rows);
         std::fs::write(path, body).map_err(|e| AttnError::Device(format!("{path}: {e}")))?;
     }
     Ok(())
@@ -235,18 +196,6 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
     let stream = gpu.stream().clone();
     let t = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
     Ok((t, (n * 4 * 2) as f64))
-}
-
-/// `n` random bf16 values in [-1, 1), generated in parallel chunks with fixed seeds.
-fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
-    let mut v = vec![bf16::ZERO; n];
-    v.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
-        let mut rng = Rng::new(seed * 1_000_003 + i as u64);
-        for x in c {
-            *x = bf16::from_f32(rng.unit());
-        }
-    });
-    v
 }
 
 /// Per (sequence, KV head) `BUDGET_PAGES` distinct logical pages, the last page always.

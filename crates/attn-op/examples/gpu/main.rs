@@ -18,6 +18,7 @@
 
 mod bench;
 mod check;
+mod report;
 mod rng;
 
 pub(crate) use rng::Rng;

@@ -16,15 +16,15 @@
     reason = "a command-line tool"
 )]
 
+#[path = "../../../attn-op/examples/gpu/report.rs"]
+mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
 mod rng;
 
-use std::fmt::Write as _;
-
-use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu, Timing};
+use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu};
 use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvLayout, PagedKv};
 use half::{bf16, f16};
-use rayon::prelude::*;
+use report::{Row, random_bf16, table};
 use rng::Rng;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{
@@ -451,14 +451,6 @@ const PS: usize = 16;
 const POOL_BLOCKS: usize = 32 * 1024;
 const RUNS: usize = 50;
 
-/// One timed row of the table.
-struct Row {
-    name: String,
-    t: Timing,
-    bytes: f64,
-    note: String,
-}
-
 fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoError> {
     let mut rows = Vec::new();
     let n = 1usize << 28;
@@ -583,53 +575,10 @@ fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoEr
         });
     }
 
-    let mut text = String::new();
-    let _ = writeln!(
-        text,
-        "{:<36} {:>10} {:>10} {:>10}  note",
-        "bench", "ms", "queued ms", "GB/s"
-    );
-    for r in &rows {
-        let gbs = if r.bytes > 0.0 {
-            r.bytes / r.t.synced / 1e6
-        } else {
-            0.0
-        };
-        let _ = writeln!(
-            text,
-            "{:<36} {:>10.4} {:>10.4} {:>10.1}  {}",
-            r.name, r.t.synced, r.t.queued, gbs, r.note
-        );
-    }
-    print!("{text}");
+    print!("{}", table(&rows));
     if let Some(path) = json {
-        let items: Vec<String> = rows
-            .iter()
-            .map(|r| {
-                format!(
-                    "{{\"name\":\"{}\",\"ms\":{},\"queued_ms\":{},\"bytes\":{},\"note\":\"{}\"}}",
-                    r.name, r.t.synced, r.t.queued, r.bytes, r.note
-                )
-            })
-            .collect();
-        let body = format!(
-            "{{\"device\":\"{}\",\"rows\":[{}]}}\n",
-            gpu.name()?,
-            items.join(",")
-        );
+        let body = report::json(&gpu.name()?, &rows);
         std::fs::write(path, body).map_err(|e| AlgoError::Invalid(format!("{path}: {e}")))?;
     }
     Ok(())
-}
-
-/// `n` random bf16 values in [-1, 1), generated in parallel chunks with fixed seeds.
-fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
-    let mut v = vec![bf16::ZERO; n];
-    v.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
-        let mut rng = Rng::new(seed * 1_000_003 + i as u64);
-        for x in c {
-            *x = bf16::from_f32(rng.unit());
-        }
-    });
-    v
 }

@@ -1,0 +1,71 @@
+//! The table and JSON of a GPU bench, and its random inputs, shared by attn-op's `gpu` and
+//! sparse-algo's `gpu_select` (which includes this file with `#[path]`).
+
+use std::fmt::Write as _;
+
+use attn_op::cuda::Timing;
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::rng::Rng;
+
+/// One timed row of the table.
+pub(crate) struct Row {
+    pub(crate) name: String,
+    pub(crate) t: Timing,
+    pub(crate) bytes: f64,
+    pub(crate) note: String,
+}
+
+/// The rows as a text table: name, synced and queued ms, GB/s at the synced time, note.
+pub(crate) fn table(rows: &[Row]) -> String {
+    let width = rows.iter().map(|r| r.name.len()).max().unwrap_or(0).max(5);
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "{:<width$} {:>10} {:>10} {:>10}  note (synced / queued)",
+        "bench", "ms", "queued ms", "GB/s"
+    );
+    for r in rows {
+        let gbs = if r.bytes > 0.0 {
+            r.bytes / r.t.synced / 1e6
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            text,
+            "{:<width$} {:>10.4} {:>10.4} {:>10.1}  {}",
+            r.name, r.t.synced, r.t.queued, gbs, r.note
+        );
+    }
+    text
+}
+
+/// The rows as the JSON `bench/gpu_table.py` reads.
+pub(crate) fn json(device: &str, rows: &[Row]) -> String {
+    let items: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{{\"name\":\"{}\",\"ms\":{},\"queued_ms\":{},\"bytes\":{},\"note\":\"{}\"}}",
+                r.name, r.t.synced, r.t.queued, r.bytes, r.note
+            )
+        })
+        .collect();
+    format!(
+        "{{\"device\":\"{device}\",\"rows\":[{}]}}\n",
+        items.join(",")
+    )
+}
+
+/// `n` random bf16 values in [-1, 1), generated in parallel chunks with fixed seeds.
+pub(crate) fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
+    let mut v = vec![bf16::ZERO; n];
+    v.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
+        let mut rng = Rng::new(seed * 1_000_003 + i as u64);
+        for x in c {
+            *x = bf16::from_f32(rng.unit());
+        }
+    });
+    v
+}
