@@ -16,7 +16,7 @@ use std::sync::Arc;
 use attn_op::cuda::{
     CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, compile_source,
 };
-use attn_op::{AttnError, KvCache};
+use attn_op::{AttnError, DType, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
@@ -173,11 +173,20 @@ impl DeviceTopK {
 
 /// The index of `T` in [`SelectKernels`]' tables.
 fn type_index<T: CudaElement>() -> usize {
-    match T::KERNEL {
-        "f32" => 0,
-        "f16" => 1,
-        _ => 2,
+    match T::DTYPE {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
     }
+}
+
+/// A launch's integer arguments, on the stack: the first error if one does not fit an i32.
+fn ints_ok<const N: usize>(ints: [Result<i32, AlgoError>; N]) -> Result<[i32; N], AlgoError> {
+    let mut out = [0; N];
+    for (o, x) in out.iter_mut().zip(ints) {
+        *o = x?;
+    }
+    Ok(out)
 }
 
 impl SelectKernels {
@@ -280,9 +289,8 @@ impl SelectKernels {
             pool.max_pages,
             ps,
         ]
-        .into_iter()
-        .map(to_i32)
-        .collect::<Result<Vec<i32>, _>>()?;
+        .map(to_i32);
+        let ints = ints_ok(ints)?;
         let mut b = self.stream.launch_builder(&self.quest[type_index::<T>()].0);
         b.arg(kv.k())
             .arg(&ints[0])
@@ -415,9 +423,8 @@ impl SelectKernels {
             width,
             out.copies,
         ]
-        .into_iter()
-        .map(to_i32)
-        .collect::<Result<Vec<i32>, _>>()?;
+        .map(to_i32);
+        let ints = ints_ok(ints)?;
         let mut b = self.stream.launch_builder(&self.quest[type_index::<T>()].1);
         b.arg(q)
             .arg(meta.cu_seqlens_q())
