@@ -27,7 +27,8 @@ __device__ __forceinline__ float2 widen2(const __half*, u32 w) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 __device__ __forceinline__ float2 widen2(const __nv_bfloat16*, u32 w) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+    // A bf16 is the top half of its f32: one shift and one mask.
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 __device__ __forceinline__ u32 narrow2(const __half*, float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);
@@ -164,24 +165,32 @@ __device__ __forceinline__ u32 order_key(float s) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Keys other CTAs wrote, read past L1 (they live in L2), or a copy in shared memory.
+// Keys the scoring kernel wrote, read past L1, or a copy in shared memory.
 template <bool SMEM>
 __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
     return SMEM ? keys[i] : __ldcg(keys + i);
 }
 
 // The ids of the `pick` largest keys of keys[0..n) in ascending id order, written to out; ties go
-// to the lower id. The pick-th largest key T is found by bisection over the keys' range (the
-// largest T that at least `pick` keys reach; one count per step, at most 32 steps); then, in
-// id order, every key above T is taken, and the first (pick - #above) keys equal to T.
-template <bool SMEM>
+// to the lower id. The pick-th largest key T (the largest T that at least `pick` keys reach) is
+// found by histograms over a shrinking key range [lo, hi): each round bins the range's keys
+// into SEL_BINS equal bins (shared-memory atomics), a block scan finds the bin where the count
+// of keys at or above it reaches `pick`, and that bin becomes the range. 32-bit keys take at
+// most 3 rounds (12 bits each). Then, in id order, every key above T is taken, and the first
+// (pick - #above) keys equal to T. Every thread of a CTA of THREADS threads calls it.
+#define SEL_BINS 4096
+
+template <int THREADS, bool SMEM>
 __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) {
-    __shared__ u32 red[2][SEL_THREADS / 32];
+    constexpr int PER = SEL_BINS / THREADS;  // bins per thread
+    __shared__ int hist[SEL_BINS];
+    __shared__ u32 red[2][THREADS / 32];
+    __shared__ u32 found[2];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     u32 lo = 0xffffffffu, top = 0;
-    for (int i = tid; i < n; i += SEL_THREADS) {
+    for (int i = tid; i < n; i += THREADS) {
         const u32 key = key_at<SMEM>(keys, i);
         lo = min(lo, key);
         top = max(top, key);
@@ -193,52 +202,67 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) 
         red[1][warp] = top;
     }
     __syncthreads();
-    for (int w = 0; w < SEL_THREADS / 32; w++) {
-        lo = min(lo, red[0][w]);
-        top = max(top, red[1][w]);
-    }
-    __syncthreads();
-    // Every key reaches lo; none reaches hi.
+    lo = __reduce_min_sync(0xffffffffu, lane < THREADS / 32 ? red[0][lane] : 0xffffffffu);
+    top = __reduce_max_sync(0xffffffffu, lane < THREADS / 32 ? red[1][lane] : 0u);
+    // Every key reaches lo; none reaches hi; `above` keys lie at or above hi.
     unsigned long long hi = (unsigned long long)top + 1;
-    for (int step = 0; hi - lo > 1; step++) {
-        const u32 mid = (u32)(lo + (hi - lo) / 2);
-        int c = 0;
-#pragma unroll 8
-        for (int i = tid; i < n; i += SEL_THREADS) c += key_at<SMEM>(keys, i) >= mid;
-        c = (int)__reduce_add_sync(0xffffffffu, (u32)c);
-        // Two buffers by parity: a thread writing step + 2's sums has passed step + 1's barrier,
-        // so every thread has read step's.
-        if (lane == 0) red[step & 1][warp] = (u32)c;
+    int above = 0;
+    while (hi - lo > 1) {
+        const unsigned long long span = hi - lo;
+        const u32 width = (u32)((span + SEL_BINS - 1) / SEL_BINS);
+#pragma unroll
+        for (int j = 0; j < PER; j++) hist[tid * PER + j] = 0;
         __syncthreads();
-        int reached = 0;
-        for (int w = 0; w < SEL_THREADS / 32; w++) reached += (int)red[step & 1][w];
-        if (reached >= pick) {
-            lo = mid;
-        } else {
-            hi = mid;
+        for (int i = tid; i < n; i += THREADS) {
+            const u32 key = key_at<SMEM>(keys, i);
+            if (key >= lo && key < hi) atomicAdd(&hist[(key - lo) / width], 1);
         }
+        __syncthreads();
+        // Thread t owns bins SEL_BINS - PER (t + 1) .. SEL_BINS - PER t: scanning threads in
+        // order scans bins from the top down.
+        const int b0 = SEL_BINS - PER * (tid + 1);
+        int mine[PER], sum = 0;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            mine[j] = hist[b0 + j];
+            sum += mine[j];
+        }
+        int total;
+        int at_or_above = above + block_scan<THREADS>(sum, &total);  // keys in higher bins
+#pragma unroll
+        for (int j = PER - 1; j >= 0; j--) {
+            // at_or_above counts the keys above bin b0 + j; with them, bin b0 + j's reach pick.
+            if (at_or_above < pick && at_or_above + mine[j] >= pick) {
+                found[0] = (u32)(b0 + j);
+                found[1] = (u32)at_or_above;
+            }
+            at_or_above += mine[j];
+        }
+        __syncthreads();
+        const u32 b = found[0];
+        above = (int)found[1];
+        const unsigned long long next_lo = lo + (unsigned long long)b * width;
+        hi = min(hi, next_lo + width);
+        lo = (u32)next_lo;
+        __syncthreads();
     }
-    // lo is T. Each thread owns a run of consecutive ids so a scan keeps id order.
+    // lo is T, and `above` keys exceed it. Each thread owns a run of consecutive ids so a scan
+    // keeps id order.
     const u32 t = lo;
-    const int per = (n + SEL_THREADS - 1) / SEL_THREADS;
+    const int per = (n + THREADS - 1) / THREADS;
     const int a = min(n, tid * per), b = min(n, a + per);
-    int eq = 0, above = 0;
-    for (int i = a; i < b; i++) {
-        const u32 key = key_at<SMEM>(keys, i);
-        eq += key == t;
-        above += key > t;
-    }
+    int eq = 0;
+    for (int i = a; i < b; i++) eq += key_at<SMEM>(keys, i) == t;
     int total;
-    const int eq_first = block_scan<SEL_THREADS>(eq, &total);
-    block_scan<SEL_THREADS>(above, &total);
-    const int remaining = pick - total;
+    const int eq_first = block_scan<THREADS>(eq, &total);
+    const int remaining = pick - above;
     int eq_seen = eq_first;
     int take = 0;
     for (int i = a; i < b; i++) {
         const u32 key = key_at<SMEM>(keys, i);
         take += key > t || (key == t && eq_seen++ < remaining);
     }
-    int at = block_scan<SEL_THREADS>(take, &total);
+    int at = block_scan<THREADS>(take, &total);
     eq_seen = eq_first;
     for (int i = a; i < b; i++) {
         const u32 key = key_at<SMEM>(keys, i);
@@ -247,24 +271,33 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quest estimate + top-k in one launch. Grid: (tiles of mid pages, selection rows, heads per
-// row). A selection row is (sequence, KV head), or a sequence when `shared` (one selection from
-// every query head). A CTA stages a tile of one KV head's [kmax ‖ kmin] rows in shared memory;
-// `tpp` threads share a page, each scoring some of the group's query heads:
-// sum_d max(q_d kmin_d, q_d kmax_d) in score.rs's order (16 lanes, each rounded step by step,
-// then the lanes in order). The CPU adds wmax kmax + wmin kmin, one product of which is zero:
-// the term is the larger of q kmax and q kmin, a zero never changes a sum that starts at +0,
-// so scores equal the CPU's bit for bit (for finite keys). A page's key is its best score,
-// merged over threads and heads by atomicMax into scores[row, page - head_end]. The last CTA of
-// a row (a counter per row, reset by it) selects (from a shared-memory copy of the row's keys
-// when `keys_smem`; it zeroes them after) and writes the row: forced head pages, the chosen
-// ones, the tail, -1 padding; `copies` output rows per selection row (shared: 1 or kv_heads),
-// their lengths and the tokens they cover.
+// Quest estimate, then top-k, in two launches on one stream. A selection row is (sequence, KV
+// head), or a sequence when `shared` (one selection from every query head).
+//
+// quest_score_*: the work items are (selection row, head, tile of mid pages), numbered in that
+// order; CTA b takes items b * per_cta .. (b + 1) * per_cta, so a CTA mostly stays on one row
+// and head. A tile is one KV head's [kmax ‖ kmin] rows for SCORE_THREADS / tpp pages, staged in
+// shared memory with cp.async; two buffers, so the next item's copy runs under this item's math.
+// `tpp` threads share a page, each scoring some of the group's query heads: the sum over d of
+// q_d kmax_d where q_d >= 0 and q_d kmin_d where it is negative, in score.rs's order (16 lanes,
+// each rounded step by step, then the lanes in order). The CPU adds wmax kmax + wmin kmin, one
+// of which is a product with a zero weight; a zero never changes a sum that starts at +0, so
+// scores equal the CPU's bit for bit (for finite keys). Masks made once per query pick each
+// element's kmax or kmin bits in one logic operation per 32-bit word, before widening. A
+// page's key is its best score, merged over threads and heads by atomicMax into
+// scores[row, page - head_end].
+//
+// quest_pick_1024: one CTA of 1024 threads per selection row selects from the row's keys (a shared-
+// memory copy when `keys_smem`), zeroes them for the next launch and writes the row: forced
+// head pages, the chosen ones, the tail, -1 padding; `copies` output rows per selection row
+// (shared: 1 or kv_heads), their lengths and the tokens they cover.
 
-#define QJ 2              // query heads a thread scores per pass over its page
-#define TILE_BYTES 65536  // min/max rows staged in shared memory per CTA (before padding)
+#define QJ 2                 // query heads a thread scores per pass over its page
+#define SCORE_THREADS 128    // threads of a scoring CTA
+#define TILE_BYTES 32768     // min/max rows of one tile buffer (before padding)
 
-// 16 bytes global -> shared without registers (cp.async, sm_80 and later), and the wait for all.
+// 16 bytes global -> shared without registers (cp.async, sm_80 and later); commit closes a
+// group, wait<N> waits until at most N of this thread's groups are in flight.
 __device__ __forceinline__ void copy16(void* smem, const void* gmem) {
 #if __CUDA_ARCH__ >= 800
     const u32 at = (u32)__cvta_generic_to_shared(smem);
@@ -273,70 +306,141 @@ __device__ __forceinline__ void copy16(void* smem, const void* gmem) {
     *reinterpret_cast<uint4*>(smem) = __ldg(reinterpret_cast<const uint4*>(gmem));
 #endif
 }
+__device__ __forceinline__ void copy16_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
 __device__ __forceinline__ void copy16_wait() {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;\n" ::);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
 }
 
-template <typename T>
-__device__ void quest_body(const T* __restrict__ q, const i32* __restrict__ cu_q, i32 q_heads,
-                           const T* __restrict__ reps, i32 layer, i32 num_slots, i32 max_pages,
-                           const i32* __restrict__ slots, const i32* __restrict__ seq_lens,
-                           i32 kvh, i32 d, i32 ps, i32 budget, i32 sink_tokens,
-                           i32 recent_tokens, i32 shared, i32 tpp, u32* __restrict__ scores,
-                           i32 score_stride, i32 keys_smem, i32* __restrict__ counters,
-                           i32* __restrict__ ids, i32* __restrict__ lens,
-                           i32* __restrict__ covered, i32 width, i32 copies) {
-    typedef Vec16<T> V;
-    // Dynamic shared memory: the group's queries [g, d] (NaN read as 0, as the CPU's weights
-    // max(q, 0) and min(q, 0) read it), then the tile of min/max rows; the selecting CTA later
-    // reuses all of it for the row's keys.
-    extern __shared__ float w[];
-    __shared__ int s_last;
-    const int row = blockIdx.y;
-    const int s = shared ? row : row / kvh;
-    const int h = shared ? (int)blockIdx.z : row % kvh;
-    const int g = q_heads / kvh;
-    const int len = seq_lens[s];
-    const int slot = slots[s];
-    const bool valid = len > 0 && slot >= 0 && slot < num_slots;
-    const Plan plan(max(len, 1), ps, budget, sink_tokens, recent_tokens);
-    u32* row_keys = scores + (size_t)row * score_stride;
-    const int tile_pages = SEL_THREADS / tpp;
-    const int i0 = blockIdx.x * tile_pages;
-    const int npg = min(tile_pages, min(plan.mid(), score_stride) - i0);
+// quest_score_*'s integer arguments, one struct (the Rust side mirrors it, #[repr(C)]).
+struct ScoreArgs {
+    i32 q_heads, layer, num_slots, max_pages, kvh, d, ps, budget, sink_tokens, recent_tokens,
+        shared, tpp, score_stride, tiles;
+};
 
-    if (valid && plan.pick > 0 && npg > 0) {
-        unsigned char* tile = reinterpret_cast<unsigned char*>(w + g * d);
-        // Stage the tile's rows: page head_end + i0 + r of head h.
-        const int row_bytes = 2 * d * (int)sizeof(T);
-        const int pitch = row_bytes + 16;
-        const int vr = row_bytes / 16;
-        const size_t page_stride = (size_t)kvh * 2 * d;
-        const T* rep0 = reps +
-                        ((((size_t)layer * num_slots + slot) * max_pages + plan.head_end + i0) *
-                             kvh + h) * 2 * d;
-        for (int v = threadIdx.x; v < npg * vr; v += SEL_THREADS) {
-            const int r = v / vr, c = v - r * vr;
-            copy16(tile + r * pitch + c * 16, rep0 + r * page_stride + c * (16 / sizeof(T)));
+// A scoring item's coordinates: selection row, KV head, sequence, the tile's first mid page and
+// page count (0: nothing to score), and the first element of its min/max rows.
+struct Item {
+    int row, h, s, i0, npg;
+    size_t rep0;
+};
+
+template <typename T>
+__device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q,
+                           const T* __restrict__ reps, const i32* __restrict__ slots,
+                           const i32* __restrict__ seq_lens, const ScoreArgs a, i32 items,
+                           i32 per_cta, u32* __restrict__ scores) {
+    typedef Vec16<T> V;
+    // Dynamic shared memory: the group's queries [g, d] as f32 (NaN read as 0, as the CPU's
+    // weights max(q, 0) and min(q, 0) read it), their masks, then two tile buffers.
+    extern __shared__ float w[];
+    const int g = a.q_heads / a.kvh;
+    const int heads = a.shared ? a.kvh : 1;
+    const int tile_pages = SCORE_THREADS / a.tpp;
+    const int row_bytes = 2 * a.d * (int)sizeof(T);
+    const int pitch = row_bytes + 16;
+    const int vr = row_bytes / 16;
+    const size_t page_stride = (size_t)a.kvh * 2 * a.d;
+    // Per query element, a mask over its bits in a 32-bit word of a min/max row: set where it
+    // reads kmax (the element is >= 0), clear where it reads kmin ([g, d * sizeof(T) / 4]).
+    u32* masks = reinterpret_cast<u32*>(w + g * a.d);
+    unsigned char* tiles = reinterpret_cast<unsigned char*>(masks + g * a.d * sizeof(T) / 4);
+    const int tile_bytes = tile_pages * pitch;
+    // This thread's first 16-byte copy of a tile (row c_r, column c_c) and its stride.
+    const int c_r = threadIdx.x / vr, c_c = threadIdx.x % vr;
+    const int step_r = SCORE_THREADS / vr, step_c = SCORE_THREADS % vr;
+
+    auto locate = [&](int it) {
+        Item m;
+        const int tile = it % a.tiles;
+        const int rh = it / a.tiles;
+        m.row = rh / heads;
+        m.s = a.shared ? m.row : m.row / a.kvh;
+        m.h = a.shared ? rh % heads : m.row % a.kvh;
+        m.i0 = tile * tile_pages;
+        m.npg = 0;
+        m.rep0 = 0;
+        const int len = seq_lens[m.s];
+        const int slot = slots[m.s];
+        if (len <= 0 || slot < 0 || slot >= a.num_slots) return m;
+        const Plan plan(len, a.ps, a.budget, a.sink_tokens, a.recent_tokens);
+        if (plan.pick <= 0) return m;
+        m.npg = max(0, min(tile_pages, min(plan.mid(), a.score_stride) - m.i0));
+        m.rep0 = ((((size_t)a.layer * a.num_slots + slot) * a.max_pages + plan.head_end + m.i0) *
+                      a.kvh + m.h) * 2 * a.d;
+        return m;
+    };
+    // Issues the copies of item m's tile into buffer `buf`.
+    auto stage = [&](const Item& m, int buf) {
+        const T* src = reps + m.rep0;
+        unsigned char* dst = tiles + buf * tile_bytes;
+        for (int r = c_r, c = c_c; r < m.npg;) {
+            copy16(dst + r * pitch + c * 16, src + r * page_stride + c * (16 / sizeof(T)));
+            r += step_r;
+            c += step_c;
+            if (c >= vr) {
+                c -= vr;
+                r++;
+            }
         }
-        const T* qrow = q + ((size_t)(cu_q[s + 1] - 1) * q_heads + (size_t)h * g) * d;
-        for (int i = threadIdx.x * V::N; i < g * d; i += SEL_THREADS * V::N) {
-            float x[V::N];
-            V::widen(__ldg(reinterpret_cast<const uint4*>(qrow + i)), x);
-#pragma unroll
-            for (int j = 0; j < V::N; j++) w[i + j] = x[j] == x[j] ? x[j] : 0.0f;
+    };
+
+    const int first = blockIdx.x * per_cta;
+    const int last = min(items, first + per_cta);
+    if (first >= last) return;
+    int have_q = -1;  // the (row, head) whose queries w holds
+    Item next = locate(first);
+    stage(next, 0);
+    copy16_commit();
+    for (int it = first; it < last; it++) {
+        const int buf = (it - first) & 1;
+        const Item m = next;
+        if (it + 1 < last) {
+            next = locate(it + 1);
+            stage(next, buf ^ 1);
         }
-        copy16_wait();
+        copy16_commit();
+        copy16_wait<1>();
         __syncthreads();
+        if (m.npg == 0) continue;  // uniform over the CTA
+        const int rh = it / a.tiles;
+        if (rh != have_q) {
+            // The previous item's math finished at its closing barrier.
+            const T* qrow = q + ((size_t)(cu_q[m.s + 1] - 1) * a.q_heads + (size_t)m.h * g) * a.d;
+            for (int i = threadIdx.x * V::N; i < g * a.d; i += SCORE_THREADS * V::N) {
+                float x[V::N];
+                V::widen(__ldg(reinterpret_cast<const uint4*>(qrow + i)), x);
+                u32 m[V::N * sizeof(T) / 4] = {};
+#pragma unroll
+                for (int j = 0; j < V::N; j++) {
+                    w[i + j] = x[j] == x[j] ? x[j] : 0.0f;
+                    // The element's bits in its 32-bit word, set where it reads kmax.
+                    const int bits = 8 * (int)sizeof(T);
+                    const u32 ones = bits == 32 ? 0xffffffffu : ((1u << bits) - 1);
+                    if (!(w[i + j] < 0.0f)) m[j * bits / 32] |= ones << (j * bits % 32);
+                }
+#pragma unroll
+                for (int j = 0; j < V::N * (int)sizeof(T) / 4; j++)
+                    masks[i * sizeof(T) / 4 + j] = m[j];
+            }
+            have_q = rh;
+            __syncthreads();
+        }
+        const int row = m.row, i0 = m.i0, npg = m.npg;
         const int r = threadIdx.x % tile_pages;
         const int sub = threadIdx.x / tile_pages;
+        const int d = a.d;
         if (r < npg) {
-            const unsigned char* mine = tile + r * pitch;
+            const unsigned char* mine = tiles + buf * tile_bytes + r * pitch;
             u32 best = 0;
             // Query heads sub, sub + tpp, ...; QJ of them per pass over the row.
-            for (int j0 = sub; j0 < g; j0 += QJ * tpp) {
+            for (int j0 = sub; j0 < g; j0 += QJ * a.tpp) {
                 float acc[QJ][16];
 #pragma unroll
                 for (int j = 0; j < QJ; j++)
@@ -345,57 +449,75 @@ __device__ void quest_body(const T* __restrict__ q, const i32* __restrict__ cu_q
                 for (int c = 0; c < d; c += 16) {
 #pragma unroll
                     for (int u = 0; u < 16; u += 8) {
-                        // Elements c + u .. c + u + 8 of kmax and kmin: lanes u .. u + 8.
-                        float hi[8], lo[8];
+                        // Elements c + u .. c + u + 8 of kmax and kmin (lanes u .. u + 8), raw.
+                        uint4 hi[8 / V::N], lo[8 / V::N];
 #pragma unroll
-                        for (int k = 0; k < 8; k += V::N) {
-                            const int e = c + u + k;
-                            V::widen(*reinterpret_cast<const uint4*>(mine + e * sizeof(T)),
-                                     hi + k);
-                            V::widen(*reinterpret_cast<const uint4*>(mine + (d + e) * sizeof(T)),
-                                     lo + k);
+                        for (int k = 0; k < 8 / V::N; k++) {
+                            const int e = c + u + k * V::N;
+                            hi[k] = *reinterpret_cast<const uint4*>(mine + e * sizeof(T));
+                            lo[k] = *reinterpret_cast<const uint4*>(mine + (d + e) * sizeof(T));
                         }
 #pragma unroll
                         for (int j = 0; j < QJ; j++) {
-                            const int jj = j0 + j * tpp;
+                            const int jj = j0 + j * a.tpp;
                             if (jj < g) {
                                 const float4* qv =
                                     reinterpret_cast<const float4*>(w + jj * d + c + u);
                                 const float4 qa = qv[0], qb = qv[1];
                                 const float qq[8] = {qa.x, qa.y, qa.z, qa.w,
                                                      qb.x, qb.y, qb.z, qb.w};
+                                // Each element's kmax where its query is >= 0, else its kmin.
+                                const uint4* mj = reinterpret_cast<const uint4*>(
+                                    masks + (jj * d + c + u) * sizeof(T) / 4);
+                                float k8[8];
+#pragma unroll
+                                for (int k = 0; k < 8 / V::N; k++) {
+                                    const uint4 m = mj[k];
+                                    V::widen(make_uint4((hi[k].x & m.x) | (lo[k].x & ~m.x),
+                                                        (hi[k].y & m.y) | (lo[k].y & ~m.y),
+                                                        (hi[k].z & m.z) | (lo[k].z & ~m.z),
+                                                        (hi[k].w & m.w) | (lo[k].w & ~m.w)),
+                                             k8 + k * V::N);
+                                }
 #pragma unroll
                                 for (int l = 0; l < 8; l++)
-                                    acc[j][u + l] = __fadd_rn(
-                                        acc[j][u + l], fmaxf(__fmul_rn(qq[l], hi[l]),
-                                                             __fmul_rn(qq[l], lo[l])));
+                                    acc[j][u + l] =
+                                        __fadd_rn(acc[j][u + l], __fmul_rn(qq[l], k8[l]));
                             }
                         }
                     }
                 }
 #pragma unroll
                 for (int j = 0; j < QJ; j++) {
-                    if (j0 + j * tpp >= g) continue;
+                    if (j0 + j * a.tpp >= g) continue;
                     float sc = 0.0f;
 #pragma unroll
                     for (int l = 0; l < 16; l++) sc = __fadd_rn(sc, acc[j][l]);
                     best = max(best, order_key(sc));
                 }
             }
-            if (best != 0) atomicMax(row_keys + i0 + r, best);
+            if (best != 0) atomicMax(scores + (size_t)row * a.score_stride + i0 + r, best);
         }
+        // Every thread is done with this buffer before the next iteration refills it.
+        __syncthreads();
     }
+    copy16_wait<0>();
+}
 
-    // The last CTA of the row selects and writes it.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int total = gridDim.x * (shared ? gridDim.z : 1);
-        s_last = atomicAdd(counters + row, 1) == total - 1;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+template <int PICK_THREADS>
+__device__ void pick_body(
+    const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
+    i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
+    u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
+    i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies) {
+    extern __shared__ u32 sk[];
+    const int row = blockIdx.x;
+    const int s = shared ? row : row / kvh;
+    const int len = seq_lens[s];
+    const int slot = slots[s];
+    const bool valid = len > 0 && slot >= 0 && slot < num_slots;
+    const Plan plan(max(len, 1), ps, budget, sink_tokens, recent_tokens);
+    u32* row_keys = scores + (size_t)row * score_stride;
     const int out_row0 = shared ? row * copies : row;
     i32* out = ids + (size_t)out_row0 * width;
     int count = 0, tokens = 0;
@@ -404,38 +526,49 @@ __device__ void quest_body(const T* __restrict__ q, const i32* __restrict__ cu_q
         if (pick > 0) {
             const int n = min(plan.mid(), score_stride);
             if (keys_smem) {
-                // The row's keys fit in shared memory (the weights' space, free by now).
-                u32* sk = reinterpret_cast<u32*>(w);
 #pragma unroll 8
-                for (int i = threadIdx.x; i < n; i += SEL_THREADS) sk[i] = __ldcg(row_keys + i);
+                for (int i = threadIdx.x; i < n; i += PICK_THREADS) sk[i] = __ldcg(row_keys + i);
                 __syncthreads();
-                select_top<true>(sk, n, pick, plan.head_end, out + plan.head_end);
+                select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, out + plan.head_end);
             } else {
-                select_top<false>(row_keys, n, pick, plan.head_end, out + plan.head_end);
+                select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end,
+                                                out + plan.head_end);
             }
             __syncthreads();
-            for (int i = threadIdx.x; i < n; i += SEL_THREADS) row_keys[i] = 0;
+            for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
         }
         const int tail = plan.n - plan.tail_start;
-        for (int i = threadIdx.x; i < plan.head_end; i += SEL_THREADS) out[i] = i;
-        for (int i = threadIdx.x; i < tail; i += SEL_THREADS)
+        for (int i = threadIdx.x; i < plan.head_end; i += PICK_THREADS) out[i] = i;
+        for (int i = threadIdx.x; i < tail; i += PICK_THREADS)
             out[plan.head_end + pick + i] = plan.tail_start + i;
         count = plan.head_end + pick + tail;
         tokens = (count - 1) * ps + (len - (plan.n - 1) * ps);
     }
-    for (int i = count + threadIdx.x; i < width; i += SEL_THREADS) out[i] = -1;
+    for (int i = count + threadIdx.x; i < width; i += PICK_THREADS) out[i] = -1;
     __syncthreads();
     for (int c = 1; c < (shared ? copies : 1); c++)
-        for (int i = threadIdx.x; i < width; i += SEL_THREADS)
+        for (int i = threadIdx.x; i < width; i += PICK_THREADS)
             out[(size_t)c * width + i] = out[i];
     if (threadIdx.x == 0) {
         for (int c = 0; c < (shared ? copies : 1); c++) {
             lens[out_row0 + c] = count;
             covered[out_row0 + c] = tokens;
         }
-        counters[row] = 0;
     }
 }
+
+#define PICK_KERNEL(THREADS)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS) quest_pick_##THREADS(                  \
+        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh, \
+        i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,                     \
+        u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,       \
+        i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies) {             \
+        pick_body<THREADS>(slots, seq_lens, num_slots, kvh, ps, budget, sink_tokens,            \
+                           recent_tokens, shared, scores, score_stride, keys_smem, ids, lens,    \
+                           covered, width, copies);                                              \
+    }
+
+PICK_KERNEL(1024)
 
 #define SELECT_KERNELS(NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(SEL_THREADS) quest_minmax_##NAME(             \
@@ -446,17 +579,11 @@ __device__ void quest_body(const T* __restrict__ q, const i32* __restrict__ cu_q
         minmax_body<T>(k, num_blocks, bs, kvh, d, block_table, max_blocks, cu_q, seq_lens,      \
                        slots, reps, layer, num_slots, max_pages, ps);                           \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(SEL_THREADS, 3) quest_select_##NAME(             \
-        const T* __restrict__ q, const i32* __restrict__ cu_q, i32 q_heads,                     \
-        const T* __restrict__ reps, i32 layer, i32 num_slots, i32 max_pages,                    \
-        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 kvh, i32 d,        \
-        i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared, i32 tpp,            \
-        u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ counters,  \
-        i32* __restrict__ ids, i32* __restrict__ lens, i32* __restrict__ covered, i32 width,    \
-        i32 copies) {                                                                            \
-        quest_body<T>(q, cu_q, q_heads, reps, layer, num_slots, max_pages, slots, seq_lens,     \
-                      kvh, d, ps, budget, sink_tokens, recent_tokens, shared, tpp, scores,      \
-                      score_stride, keys_smem, counters, ids, lens, covered, width, copies);    \
+    extern "C" __global__ void __launch_bounds__(SCORE_THREADS) quest_score_##NAME(              \
+        const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
+        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
+        i32 items, i32 per_cta, u32* __restrict__ scores) {                                      \
+        score_body<T>(q, cu_q, reps, slots, seq_lens, a, items, per_cta, scores);               \
     }
 
 SELECT_KERNELS(f32, float)

@@ -6,8 +6,8 @@
 //! type (a page's minimum and maximum are keys, so nothing is rounded).
 //! [`SelectKernels::update_minmax`] maintains it from the paged keys and the batch metadata:
 //! after a prefill it builds every page, after a decode step it recomputes the current page.
-//! [`SelectKernels::quest_topk`] scores pages and selects the top-k in one launch into a
-//! [`DeviceTopK`], whose rows feed [`Gpu::sparse_page_attention`] (or, one row per sequence, the
+//! [`SelectKernels::quest_topk`] scores pages (one launch) and selects the top-k (a second) into
+//! a [`DeviceTopK`], whose rows feed [`Gpu::sparse_page_attention`] (or, one row per sequence, the
 //! hot-buffer diff) without a round trip to the host. Scores equal the CPU's bit for bit, so
 //! the selections are the CPU's, ties included.
 
@@ -18,7 +18,9 @@ use attn_op::cuda::{
 };
 use attn_op::{AttnError, DType, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use crate::pool::pool_extent;
 use crate::{AlgoError, Quest, RepShape, minmax};
@@ -30,14 +32,14 @@ pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../kernels/select.cu")
 );
 
-/// Threads of a selection CTA (`SEL_THREADS` in kernels/select.cu): also the mid pages one
-/// scoring CTA takes.
+/// Threads of a min/max CTA (`SEL_THREADS` in kernels/select.cu).
 const SEL_THREADS: usize = 256;
-/// The largest row of score keys the selecting CTA copies into shared memory (96 KiB: rows of
-/// 24K pages, 384K tokens of 16); longer rows are selected from global memory.
-const KEYS_SMEM_MAX: usize = 96 << 10;
-/// Bytes of min/max rows a scoring CTA stages in shared memory (`TILE_BYTES`).
-const TILE_BYTES: usize = 64 << 10;
+/// Threads of a scoring CTA (`SCORE_THREADS`).
+const SCORE_THREADS: usize = 128;
+/// Threads of a selecting CTA (`quest_pick_1024`): 32 warps count 32 pivots per round.
+const PICK_THREADS: usize = 1024;
+/// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
+const TILE_BYTES: usize = 32 << 10;
 
 fn device_err(e: impl std::fmt::Debug) -> AlgoError {
     AlgoError::Attn(AttnError::Device(format!("CUDA driver: {e:?}")))
@@ -55,11 +57,41 @@ fn to_u32(x: usize) -> Result<u32, AlgoError> {
 #[derive(Debug)]
 pub struct SelectKernels {
     stream: Arc<CudaStream>,
-    /// `(quest_minmax, quest_select)` for f32, f16 and bf16, in [`type_index`] order.
+    /// `(quest_minmax, quest_score)` for f32, f16 and bf16, in [`type_index`] order.
     quest: [(CudaFunction, CudaFunction); 3],
-    /// The most dynamic shared memory a selection CTA may use (set once at load).
-    select_smem_max: usize,
+    /// `quest_pick_1024`, the top-k of every element type.
+    pick: CudaFunction,
+    /// The most dynamic shared memory a scoring CTA may use (set once at load).
+    score_smem_max: usize,
+    /// The most dynamic shared memory a selecting CTA may use (set once at load).
+    pick_smem_max: usize,
+    /// Streaming multiprocessors of the device.
+    sms: usize,
 }
+
+/// `ScoreArgs` of kernels/select.cu: `quest_score_*`'s integer arguments, in its field order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ScoreArgs {
+    q_heads: i32,
+    layer: i32,
+    num_slots: i32,
+    max_pages: i32,
+    kvh: i32,
+    d: i32,
+    ps: i32,
+    budget: i32,
+    sink_tokens: i32,
+    recent_tokens: i32,
+    shared: i32,
+    tpp: i32,
+    score_stride: i32,
+    tiles: i32,
+}
+
+// SAFETY: `ScoreArgs` is `#[repr(C)]` plain data of i32 fields, laid out as the kernel's
+// struct of the same fields in the same order.
+unsafe impl DeviceRepr for ScoreArgs {}
 
 /// [`RepPool`](crate::RepPool)'s flat array `[layers, slots, max_pages, heads, width]` on the
 /// device, in element type `T`. Token counts are not kept: the batch metadata says which pages
@@ -126,8 +158,8 @@ pub struct DeviceTopK {
     /// `[selection rows, score_stride]` ordered score keys, zero between launches.
     scores: CudaSlice<u32>,
     score_stride: usize,
-    /// `[selection rows]` finished CTAs, zero between launches.
-    counters: CudaSlice<i32>,
+    /// Selection rows (sequences, or (sequence, KV head) pairs).
+    sel_rows: usize,
 }
 
 impl DeviceTopK {
@@ -166,7 +198,7 @@ impl DeviceTopK {
             copies,
             scores: gpu.zeros(sel_rows * score_stride)?,
             score_stride,
-            counters: gpu.zeros(sel_rows)?,
+            sel_rows,
         })
     }
 }
@@ -202,18 +234,18 @@ impl SelectKernels {
         let pair = |t: &str| -> Result<(CudaFunction, CudaFunction), AlgoError> {
             Ok((
                 load(format!("quest_minmax_{t}"))?,
-                load(format!("quest_select_{t}"))?,
+                load(format!("quest_score_{t}"))?,
             ))
         };
         let quest = [pair("f32")?, pair("f16")?, pair("bf16")?];
-        // A selection CTA's dynamic shared memory holds the group's weights, then the row's
-        // keys: allow it, once, all the device offers beyond the kernel's static arrays.
+        let pick = load("quest_pick_1024".to_owned())?;
+        // Scoring CTAs hold the group's queries and two tiles, a selecting CTA a row's keys:
+        // allow them, once, all the device offers beyond the kernels' static arrays.
         let optin = gpu
             .context()
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(device_err)?;
-        let mut select_smem_max = usize::MAX;
-        for (_, f) in &quest {
+        let allow_all = |f: &CudaFunction| -> Result<usize, AlgoError> {
             let fixed = f
                 .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
                 .map_err(device_err)?;
@@ -223,12 +255,20 @@ impl SelectKernels {
                 to_i32(free)?,
             )
             .map_err(device_err)?;
-            select_smem_max = select_smem_max.min(free);
+            Ok(free)
+        };
+        let mut score_smem_max = usize::MAX;
+        for (_, f) in &quest {
+            score_smem_max = score_smem_max.min(allow_all(f)?);
         }
+        let pick_smem_max = allow_all(&pick)?;
         Ok(SelectKernels {
             stream: gpu.stream().clone(),
             quest,
-            select_smem_max,
+            pick,
+            score_smem_max,
+            pick_smem_max,
+            sms: gpu.multiprocessors(),
         })
     }
 
@@ -318,9 +358,9 @@ impl SelectKernels {
 
     /// Quest's decode selection for the batch `meta` (one query row per sequence; the last
     /// row of each sequence's queries is used), from `q` (`[total_q, q_heads, head_dim]`, the
-    /// tensor attention reads) and the min/max pages of `layer`: estimate and top-k in one
-    /// launch, written into `out` as [`Quest::retrieve_topk`] answers for the same inputs
-    /// (rows equal, padding -1).
+    /// tensor attention reads) and the min/max pages of `layer`, written into `out` as
+    /// [`Quest::retrieve_topk`] answers for the same inputs (rows equal, padding -1). Two
+    /// launches: the estimate (scores of every mid page), then the top-k of each row.
     ///
     /// [`Quest::retrieve_topk`]: crate::SparseAlgorithm::retrieve_topk
     #[allow(
@@ -354,7 +394,7 @@ impl SelectKernels {
         let c = quest.config();
         let sel_rows = if c.shared_heads { n } else { n * kvh };
         let width = quest.row_width();
-        if out.counters.len() != sel_rows
+        if out.sel_rows != sel_rows
             || out.sel.rows != sel_rows * out.copies
             || out.sel.max_len != width
         {
@@ -373,93 +413,158 @@ impl SelectKernels {
         if n == 0 {
             return Ok(());
         }
+        self.launch_score(quest, q, q_heads, meta, layer, slots, pool, out)?;
+        self.launch_pick(quest, meta, slots, pool.slots, out)
+    }
+
+    /// The estimate: `quest_score_*` over every (selection row, head, tile of mid pages).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "quest_topk's inputs, checked by it"
+    )]
+    fn launch_score<T: CudaElement>(
+        &self,
+        quest: &Quest,
+        q: &CudaSlice<T>,
+        q_heads: usize,
+        meta: &DeviceBatch,
+        layer: usize,
+        slots: &CudaSlice<i32>,
+        pool: &DeviceRepPool<T>,
+        out: &mut DeviceTopK,
+    ) -> Result<(), AlgoError> {
+        let c = quest.config();
+        let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
         let g = q_heads / kvh;
         let heads = if c.shared_heads { kvh } else { 1 };
-        // Threads per page: the fewest that keep a tile of SEL_THREADS / tpp rows within
+        // Threads per page: the fewest that keep a tile of SCORE_THREADS / tpp rows within
         // TILE_BYTES.
         let row_bytes = 2 * d * size_of::<T>();
         let mut tpp = 1;
-        while tpp < SEL_THREADS && SEL_THREADS / tpp * row_bytes > TILE_BYTES {
+        while tpp < SCORE_THREADS && SCORE_THREADS / tpp * row_bytes > TILE_BYTES {
             tpp *= 2;
         }
-        let tile_pages = SEL_THREADS / tpp;
-        let weights = g * d * size_of::<f32>();
-        let tile = tile_pages * (row_bytes + 16);
-        let keys = out.score_stride * size_of::<u32>();
-        let keys_smem = keys <= KEYS_SMEM_MAX;
-        let smem = if keys_smem {
-            (weights + tile).max(keys)
-        } else {
-            weights + tile
-        };
-        if smem > self.select_smem_max {
+        let tile_pages = SCORE_THREADS / tpp;
+        let smem = g * d * (size_of::<f32>() + size_of::<T>()) + 2 * tile_pages * (row_bytes + 16);
+        if smem > self.score_smem_max {
             return Err(AlgoError::Invalid(format!(
                 "a group of {g} query heads of {d} needs {smem} bytes of shared memory; the \
                  device offers {}",
-                self.select_smem_max
+                self.score_smem_max
             )));
         }
-        let chunks = max_len.div_ceil(c.page_size).div_ceil(tile_pages).max(1);
+        let tiles = meta
+            .max_kv_len()
+            .div_ceil(c.page_size)
+            .div_ceil(tile_pages)
+            .max(1);
+        let items = out.sel_rows * heads * tiles;
+        // As many CTAs as the device holds at once, each taking a run of consecutive items.
+        let func = &self.quest[type_index::<T>()].1;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(to_u32(SCORE_THREADS)?, smem, None)
+            .map_err(device_err)?;
+        let resident = (self.sms * per_sm as usize).max(1);
+        let per_cta = items.div_ceil(resident);
+        let ctas = items.div_ceil(per_cta);
+        let args = ScoreArgs {
+            q_heads: to_i32(q_heads)?,
+            layer: to_i32(layer)?,
+            num_slots: to_i32(pool.slots)?,
+            max_pages: to_i32(pool.max_pages)?,
+            kvh: to_i32(kvh)?,
+            d: to_i32(d)?,
+            ps: to_i32(c.page_size)?,
+            budget: to_i32(quest.budget_pages())?,
+            sink_tokens: to_i32(c.always.sink_tokens as usize)?,
+            recent_tokens: to_i32(c.always.recent_tokens as usize)?,
+            shared: i32::from(c.shared_heads),
+            tpp: to_i32(tpp)?,
+            score_stride: to_i32(out.score_stride)?,
+            tiles: to_i32(tiles)?,
+        };
+        let (items, per_cta) = (to_i32(items)?, to_i32(per_cta)?);
         let cfg = LaunchConfig {
-            grid_dim: (to_u32(chunks)?, to_u32(sel_rows)?, to_u32(heads)?),
-            block_dim: (to_u32(SEL_THREADS)?, 1, 1),
+            grid_dim: (to_u32(ctas)?, 1, 1),
+            block_dim: (to_u32(SCORE_THREADS)?, 1, 1),
             shared_mem_bytes: to_u32(smem)?,
         };
+        let mut b = self.stream.launch_builder(func);
+        b.arg(q)
+            .arg(meta.cu_seqlens_q())
+            .arg(&pool.data)
+            .arg(slots)
+            .arg(meta.seq_lens_kv())
+            .arg(&args)
+            .arg(&items)
+            .arg(&per_cta)
+            .arg(&mut out.scores);
+        // SAFETY: the arguments follow `quest_score_*` in kernels/select.cu; q holds
+        // total_q * q_heads * d elements and every sequence has a query row; the pool's shape
+        // and extent were checked against the batch; scores hold score_stride keys per
+        // selection row, at least every page of the longest sequence; the dynamic shared
+        // memory holds the group's g d queries, their g d element-sized masks and two tiles
+        // of SCORE_THREADS / tpp padded rows (within the limit set at load); slots are range-checked in the kernel.
+        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        Ok(())
+    }
+
+    /// The top-k: `quest_pick_1024`, one CTA per selection row.
+    fn launch_pick(
+        &self,
+        quest: &Quest,
+        meta: &DeviceBatch,
+        slots: &CudaSlice<i32>,
+        num_slots: usize,
+        out: &mut DeviceTopK,
+    ) -> Result<(), AlgoError> {
+        let c = quest.config();
+        let kvh = meta.layout().kv_heads;
+        let keys = out.score_stride * size_of::<u32>();
+        let keys_smem = keys <= self.pick_smem_max;
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(out.sel_rows)?, 1, 1),
+            block_dim: (to_u32(PICK_THREADS)?, 1, 1),
+            shared_mem_bytes: if keys_smem { to_u32(keys)? } else { 0 },
+        };
         let ints = [
-            q_heads,
-            layer,
-            pool.slots,
-            pool.max_pages,
+            num_slots,
             kvh,
-            d,
             c.page_size,
             quest.budget_pages(),
             c.always.sink_tokens as usize,
             c.always.recent_tokens as usize,
             usize::from(c.shared_heads),
-            tpp,
             out.score_stride,
             usize::from(keys_smem),
-            width,
+            quest.row_width(),
             out.copies,
         ]
         .map(to_i32);
         let ints = ints_ok(ints)?;
-        let mut b = self.stream.launch_builder(&self.quest[type_index::<T>()].1);
-        b.arg(q)
-            .arg(meta.cu_seqlens_q())
+        let mut b = self.stream.launch_builder(&self.pick);
+        b.arg(slots)
+            .arg(meta.seq_lens_kv())
             .arg(&ints[0])
-            .arg(&pool.data)
             .arg(&ints[1])
             .arg(&ints[2])
             .arg(&ints[3])
-            .arg(slots)
-            .arg(meta.seq_lens_kv())
             .arg(&ints[4])
             .arg(&ints[5])
             .arg(&ints[6])
+            .arg(&mut out.scores)
             .arg(&ints[7])
             .arg(&ints[8])
-            .arg(&ints[9])
-            .arg(&ints[10])
-            .arg(&ints[11])
-            .arg(&mut out.scores)
-            .arg(&ints[12])
-            .arg(&ints[13])
-            .arg(&mut out.counters)
             .arg(&mut out.sel.ids)
             .arg(&mut out.sel.lens)
             .arg(&mut out.covered)
-            .arg(&ints[14])
-            .arg(&ints[15]);
-        // SAFETY: the arguments follow `quest_select_*` in kernels/select.cu; q holds
-        // total_q * q_heads * d elements and every sequence has a query row; the pool's shape
-        // and extent were checked against the batch; scores hold score_stride keys per
-        // selection row, at least every page of the longest sequence; ids, lens and covered
-        // hold sel_rows * copies rows of `width`; the dynamic shared memory holds the group's
-        // g d queries and a tile of SEL_THREADS / tpp padded rows and, with keys_smem, a
-        // row of score_stride keys (within the limit set at load); slots are range-checked in
-        // the kernel.
+            .arg(&ints[9])
+            .arg(&ints[10]);
+        // SAFETY: the arguments follow `quest_pick_1024` in kernels/select.cu; scores hold
+        // score_stride keys for each of the sel_rows CTAs, which quest_topk checked against
+        // the batch; ids, lens and covered hold sel_rows * copies rows of row_width; with
+        // keys_smem the dynamic shared memory holds a row of keys (within the limit set at
+        // load); slots are range-checked in the kernel.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }
