@@ -211,9 +211,10 @@ fn run_peers(out_dir: &Path) -> Result<(), String> {
 
 /// The device bundle's script: checks, the sanitizers, benches and peers, then one table.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# The GPU checks and benchmarks of attn-op (gpu), offload (gpu_io) and sparse-algo (gpu_select).
+# The GPU checks and benchmarks of attn-op (gpu), offload (gpu_io), sparse-algo (gpu_select) and
+# the full step of the coordinator's layers (gpu_step).
 # Usage: bash run.sh OUTDIR. Writes check.log, bench.log/json, io.log/json, select.log/json,
-# peers.log/json, tools.log (sanitizers, ncu) and table.txt into OUTDIR.
+# step.json, peers.log/json, tools.log (sanitizers, ncu) and table.txt (the step's table last).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/out}
@@ -224,6 +225,8 @@ check=${PIPESTATUS[0]}
 "$here/bin/gpu_io" check 2>&1 | tee -a "$out/check.log"
 [ "${PIPESTATUS[0]}" = 0 ] || check=1
 "$here/bin/gpu_select" check 2>&1 | tee -a "$out/check.log"
+[ "${PIPESTATUS[0]}" = 0 ] || check=1
+"$here/bin/gpu_step" check 2>&1 | tee -a "$out/check.log"
 [ "${PIPESTATUS[0]}" = 0 ] || check=1
 "$here/bin/gpu" bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 "$here/bin/gpu_io" bench --json "$out/io.json" 2>&1 | tee "$out/io.log"
@@ -241,6 +244,9 @@ if command -v compute-sanitizer > /dev/null; then
     echo "== compute-sanitizer --tool $tool gpu_select check" >> "$out/tools.log"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu_select" check >> "$out/tools.log" 2>&1
     echo "$tool gpu_select exit $?" | tee -a "$out/tools.log"
+    echo "== compute-sanitizer --tool $tool gpu_step check" >> "$out/tools.log"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu_step" check >> "$out/tools.log" 2>&1
+    echo "$tool gpu_step exit $?" | tee -a "$out/tools.log"
   done
 else
   echo "compute-sanitizer not found" | tee -a "$out/tools.log"
@@ -261,8 +267,9 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
     --section MemoryWorkloadAnalysis "$here/bin/gpu_select" bench >> "$out/tools.log" 2>&1
   echo "ncu exit $?" >> "$out/tools.log"
 fi
-grep -E "^(FAIL|check:|gpu_select check:)" "$out/check.log"
+grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:)" "$out/check.log"
 python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" "$out/select.json" | tee "$out/table.txt"
+"$here/bin/gpu_step" bench --json "$out/step.json" 2>&1 | tee -a "$out/table.txt"
 exit $check
 "#;
 
@@ -278,11 +285,13 @@ fn gpu_bundle() -> Result<(), String> {
             .map(drop)
             .map_err(|e| format!("copy {} -> {}: {e}", from.display(), to.display()))
     };
-    // attn-op's attention checks and benches, offload's diff and IO ones, sparse-algo's Quest.
+    // attn-op's attention checks and benches, offload's diff and IO ones, sparse-algo's Quest,
+    // and the full step over all of them.
     for (package, example) in [
         ("attn-op", "gpu"),
         ("offload", "gpu_io"),
         ("sparse-algo", "gpu_select"),
+        ("coordinator", "gpu_step"),
     ] {
         cargo(
             &[

@@ -32,6 +32,80 @@ impl DeviceBatch {
         })
     }
 
+    /// A batch whose KV lengths and block table already live on the device (written by other
+    /// kernels: a selection's covered tokens, a hot-buffer diff's page table); `q_lens` are the
+    /// query rows of each sequence, whose prefix sums are uploaded. The KV lengths are known
+    /// only to the device: `kv_bound` stands in for each of them on the host, where it shapes
+    /// launches (splits, shared memory).
+    ///
+    /// # Safety
+    ///
+    /// Every KV length the device holds, now and whenever the batch is used, must lie in
+    /// `0..=kv_bound`: kernels size shared memory and splits from the bound and read
+    /// `ceil(len / block_size)` entries of each table row.
+    pub unsafe fn from_device(
+        gpu: &Gpu,
+        arrays: DeviceArrays,
+        q_lens: Vec<usize>,
+        kv_bound: usize,
+        layout: &KvLayout,
+    ) -> Result<Self, AttnError> {
+        let n = q_lens.len();
+        let DeviceArrays {
+            seq_lens_kv,
+            block_table,
+            max_blocks,
+        } = arrays;
+        for (what, got, expected) in [
+            ("seq_lens_kv", seq_lens_kv.len(), n),
+            ("block_table", block_table.len(), n * max_blocks),
+        ] {
+            if got != expected {
+                return Err(AttnError::Length {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        if kv_bound > max_blocks * layout.block_size {
+            return Err(AttnError::Invalid(format!(
+                "KV lengths up to {kv_bound} need more than {max_blocks} blocks of {}",
+                layout.block_size
+            )));
+        }
+        let mut cu = Vec::with_capacity(n + 1);
+        cu.push(0i32);
+        for &q in &q_lens {
+            let next = i32::try_from(q)
+                .ok()
+                .and_then(|q| cu[cu.len() - 1].checked_add(q))
+                .ok_or_else(|| AttnError::Invalid(format!("{q} query rows overflow an i32")))?;
+            cu.push(next);
+        }
+        Ok(DeviceBatch {
+            cu_seqlens_q: gpu.upload(&cu)?,
+            seq_lens_kv,
+            block_table,
+            max_blocks,
+            kv_lens: vec![kv_bound; n],
+            q_lens,
+            layout: *layout,
+        })
+    }
+
+    /// The KV lengths and the block table, for kernels that rewrite them in place or for a swap
+    /// with buffers of the same length.
+    ///
+    /// # Safety
+    ///
+    /// What the arrays hold when the batch is next used must meet the contract it was made
+    /// under: lengths within the sequences' keys ([`DeviceBatch::upload`]) or within the bound
+    /// ([`DeviceBatch::from_device`]), and the lengths of the buffers unchanged.
+    pub unsafe fn arrays_mut(&mut self) -> (&mut CudaSlice<i32>, &mut CudaSlice<i32>) {
+        (&mut self.seq_lens_kv, &mut self.block_table)
+    }
+
     /// Sequences of the batch.
     pub fn num_seqs(&self) -> usize {
         self.kv_lens.len()
@@ -81,6 +155,16 @@ impl DeviceBatch {
     pub fn layout(&self) -> &KvLayout {
         &self.layout
     }
+}
+
+/// A batch's KV lengths and block table, on the device, for [`DeviceBatch::from_device`].
+pub struct DeviceArrays {
+    /// `[num_seqs]` KV lengths.
+    pub seq_lens_kv: CudaSlice<i32>,
+    /// `[num_seqs, max_blocks]` block ids.
+    pub block_table: CudaSlice<i32>,
+    /// Columns of the block table.
+    pub max_blocks: usize,
 }
 
 /// Per (sequence, KV head) id lists on the device, in the shared format: `ids` is

@@ -29,7 +29,7 @@ use half::{bf16, f16};
 use crate::kv::Memory;
 use crate::{AttnError, DType, Element, KvCache, KvLayout};
 
-pub use meta::{DeviceBatch, DeviceGathered, DeviceSelection};
+pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection};
 pub use timing::Timing;
 
 /// The CUDA C source of every kernel, embedded at build time.
