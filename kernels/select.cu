@@ -287,14 +287,15 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) 
 // page's key is its best score, merged over threads and heads by atomicMax into
 // scores[row, page - head_end].
 //
-// quest_pick_1024: one CTA of 1024 threads per selection row selects from the row's keys (a shared-
-// memory copy when `keys_smem`), zeroes them for the next launch and writes the row: forced
-// head pages, the chosen ones, the tail, -1 padding; `copies` output rows per selection row
-// (shared: 1 or kv_heads), their lengths and the tokens they cover.
+// quest_pick: one CTA of PICK_THREADS per selection row selects from the row's keys (a
+// shared-memory copy when `keys_smem`), zeroes them for the next launch and writes the row:
+// forced head pages, the chosen ones, the tail, -1 padding; `copies` output rows per selection
+// row (shared: 1 or kv_heads), their lengths and the tokens they cover.
 
 #define QJ 2                 // query heads a thread scores per pass over its page
 #define SCORE_THREADS 128    // threads of a scoring CTA
 #define TILE_BYTES 32768     // min/max rows of one tile buffer (before padding)
+#define PICK_THREADS 1024    // threads of a selecting CTA (32 warps)
 
 // 16 bytes global -> shared without registers (cp.async, sm_80 and later); commit closes a
 // group, wait<N> waits until at most N of this thread's groups are in flight.
@@ -416,18 +417,18 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
             for (int i = threadIdx.x * V::N; i < g * a.d; i += SCORE_THREADS * V::N) {
                 float x[V::N];
                 V::widen(__ldg(reinterpret_cast<const uint4*>(qrow + i)), x);
-                u32 m[V::N * sizeof(T) / 4] = {};
+                u32 mk[V::N * sizeof(T) / 4] = {};
 #pragma unroll
                 for (int j = 0; j < V::N; j++) {
                     w[i + j] = x[j] == x[j] ? x[j] : 0.0f;
                     // The element's bits in its 32-bit word, set where it reads kmax.
                     const int bits = 8 * (int)sizeof(T);
                     const u32 ones = bits == 32 ? 0xffffffffu : ((1u << bits) - 1);
-                    if (!(w[i + j] < 0.0f)) m[j * bits / 32] |= ones << (j * bits % 32);
+                    if (!(w[i + j] < 0.0f)) mk[j * bits / 32] |= ones << (j * bits % 32);
                 }
 #pragma unroll
                 for (int j = 0; j < V::N * (int)sizeof(T) / 4; j++)
-                    masks[i * sizeof(T) / 4 + j] = m[j];
+                    masks[i * sizeof(T) / 4 + j] = mk[j];
             }
             have_q = rh;
             __syncthreads();
@@ -504,8 +505,7 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
     copy16_wait<0>();
 }
 
-template <int PICK_THREADS>
-__device__ void pick_body(
+extern "C" __global__ void __launch_bounds__(PICK_THREADS) quest_pick(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
@@ -556,19 +556,6 @@ __device__ void pick_body(
         }
     }
 }
-
-#define PICK_KERNEL(THREADS)                                                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS) quest_pick_##THREADS(                  \
-        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh, \
-        i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,                     \
-        u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,       \
-        i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies) {             \
-        pick_body<THREADS>(slots, seq_lens, num_slots, kvh, ps, budget, sink_tokens,            \
-                           recent_tokens, shared, scores, score_stride, keys_smem, ids, lens,    \
-                           covered, width, copies);                                              \
-    }
-
-PICK_KERNEL(1024)
 
 #define SELECT_KERNELS(NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(SEL_THREADS) quest_minmax_##NAME(             \

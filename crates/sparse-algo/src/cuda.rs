@@ -36,7 +36,7 @@ pub const KERNEL_SOURCE: &str = concat!(
 const SEL_THREADS: usize = 256;
 /// Threads of a scoring CTA (`SCORE_THREADS`).
 const SCORE_THREADS: usize = 128;
-/// Threads of a selecting CTA (`quest_pick_1024`): 32 warps count 32 pivots per round.
+/// Threads of a selecting CTA (`PICK_THREADS`).
 const PICK_THREADS: usize = 1024;
 /// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
 const TILE_BYTES: usize = 32 << 10;
@@ -59,7 +59,7 @@ pub struct SelectKernels {
     stream: Arc<CudaStream>,
     /// `(quest_minmax, quest_score)` for f32, f16 and bf16, in [`type_index`] order.
     quest: [(CudaFunction, CudaFunction); 3],
-    /// `quest_pick_1024`, the top-k of every element type.
+    /// `quest_pick`, the top-k of every element type.
     pick: CudaFunction,
     /// The most dynamic shared memory a scoring CTA may use (set once at load).
     score_smem_max: usize,
@@ -203,6 +203,25 @@ impl DeviceTopK {
     }
 }
 
+/// [`SelectKernels::quest_topk`]'s inputs, checked by it, for its two launches.
+struct Inputs<'a, T: CudaElement> {
+    quest: &'a Quest,
+    q: &'a CudaSlice<T>,
+    q_heads: usize,
+    meta: &'a DeviceBatch,
+    layer: usize,
+    slots: &'a CudaSlice<i32>,
+    pool: &'a DeviceRepPool<T>,
+}
+
+// Derived Clone/Copy would ask T: Copy; every field is a reference or an integer.
+impl<T: CudaElement> Clone for Inputs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: CudaElement> Copy for Inputs<'_, T> {}
+
 /// The index of `T` in [`SelectKernels`]' tables.
 fn type_index<T: CudaElement>() -> usize {
     match T::DTYPE {
@@ -238,7 +257,7 @@ impl SelectKernels {
             ))
         };
         let quest = [pair("f32")?, pair("f16")?, pair("bf16")?];
-        let pick = load("quest_pick_1024".to_owned())?;
+        let pick = load("quest_pick".to_owned())?;
         // Scoring CTAs hold the group's queries and two tiles, a selecting CTA a row's keys:
         // allow them, once, all the device offers beyond the kernels' static arrays.
         let optin = gpu
@@ -413,26 +432,34 @@ impl SelectKernels {
         if n == 0 {
             return Ok(());
         }
-        self.launch_score(quest, q, q_heads, meta, layer, slots, pool, out)?;
-        self.launch_pick(quest, meta, slots, pool.slots, out)
+        let inputs = Inputs {
+            quest,
+            q,
+            q_heads,
+            meta,
+            layer,
+            slots,
+            pool,
+        };
+        self.launch_score(&inputs, out)?;
+        self.launch_pick(&inputs, out)
     }
 
     /// The estimate: `quest_score_*` over every (selection row, head, tile of mid pages).
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "quest_topk's inputs, checked by it"
-    )]
     fn launch_score<T: CudaElement>(
         &self,
-        quest: &Quest,
-        q: &CudaSlice<T>,
-        q_heads: usize,
-        meta: &DeviceBatch,
-        layer: usize,
-        slots: &CudaSlice<i32>,
-        pool: &DeviceRepPool<T>,
+        inputs: &Inputs<'_, T>,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
+        let Inputs {
+            quest,
+            q,
+            q_heads,
+            meta,
+            layer,
+            slots,
+            pool,
+        } = *inputs;
         let c = quest.config();
         let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
         let g = q_heads / kvh;
@@ -509,15 +536,19 @@ impl SelectKernels {
         Ok(())
     }
 
-    /// The top-k: `quest_pick_1024`, one CTA per selection row.
-    fn launch_pick(
+    /// The top-k: `quest_pick`, one CTA per selection row.
+    fn launch_pick<T: CudaElement>(
         &self,
-        quest: &Quest,
-        meta: &DeviceBatch,
-        slots: &CudaSlice<i32>,
-        num_slots: usize,
+        inputs: &Inputs<'_, T>,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
+        let Inputs {
+            quest,
+            meta,
+            slots,
+            pool,
+            ..
+        } = *inputs;
         let c = quest.config();
         let kvh = meta.layout().kv_heads;
         let keys = out.score_stride * size_of::<u32>();
@@ -528,7 +559,7 @@ impl SelectKernels {
             shared_mem_bytes: if keys_smem { to_u32(keys)? } else { 0 },
         };
         let ints = [
-            num_slots,
+            pool.slots,
             kvh,
             c.page_size,
             quest.budget_pages(),
@@ -560,7 +591,7 @@ impl SelectKernels {
             .arg(&mut out.covered)
             .arg(&ints[9])
             .arg(&ints[10]);
-        // SAFETY: the arguments follow `quest_pick_1024` in kernels/select.cu; scores hold
+        // SAFETY: the arguments follow `quest_pick` in kernels/select.cu; scores hold
         // score_stride keys for each of the sel_rows CTAs, which quest_topk checked against
         // the batch; ids, lens and covered hold sel_rows * copies rows of row_width; with
         // keys_smem the dynamic shared memory holds a row of keys (within the limit set at
