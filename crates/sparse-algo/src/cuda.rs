@@ -531,7 +531,8 @@ impl SelectKernels {
         // and extent were checked against the batch; scores hold score_stride keys per
         // selection row, at least every page of the longest sequence; the dynamic shared
         // memory holds the group's g d queries, their g d element-sized masks and two tiles
-        // of SCORE_THREADS / tpp padded rows (within the limit set at load); slots are range-checked in the kernel.
+        // of SCORE_THREADS / tpp padded rows (within the limit set at load); slots are
+        // range-checked in the kernel.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }
