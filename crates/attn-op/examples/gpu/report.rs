@@ -1,5 +1,7 @@
-//! The table and JSON of a GPU bench, and its random inputs, shared by attn-op's `gpu` and
-//! sparse-algo's `gpu_select` (which includes this file with `#[path]`).
+//! The table and JSON of a GPU bench, and its random inputs, shared by attn-op's `gpu`,
+//! sparse-algo's `gpu_select` and coordinator's `gpu_step` (which include this file with
+//! `#[path]`).
+#![allow(dead_code, reason = "each example uses a part")]
 
 use std::fmt::Write as _;
 

@@ -1,5 +1,6 @@
 //! The deterministic generator of the GPU examples (attn-op's `gpu`, offload's `gpu_io`,
-//! sparse-algo's `gpu_select` include this file), so every run draws the same inputs per seed.
+//! sparse-algo's `gpu_select` and coordinator's `gpu_step` include this file), so every run
+//! draws the same inputs per seed.
 #![allow(dead_code, reason = "each example uses a part")]
 
 /// A small deterministic generator (xorshift64*), so every run draws the same inputs per seed.

@@ -146,7 +146,8 @@ impl DeviceBatch {
         &self.q_lens
     }
 
-    /// KV length of each sequence (host copy).
+    /// KV length of each sequence (host copy); for a batch made by
+    /// [`DeviceBatch::from_device`], the bound that stands in for each.
     pub fn kv_lens(&self) -> &[usize] {
         &self.kv_lens
     }

@@ -19,6 +19,8 @@
     reason = "a command-line tool"
 )]
 
+#[path = "../../../attn-op/examples/gpu/report.rs"]
+mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
 mod rng;
 
@@ -31,6 +33,7 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use offload::cuda::{DeviceDiff, DeviceHotBuffers, IoKernels, PinnedHostPool};
 use offload::{HostLayout, HostPool, HostShape, HostStore, HotBuffer};
+use report::random_bf16;
 use rng::Rng;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{AlwaysInclude, Quest, QuestConfig, SparseAlgorithm};
@@ -159,8 +162,8 @@ impl Step {
             kv_heads,
             head_dim: dim,
         };
-        let kk = random(layout.len(), seed);
-        let vv = random(layout.len(), seed + 1);
+        let kk = random_bf16(layout.len(), seed);
+        let vv = random_bf16(layout.len(), seed + 1);
         let table: Vec<i32> = (0..(seqs * pages) as i32).collect();
         let lens = vec![len as i32; seqs];
         let ones: Vec<i32> = (0..=seqs as i32).collect();
@@ -350,19 +353,9 @@ impl Step {
     }
 }
 
-/// Uniform bf16 values in [-1, 1), from a seed.
-fn random(n: usize, seed: u64) -> Vec<bf16> {
-    let mut rng = Rng::new(seed);
-    (0..n)
-        .map(|_| bf16::from_f32(2.0 * rng.unit() - 1.0))
-        .collect()
-}
-
 /// The next query: the last plus noise of `drift` (0: the same; 1: as large as the query).
 fn drift(q: &[f32], rng: &mut Rng, drift: f32) -> Vec<f32> {
-    q.iter()
-        .map(|&x| x + drift * (2.0 * rng.unit() - 1.0))
-        .collect()
+    q.iter().map(|&x| x + drift * rng.unit()).collect()
 }
 
 fn to_bf16(x: &[f32]) -> Vec<bf16> {
@@ -403,7 +396,7 @@ fn check(gpu: &Gpu, k: &Kernels) -> Res<i32> {
         let mut cpu = vec![HotBuffer::new(shape.hot); shape.seqs];
         let mut rng = Rng::new(3);
         let n_q = shape.seqs * shape.q_heads * shape.dim;
-        let mut qf: Vec<f32> = (0..n_q).map(|_| 2.0 * rng.unit() - 1.0).collect();
+        let mut qf: Vec<f32> = (0..n_q).map(|_| rng.unit()).collect();
         let pages = shape.pages();
         let layout = KvLayout {
             num_blocks: shape.seqs * pages,
@@ -510,7 +503,7 @@ fn bench(gpu: &Gpu, k: &Kernels, json: Option<&str>) -> Res<()> {
     let mut step = Step::new(gpu, k, shape, 21)?;
     let mut rng = Rng::new(9);
     let n_q = shape.seqs * shape.q_heads * shape.dim;
-    let mut qf: Vec<f32> = (0..n_q).map(|_| 2.0 * rng.unit() - 1.0).collect();
+    let mut qf: Vec<f32> = (0..n_q).map(|_| rng.unit()).collect();
     let mut qs = Vec::new();
     for _ in 0..=STEPS {
         qs.push(gpu.upload(&to_bf16(&qf)).map_err(err)?);
