@@ -287,10 +287,12 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) 
 // page's key is its best score, merged over threads and heads by atomicMax into
 // scores[row, page - head_end].
 //
-// quest_pick: one CTA of PICK_THREADS per selection row selects from the row's keys (a
+// pick_rows: one CTA of PICK_THREADS per selection row selects from the row's keys (a
 // shared-memory copy when `keys_smem`), zeroes them for the next launch and writes the row:
 // forced head pages, the chosen ones, the tail, -1 padding; `copies` output rows per selection
-// row (shared: 1 or kv_heads), their lengths and the tokens they cover.
+// row (shared: 1 or kv_heads), their lengths and the tokens they cover. Every algorithm's rows
+// come out of it: Quest's and DSA's after their scoring kernels, StreamingLLM's with a budget
+// of 0 (forced pages only, no keys read) and no slots (`slots` null).
 
 #define QJ 2                 // query heads a thread scores per pass over its page
 #define SCORE_THREADS 128    // threads of a scoring CTA
@@ -505,7 +507,7 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
     copy16_wait<0>();
 }
 
-extern "C" __global__ void __launch_bounds__(PICK_THREADS) quest_pick(
+extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
@@ -514,8 +516,8 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) quest_pick(
     const int row = blockIdx.x;
     const int s = shared ? row : row / kvh;
     const int len = seq_lens[s];
-    const int slot = slots[s];
-    const bool valid = len > 0 && slot >= 0 && slot < num_slots;
+    const int slot = slots ? slots[s] : 0;
+    const bool valid = len > 0 && (!slots || (slot >= 0 && slot < num_slots));
     const Plan plan(max(len, 1), ps, budget, sink_tokens, recent_tokens);
     u32* row_keys = scores + (size_t)row * score_stride;
     const int out_row0 = shared ? row * copies : row;
@@ -557,6 +559,86 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) quest_pick(
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// DSA's trained indexer (dsa.rs, `Dsa` with an `Indexer`): the score of token t of sequence s is
+// I(t) = sum_j w_j relu(q_j · k(t)) over the indexer heads j, with the queries q [seqs, heads,
+// dim] and weights w [seqs, heads] in f32 and the indexer keys in the representation pool
+// [layers, slots, max_tokens, dim] in the keys' element type. Each dot product adds its
+// products in score.rs's order (16 lanes, each rounded step by step, then the lanes in order)
+// and the heads add in order, every step rounded on its own (no fused multiply-add), so the
+// scores equal the CPU's bit for bit. One thread per mid token; a CTA stages its sequence's
+// queries and weights and a tile of DSA_THREADS keys (rows padded by 16 bytes) in shared
+// memory. Grid: (tiles of mid tokens, seqs). Keys go to scores[s, t - head_end] for pick_rows.
+
+#define DSA_THREADS 128
+
+struct DsaArgs {
+    i32 heads, dim, layer, num_slots, max_tokens, topk, sink_tokens, recent_tokens,
+        score_stride;
+};
+
+template <typename T>
+__device__ void dsa_body(const float* __restrict__ q, const float* __restrict__ w,
+                         const T* __restrict__ keys, const i32* __restrict__ slots,
+                         const i32* __restrict__ seq_lens, const DsaArgs a,
+                         u32* __restrict__ scores) {
+    extern __shared__ __align__(16) unsigned char dsa_smem[];
+    const int s = blockIdx.y;
+    const int len = seq_lens[s];
+    const int slot = slots[s];
+    if (len <= 0 || slot < 0 || slot >= a.num_slots) return;
+    const Plan plan(len, 1, a.topk, a.sink_tokens, a.recent_tokens);
+    const int t0 = plan.head_end + (int)blockIdx.x * DSA_THREADS;
+    const int t_end = min(plan.tail_start, plan.head_end + a.score_stride);
+    if (plan.pick == 0 || t0 >= t_end) return;
+    const int hd = a.heads * a.dim;
+    float* sq = reinterpret_cast<float*>(dsa_smem);
+    float* sw = sq + hd;
+    // The key tile starts at the next 16-byte boundary after the queries and weights.
+    const size_t tile_at = ((size_t)(hd + a.heads) * sizeof(float) + 15) / 16 * 16;
+    unsigned char* tile = dsa_smem + tile_at;
+    const int row_bytes = a.dim * (int)sizeof(T);
+    const int pitch = row_bytes + 16;
+    const int vecs = row_bytes / 16;
+    for (int i = threadIdx.x; i < hd; i += DSA_THREADS) sq[i] = q[(size_t)s * hd + i];
+    for (int i = threadIdx.x; i < a.heads; i += DSA_THREADS) sw[i] = w[(size_t)s * a.heads + i];
+    const int rows = min(DSA_THREADS, t_end - t0);
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(
+        keys + ((size_t)(a.layer * a.num_slots + slot) * a.max_tokens + t0) * a.dim);
+    for (int i = threadIdx.x; i < rows * vecs; i += DSA_THREADS) {
+        const int r = i / vecs, v = i - r * vecs;
+        *reinterpret_cast<uint4*>(tile + r * pitch + v * 16) =
+            __ldg(reinterpret_cast<const uint4*>(src + (size_t)r * row_bytes + v * 16));
+    }
+    __syncthreads();
+    if ((int)threadIdx.x >= rows) return;
+    typedef Vec16<T> V;
+    constexpr int PER16 = 16 / V::N;  // 16-byte vectors per 16 elements
+    const unsigned char* mine = tile + threadIdx.x * pitch;
+    float score = 0.0f;
+    for (int j = 0; j < a.heads; j++) {
+        const float* qj = sq + j * a.dim;
+        float acc[16];
+#pragma unroll
+        for (int l = 0; l < 16; l++) acc[l] = 0.0f;
+        for (int c = 0; c < a.dim; c += 16) {
+            float k[16];
+#pragma unroll
+            for (int v = 0; v < PER16; v++)
+                V::widen(*reinterpret_cast<const uint4*>(mine + (c / V::N + v) * 16),
+                         k + v * V::N);
+#pragma unroll
+            for (int l = 0; l < 16; l++) acc[l] = __fadd_rn(acc[l], __fmul_rn(qj[c + l], k[l]));
+        }
+        float dot = 0.0f;
+#pragma unroll
+        for (int l = 0; l < 16; l++) dot = __fadd_rn(dot, acc[l]);
+        score = __fadd_rn(score, __fmul_rn(sw[j], fmaxf(dot, 0.0f)));
+    }
+    const int t = t0 + (int)threadIdx.x;
+    scores[(size_t)s * a.score_stride + (t - plan.head_end)] = order_key(score);
+}
+
 #define SELECT_KERNELS(NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(SEL_THREADS) quest_minmax_##NAME(             \
         const T* __restrict__ k, i32 num_blocks, i32 bs, i32 kvh, i32 d,                        \
@@ -571,6 +653,12 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) quest_pick(
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
         i32 items, i32 per_cta, u32* __restrict__ scores) {                                      \
         score_body<T>(q, cu_q, reps, slots, seq_lens, a, items, per_cta, scores);               \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(DSA_THREADS) dsa_score_##NAME(                  \
+        const float* __restrict__ q, const float* __restrict__ w, const T* __restrict__ keys,   \
+        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const DsaArgs a,       \
+        u32* __restrict__ scores) {                                                              \
+        dsa_body<T>(q, w, keys, slots, seq_lens, a, scores);                                     \
     }
 
 SELECT_KERNELS(f32, float)

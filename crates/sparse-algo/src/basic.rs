@@ -98,6 +98,11 @@ impl StreamingLlm {
         }
         Ok(StreamingLlm { config })
     }
+
+    /// The settings.
+    pub fn config(&self) -> StreamingConfig {
+        self.config
+    }
 }
 
 impl SparseAlgorithm for StreamingLlm {

@@ -1,5 +1,5 @@
-//! The CUDA backend of sparse-algo (feature `cuda`): Quest on the device, with the same
-//! contracts as the CPU implementation.
+//! The CUDA backend of sparse-algo (feature `cuda`): Quest, StreamingLLM and the DSA indexer on
+//! the device, with the same contracts as the CPU implementations.
 //!
 //! [`SelectKernels`] compiles `kernels/select.cu` once for a [`Gpu`] and runs on its stream.
 //! [`DeviceRepPool`] is [`RepPool`](crate::RepPool)'s layout on the device, in the keys' element
@@ -9,7 +9,9 @@
 //! [`SelectKernels::quest_topk`] scores pages (one launch) and selects the top-k (a second) into
 //! a [`DeviceTopK`], whose rows feed [`Gpu::sparse_page_attention`] (or, one row per sequence, the
 //! hot-buffer diff) without a round trip to the host. Scores equal the CPU's bit for bit, so
-//! the selections are the CPU's, ties included.
+//! the selections are the CPU's, ties included. [`SelectKernels::streaming_topk`] writes
+//! StreamingLLM's rows through the same selecting kernel, and [`SelectKernels::dsa_topk`]
+//! scores every token with a trained indexer (keys in a [`DeviceRepPool`]) before it.
 
 use std::sync::Arc;
 
@@ -23,7 +25,7 @@ use cudarc::driver::{
 };
 
 use crate::pool::pool_extent;
-use crate::{AlgoError, Quest, RepShape, minmax};
+use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, minmax};
 
 /// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, then
 /// `kernels/select.cu`), embedded at build time.
@@ -38,6 +40,8 @@ const SEL_THREADS: usize = 256;
 const SCORE_THREADS: usize = 128;
 /// Threads of a selecting CTA (`PICK_THREADS`).
 const PICK_THREADS: usize = 1024;
+/// Threads of a DSA scoring CTA, one per token (`DSA_THREADS`).
+const DSA_THREADS: usize = 128;
 /// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
 const TILE_BYTES: usize = 32 << 10;
 
@@ -59,10 +63,14 @@ pub struct SelectKernels {
     stream: Arc<CudaStream>,
     /// `(quest_minmax, quest_score)` for f32, f16 and bf16, in [`type_index`] order.
     quest: [(CudaFunction, CudaFunction); 3],
-    /// `quest_pick`, the top-k of every element type.
+    /// `dsa_score_*` for f32, f16 and bf16.
+    dsa: [CudaFunction; 3],
+    /// `pick_rows`, the top-k of every algorithm and element type.
     pick: CudaFunction,
-    /// The most dynamic shared memory a scoring CTA may use (set once at load).
+    /// The most dynamic shared memory a Quest scoring CTA may use (set once at load).
     score_smem_max: usize,
+    /// The most dynamic shared memory a DSA scoring CTA may use (set once at load).
+    dsa_smem_max: usize,
     /// The most dynamic shared memory a selecting CTA may use (set once at load).
     pick_smem_max: usize,
     /// Streaming multiprocessors of the device.
@@ -92,6 +100,33 @@ struct ScoreArgs {
 // SAFETY: `ScoreArgs` is `#[repr(C)]` plain data of i32 fields, laid out as the kernel's
 // struct of the same fields in the same order.
 unsafe impl DeviceRepr for ScoreArgs {}
+
+/// `DsaArgs` of kernels/select.cu: `dsa_score_*`'s integer arguments, in its field order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct DsaArgs {
+    heads: i32,
+    dim: i32,
+    layer: i32,
+    num_slots: i32,
+    max_tokens: i32,
+    topk: i32,
+    sink_tokens: i32,
+    recent_tokens: i32,
+    score_stride: i32,
+}
+
+// SAFETY: `DsaArgs` is `#[repr(C)]` plain data of i32 fields, laid out as the kernel's struct
+// of the same fields in the same order.
+unsafe impl DeviceRepr for DsaArgs {}
+
+/// How `pick_rows` assembles a row: Quest's plan (select.rs, `Plan`) with these settings.
+#[derive(Clone, Copy, Debug)]
+struct Rule {
+    page_size: usize,
+    budget_pages: usize,
+    always: AlwaysInclude,
+}
 
 /// [`RepPool`](crate::RepPool)'s flat array `[layers, slots, max_pages, heads, width]` on the
 /// device, in element type `T`. Token counts are not kept: the batch metadata says which pages
@@ -142,6 +177,13 @@ impl<T: CudaElement> DeviceRepPool<T> {
     pub fn data(&self) -> &CudaSlice<T> {
         &self.data
     }
+
+    /// The whole array, for writers other than this crate's kernels: a model writes its DSA
+    /// indexer keys here, token `t` of `(layer, slot)` at row `(layer * slots + slot) *
+    /// max_pages + t` of `width` elements (pages are single tokens).
+    pub fn data_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.data
+    }
 }
 
 /// The output of [`SelectKernels::quest_topk`] and the scratch it reuses, allocated once for a
@@ -155,6 +197,8 @@ pub struct DeviceTopK {
     pub covered: CudaSlice<i32>,
     /// Output rows per selection row (a shared selection written once per KV head, or once).
     copies: usize,
+    /// One selection row per sequence (shared by its KV heads), else one per (sequence, head).
+    shared: bool,
     /// `[selection rows, score_stride]` ordered score keys, zero between launches.
     scores: CudaSlice<u32>,
     score_stride: usize,
@@ -183,24 +227,127 @@ impl DeviceTopK {
                 "one row per sequence needs a head-shared Quest".to_owned(),
             ));
         }
-        let sel_rows = if shared {
-            num_seqs
-        } else {
-            num_seqs * kv_heads
+        let stride = max_tokens.div_ceil(quest.config().page_size).max(1);
+        let rows = Rows {
+            num_seqs,
+            kv_heads,
+            shared,
+            per_sequence,
         };
-        let copies = if !shared || per_sequence { 1 } else { kv_heads };
-        let rows = sel_rows * copies;
-        let width = quest.row_width();
-        let score_stride = max_tokens.div_ceil(quest.config().page_size).max(1);
+        Self::alloc(gpu, rows, quest.row_width(), stride)
+    }
+
+    /// Buffers for StreamingLLM's rows of `num_seqs` sequences with `kv_heads` KV heads: once
+    /// per sequence when `per_sequence`, else once per KV head (every head keeps the same
+    /// pages).
+    pub fn streaming(
+        gpu: &Gpu,
+        streaming: &StreamingLlm,
+        num_seqs: usize,
+        kv_heads: usize,
+        per_sequence: bool,
+    ) -> Result<Self, AlgoError> {
+        let c = streaming.config();
+        let width = (c.sink_tokens as usize).div_ceil(c.page_size)
+            + (c.window_tokens as usize).div_ceil(c.page_size)
+            + 1;
+        let rows = Rows {
+            num_seqs,
+            kv_heads,
+            shared: true,
+            per_sequence,
+        };
+        // No scores: the rows are forced pages only.
+        Self::alloc(gpu, rows, width, 0)
+    }
+
+    /// Buffers for DSA token selections of `num_seqs` sequences of up to `max_tokens` tokens
+    /// with `kv_heads` KV heads: once per sequence when `per_sequence`, else once per KV head
+    /// (every head gets the same tokens).
+    pub fn dsa(
+        gpu: &Gpu,
+        dsa: &Dsa,
+        num_seqs: usize,
+        kv_heads: usize,
+        max_tokens: usize,
+        per_sequence: bool,
+    ) -> Result<Self, AlgoError> {
+        let rows = Rows {
+            num_seqs,
+            kv_heads,
+            shared: true,
+            per_sequence,
+        };
+        Self::alloc(gpu, rows, dsa.row_width(), max_tokens.max(1))
+    }
+
+    /// Zeroed buffers: `rows`' selection rows of `width` ids and `stride` score keys each.
+    fn alloc(gpu: &Gpu, rows: Rows, width: usize, stride: usize) -> Result<Self, AlgoError> {
+        let sel_rows = if rows.shared {
+            rows.num_seqs
+        } else {
+            rows.num_seqs * rows.kv_heads
+        };
+        let copies = if !rows.shared || rows.per_sequence {
+            1
+        } else {
+            rows.kv_heads
+        };
+        let out_rows = sel_rows * copies;
         Ok(DeviceTopK {
-            sel: DeviceSelection::from_device(gpu.zeros(rows * width)?, gpu.zeros(rows)?, width)?,
-            covered: gpu.zeros(rows)?,
+            sel: DeviceSelection::from_device(
+                gpu.zeros(out_rows * width)?,
+                gpu.zeros(out_rows)?,
+                width,
+            )?,
+            covered: gpu.zeros(out_rows)?,
             copies,
-            scores: gpu.zeros(sel_rows * score_stride)?,
-            score_stride,
+            shared: rows.shared,
+            scores: gpu.zeros((sel_rows * stride).max(1))?,
+            score_stride: stride,
             sel_rows,
         })
     }
+
+    /// Checks that these buffers were made for `sel_rows` selection rows of `width`, shared or
+    /// not, and, where `scored` is `Some((max_len, ps))`, with room for the score keys of
+    /// sequences of `max_len` tokens in pages of `ps` tokens.
+    fn check(
+        &self,
+        sel_rows: usize,
+        shared: bool,
+        width: usize,
+        scored: Option<(usize, usize)>,
+    ) -> Result<(), AlgoError> {
+        if self.sel_rows != sel_rows
+            || self.shared != shared
+            || self.sel.rows != sel_rows * self.copies
+            || self.sel.max_len != width
+        {
+            return Err(AlgoError::Invalid(format!(
+                "top-k buffers of {} rows of {} for {sel_rows} selection rows of {width}",
+                self.sel.rows, self.sel.max_len
+            )));
+        }
+        if let Some((max_len, ps)) = scored
+            && max_len.div_ceil(ps) > self.score_stride
+        {
+            return Err(AlgoError::Invalid(format!(
+                "sequences of {max_len} tokens; the top-k buffers were made for {}",
+                self.score_stride * ps
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The shape of a [`DeviceTopK`]'s rows.
+#[derive(Clone, Copy, Debug)]
+struct Rows {
+    num_seqs: usize,
+    kv_heads: usize,
+    shared: bool,
+    per_sequence: bool,
 }
 
 /// [`SelectKernels::quest_topk`]'s inputs, checked by it, for its two launches.
@@ -257,7 +404,12 @@ impl SelectKernels {
             ))
         };
         let quest = [pair("f32")?, pair("f16")?, pair("bf16")?];
-        let pick = load("quest_pick".to_owned())?;
+        let dsa = [
+            load("dsa_score_f32".to_owned())?,
+            load("dsa_score_f16".to_owned())?,
+            load("dsa_score_bf16".to_owned())?,
+        ];
+        let pick = load("pick_rows".to_owned())?;
         // Scoring CTAs hold the group's queries and two tiles, a selecting CTA a row's keys:
         // allow them, once, all the device offers beyond the kernels' static arrays.
         let optin = gpu
@@ -280,12 +432,18 @@ impl SelectKernels {
         for (_, f) in &quest {
             score_smem_max = score_smem_max.min(allow_all(f)?);
         }
+        let mut dsa_smem_max = usize::MAX;
+        for f in &dsa {
+            dsa_smem_max = dsa_smem_max.min(allow_all(f)?);
+        }
         let pick_smem_max = allow_all(&pick)?;
         Ok(SelectKernels {
             stream: gpu.stream().clone(),
             quest,
+            dsa,
             pick,
             score_smem_max,
+            dsa_smem_max,
             pick_smem_max,
             sms: gpu.multiprocessors(),
         })
@@ -412,23 +570,12 @@ impl SelectKernels {
         }
         let c = quest.config();
         let sel_rows = if c.shared_heads { n } else { n * kvh };
-        let width = quest.row_width();
-        if out.sel_rows != sel_rows
-            || out.sel.rows != sel_rows * out.copies
-            || out.sel.max_len != width
-        {
-            return Err(AlgoError::Invalid(format!(
-                "top-k buffers of {} rows of {} for {sel_rows} selection rows of {width}",
-                out.sel.rows, out.sel.max_len
-            )));
-        }
-        let max_len = meta.max_kv_len();
-        if max_len.div_ceil(c.page_size) > out.score_stride {
-            return Err(AlgoError::Invalid(format!(
-                "sequences of {max_len} tokens; the top-k buffers were made for {}",
-                out.score_stride * c.page_size
-            )));
-        }
+        out.check(
+            sel_rows,
+            c.shared_heads,
+            quest.row_width(),
+            Some((meta.max_kv_len(), c.page_size)),
+        )?;
         if n == 0 {
             return Ok(());
         }
@@ -442,7 +589,164 @@ impl SelectKernels {
             pool,
         };
         self.launch_score(&inputs, out)?;
-        self.launch_pick(&inputs, out)
+        let rule = Rule {
+            page_size: c.page_size,
+            budget_pages: quest.budget_pages(),
+            always: c.always,
+        };
+        self.launch_pick(meta, Some((slots, pool.slots)), rule, out)
+    }
+
+    /// StreamingLLM's decode selection for the batch `meta`, written into `out` as
+    /// [`StreamingLlm::retrieve_topk`] answers (rows equal, padding -1): the sink and window
+    /// pages of every sequence, through the selecting kernel with nothing to score.
+    ///
+    /// [`StreamingLlm::retrieve_topk`]: crate::SparseAlgorithm::retrieve_topk
+    pub fn streaming_topk(
+        &self,
+        streaming: &StreamingLlm,
+        meta: &DeviceBatch,
+        out: &mut DeviceTopK,
+    ) -> Result<(), AlgoError> {
+        let c = streaming.config();
+        let width = (c.sink_tokens as usize).div_ceil(c.page_size)
+            + (c.window_tokens as usize).div_ceil(c.page_size)
+            + 1;
+        out.check(meta.num_seqs(), true, width, None)?;
+        if meta.num_seqs() == 0 {
+            return Ok(());
+        }
+        let rule = Rule {
+            page_size: c.page_size,
+            budget_pages: 0,
+            always: AlwaysInclude {
+                sink_tokens: c.sink_tokens,
+                recent_tokens: c.window_tokens,
+            },
+        };
+        self.launch_pick(meta, None, rule, out)
+    }
+
+    /// DSA's decode selection with a trained indexer for the batch `meta`, written into `out`
+    /// as [`Dsa::retrieve_topk`] answers for the same inputs (rows equal, padding -1). `q` is
+    /// `[num_seqs, heads, dim]` indexer queries and `weights` `[num_seqs, heads]` their head
+    /// weights (what [`Indexer::queries`] writes), and `pool` holds the indexer keys of
+    /// `layer` (see [`DeviceRepPool::data_mut`]); the caller keeps every sequence's keys
+    /// written up to its length. Two launches: the scores of every mid token, then the top-k.
+    ///
+    /// [`Dsa::retrieve_topk`]: crate::SparseAlgorithm::retrieve_topk
+    /// [`Indexer::queries`]: crate::Indexer::queries
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the CPU entry point's inputs, as device buffers"
+    )]
+    pub fn dsa_topk<T: CudaElement>(
+        &self,
+        dsa: &Dsa,
+        q: &CudaSlice<f32>,
+        weights: &CudaSlice<f32>,
+        meta: &DeviceBatch,
+        layer: usize,
+        slots: &CudaSlice<i32>,
+        pool: &DeviceRepPool<T>,
+        out: &mut DeviceTopK,
+    ) -> Result<(), AlgoError> {
+        let Some(ix) = dsa.indexer() else {
+            return Err(AlgoError::Config(
+                "the device DSA needs a trained indexer; the fallback reads every key".to_owned(),
+            ));
+        };
+        let (heads, dim) = (ix.heads(), ix.dim());
+        let want = RepShape {
+            page_size: 1,
+            heads: 1,
+            width: dim,
+        };
+        if pool.shape != want {
+            return Err(AlgoError::Invalid(format!(
+                "the pool holds {:?}, the indexer needs {want:?}",
+                pool.shape
+            )));
+        }
+        if !dim.is_multiple_of(16) {
+            return Err(AlgoError::Invalid(format!(
+                "the device indexer takes dims that are multiples of 16, not {dim}"
+            )));
+        }
+        if layer >= pool.layers {
+            return Err(AlgoError::Invalid(format!(
+                "layer {layer} outside a pool of {} layers",
+                pool.layers
+            )));
+        }
+        let n = meta.num_seqs();
+        crate::error::check_len("slots", slots.len(), n)?;
+        crate::error::check_len("indexer queries", q.len(), n * heads * dim)?;
+        crate::error::check_len("indexer weights", weights.len(), n * heads)?;
+        if meta.max_kv_len() > pool.max_tokens() {
+            return Err(AlgoError::Invalid(format!(
+                "a sequence of {} tokens exceeds the pool's {} per request",
+                meta.max_kv_len(),
+                pool.max_tokens()
+            )));
+        }
+        let c = dsa.config();
+        out.check(n, true, dsa.row_width(), Some((meta.max_kv_len(), 1)))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let tile_at = ((heads * dim + heads) * size_of::<f32>()).div_ceil(16) * 16;
+        let smem = tile_at + DSA_THREADS * (dim * size_of::<T>() + 16);
+        if smem > self.dsa_smem_max {
+            return Err(AlgoError::Invalid(format!(
+                "an indexer of {heads} heads of {dim} needs {smem} bytes of shared memory; the \
+                 device offers {}",
+                self.dsa_smem_max
+            )));
+        }
+        let args = DsaArgs {
+            heads: to_i32(heads)?,
+            dim: to_i32(dim)?,
+            layer: to_i32(layer)?,
+            num_slots: to_i32(pool.slots)?,
+            max_tokens: to_i32(pool.max_pages)?,
+            topk: to_i32(c.topk)?,
+            sink_tokens: to_i32(c.always.sink_tokens as usize)?,
+            recent_tokens: to_i32(c.always.recent_tokens as usize)?,
+            score_stride: to_i32(out.score_stride)?,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                to_u32(meta.max_kv_len().div_ceil(DSA_THREADS).max(1))?,
+                to_u32(n)?,
+                1,
+            ),
+            block_dim: (to_u32(DSA_THREADS)?, 1, 1),
+            shared_mem_bytes: to_u32(smem)?,
+        };
+        let mut b = self.stream.launch_builder(&self.dsa[type_index::<T>()]);
+        b.arg(q)
+            .arg(weights)
+            .arg(&pool.data)
+            .arg(slots)
+            .arg(meta.seq_lens_kv())
+            .arg(&args)
+            .arg(&mut out.scores);
+        // SAFETY: the arguments follow `dsa_score_*` in kernels/select.cu; q and weights hold
+        // num_seqs * heads * dim and num_seqs * heads floats (checked above); the pool is
+        // `[layers, slots, max_tokens, dim]` with every sequence within max_tokens (checked);
+        // scores hold score_stride >= max_kv_len keys per sequence (checked by out.check), and
+        // the kernel writes mid tokens below it only; the dynamic shared memory holds the
+        // queries, weights and a tile of DSA_THREADS padded key rows (within the limit set at
+        // load); dim is a multiple of 16 elements, so rows are 16-byte aligned; slots are
+        // range-checked in the kernel.
+        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        let rule = Rule {
+            page_size: 1,
+            budget_pages: c.topk,
+            always: c.always,
+        };
+        self.launch_pick(meta, Some((slots, pool.slots)), rule, out)
     }
 
     /// The estimate: `quest_score_*` over every (selection row, head, tile of mid pages).
@@ -537,20 +841,16 @@ impl SelectKernels {
         Ok(())
     }
 
-    /// The top-k: `quest_pick`, one CTA per selection row.
-    fn launch_pick<T: CudaElement>(
+    /// The rows: `pick_rows`, one CTA per selection row, selecting `rule`'s pick from the score
+    /// keys (none with a budget of 0) of sequences whose slot, where `slots` is given with the
+    /// pool's slot count, is valid.
+    fn launch_pick(
         &self,
-        inputs: &Inputs<'_, T>,
+        meta: &DeviceBatch,
+        slots: Option<(&CudaSlice<i32>, usize)>,
+        rule: Rule,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
-        let Inputs {
-            quest,
-            meta,
-            slots,
-            pool,
-            ..
-        } = *inputs;
-        let c = quest.config();
         let kvh = meta.layout().kv_heads;
         let keys = out.score_stride * size_of::<u32>();
         let keys_smem = keys <= self.pick_smem_max;
@@ -560,23 +860,28 @@ impl SelectKernels {
             shared_mem_bytes: if keys_smem { to_u32(keys)? } else { 0 },
         };
         let ints = [
-            pool.slots,
+            slots.map_or(0, |(_, n)| n),
             kvh,
-            c.page_size,
-            quest.budget_pages(),
-            c.always.sink_tokens as usize,
-            c.always.recent_tokens as usize,
-            usize::from(c.shared_heads),
+            rule.page_size,
+            rule.budget_pages,
+            rule.always.sink_tokens as usize,
+            rule.always.recent_tokens as usize,
+            usize::from(out.shared),
             out.score_stride,
             usize::from(keys_smem),
-            quest.row_width(),
+            out.sel.max_len,
             out.copies,
         ]
         .map(to_i32);
         let ints = ints_ok(ints)?;
+        // A null pointer where the rows take no slots.
+        let no_slots: u64 = 0;
         let mut b = self.stream.launch_builder(&self.pick);
-        b.arg(slots)
-            .arg(meta.seq_lens_kv())
+        match slots {
+            Some((s, _)) => b.arg(s),
+            None => b.arg(&no_slots),
+        };
+        b.arg(meta.seq_lens_kv())
             .arg(&ints[0])
             .arg(&ints[1])
             .arg(&ints[2])
@@ -592,11 +897,12 @@ impl SelectKernels {
             .arg(&mut out.covered)
             .arg(&ints[9])
             .arg(&ints[10]);
-        // SAFETY: the arguments follow `quest_pick` in kernels/select.cu; scores hold
-        // score_stride keys for each of the sel_rows CTAs, which quest_topk checked against
-        // the batch; ids, lens and covered hold sel_rows * copies rows of row_width; with
-        // keys_smem the dynamic shared memory holds a row of keys (within the limit set at
-        // load); slots are range-checked in the kernel.
+        // SAFETY: the arguments follow `pick_rows` in kernels/select.cu; scores hold
+        // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
+        // callers (a budget of 0 reads none); ids, lens and covered hold sel_rows * copies rows
+        // of max_len; with keys_smem the dynamic shared memory holds a row of keys (within the
+        // limit set at load); slots, where given, hold num_seqs entries and are range-checked
+        // in the kernel, and a null pointer is never read.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }

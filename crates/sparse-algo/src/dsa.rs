@@ -92,6 +92,22 @@ impl Dsa {
         Ok(Dsa { config, indexer })
     }
 
+    /// The settings.
+    pub fn config(&self) -> DsaConfig {
+        self.config
+    }
+
+    /// The longest row a decode selection can have: the top-k, or the forced tokens where they
+    /// exceed it (the width of a device selection).
+    pub fn row_width(&self) -> usize {
+        self.config.always.max_row_pages(self.config.topk, 1)
+    }
+
+    /// The model's trained indexer, or `None` for the generic fallback.
+    pub fn indexer(&self) -> Option<&Arc<dyn Indexer>> {
+        self.indexer.as_ref()
+    }
+
     /// Scores of positions `mid` of sequence `s` with the trained indexer.
     fn indexer_scores(
         &self,
@@ -136,8 +152,9 @@ impl SparseAlgorithm for Dsa {
         }
     }
 
-    fn max_pages(&self, kv_heads: usize) -> Option<usize> {
-        Some(kv_heads * self.config.always.max_row_pages(self.config.topk, 1))
+    fn max_pages(&self, _kv_heads: usize) -> Option<usize> {
+        // Every KV head gets the same row.
+        Some(self.row_width())
     }
 
     fn rep_shape(&self, _kv_heads: usize, _head_dim: usize) -> RepShape {

@@ -83,10 +83,10 @@ fn configs_lower_to_per_layer_parameters() {
             264 * 16,
         )),
     );
-    // Token-level selection: pages of one token.
+    // Token-level selection: pages of one token, the same 64 + 2 forced for every KV head.
     check(
         "[algo]\nalgorithm = \"dsa\"\ntopk = 64",
-        Ok((&["dsa:132"; 4], 264, 264)),
+        Ok((&["dsa:66"; 4], 132, 132)),
     );
     // Everything dense: no sparse layer, nothing to hold.
     check("dense_layers = [0, 1, 2, 3]", Ok((&["-"; 4], 2, 2)));

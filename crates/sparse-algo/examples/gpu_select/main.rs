@@ -4,10 +4,15 @@
 //!   over decode steps) against [`RepPool`] bit for bit, and the device estimate + top-k against
 //!   [`Quest::retrieve_topk`](sparse_algo::SparseAlgorithm::retrieve_topk) row for row (per-head
 //!   and head-shared, f32/f16/bf16, GQA 1/4/8, sinks and recent tokens, tied scores, a chunked
-//!   prefill's last query row), outputs poisoned first; exits 1 on any mismatch.
+//!   prefill's last query row), outputs poisoned first; StreamingLLM's device rows against
+//!   [`StreamingLlm`]'s, and the DSA indexer's device scores + token top-k against [`Dsa`]'s
+//!   with a trained indexer (f32/f16/bf16 keys, tied scores, rows longer than shared memory);
+//!   exits 1 on any mismatch.
 //! - `gpu_select bench [--json FILE]`: bf16, 32 query / 8 KV heads, D 128, pages of 16, a 2K
 //!   budget: min/max construction, the fused estimate + top-k, and estimate + top-k + sparse
-//!   attention at B8 L32K and B1 L128K, with our dense decode in the same run.
+//!   attention at B8 L32K and B1 L128K, with our dense decode in the same run; StreamingLLM's
+//!   rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token
+//!   attention.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -22,13 +27,16 @@ mod report;
 mod rng;
 
 use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu};
+use std::sync::Arc;
+
 use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvLayout, PagedKv};
 use half::{bf16, f16};
 use report::{Row, random_bf16, table};
 use rng::Rng;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{
-    AlgoError, AlwaysInclude, Decode, PagedKeys, Quest, QuestConfig, RepPool, SparseAlgorithm,
+    AlgoError, AlwaysInclude, Decode, Dsa, DsaConfig, Indexer, KeySource, PagedKeys, Quest,
+    QuestConfig, RepPool, SparseAlgorithm, StreamingConfig, StreamingLlm, TopK,
 };
 
 fn main() {
@@ -231,26 +239,34 @@ const POISON: i32 = -777;
 fn check(gpu: &Gpu, sk: &SelectKernels) -> Result<i32, AlgoError> {
     let mut failed = 0;
     let mut total = 0;
-    for (i, case) in CASES.iter().enumerate() {
-        for dtype in ["f32", "f16", "bf16"] {
-            let seed = 100 + i as u64;
-            let outcome = match dtype {
-                "f32" => check_case::<f32>(gpu, sk, case, seed),
-                "f16" => check_case::<f16>(gpu, sk, case, seed),
-                _ => check_case::<bf16>(gpu, sk, case, seed),
-            }?;
-            for (what, ok) in outcome {
-                total += 1;
-                if !ok {
-                    failed += 1;
-                }
-                println!(
-                    "{} {dtype:<4} {:<44} {what}",
-                    if ok { "ok  " } else { "FAIL" },
-                    case.name
-                );
-            }
+    let mut tally = |name: &str, dtype: &str, outcome: Vec<(String, bool)>| {
+        for (what, ok) in outcome {
+            total += 1;
+            failed += usize::from(!ok);
+            println!(
+                "{} {dtype:<4} {name:<44} {what}",
+                if ok { "ok  " } else { "FAIL" }
+            );
         }
+    };
+    for (i, case) in CASES.iter().enumerate() {
+        let seed = 100 + i as u64;
+        tally(case.name, "f32", check_case::<f32>(gpu, sk, case, seed)?);
+        tally(case.name, "f16", check_case::<f16>(gpu, sk, case, seed)?);
+        tally(case.name, "bf16", check_case::<bf16>(gpu, sk, case, seed)?);
+    }
+    for (i, case) in STREAMING.iter().enumerate() {
+        tally(
+            case.name,
+            "-",
+            check_streaming(gpu, sk, case, 300 + i as u64)?,
+        );
+    }
+    for (i, case) in DSA_CASES.iter().enumerate() {
+        let seed = 400 + i as u64;
+        tally(case.name, "f32", check_dsa::<f32>(gpu, sk, case, seed)?);
+        tally(case.name, "f16", check_dsa::<f16>(gpu, sk, case, seed)?);
+        tally(case.name, "bf16", check_dsa::<bf16>(gpu, sk, case, seed)?);
     }
     println!("gpu_select check: {total} checks, {failed} failed");
     Ok(i32::from(failed > 0))
@@ -397,6 +413,19 @@ fn check_case<T: CudaElement>(
     let meta = meta_for(gpu, &layout, &lens, &q_rows, &table, max_blocks)?;
     let dq = gpu.upload(&q)?;
     let mut out = DeviceTopK::new(gpu, &quest, n, kvh, max_len, c.per_sequence)?;
+    poison(gpu, &mut out)?;
+    // Twice: the second launch finds the score keys the first left (zeroed).
+    for _ in 0..2 {
+        sk.quest_topk(
+            &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+        )?;
+    }
+    results.extend(compare_rows(gpu, &want, &out, &lens)?);
+    Ok(results)
+}
+
+/// Fills a selection's outputs with [`POISON`], so rows the kernels skip show.
+fn poison(gpu: &Gpu, out: &mut DeviceTopK) -> Result<(), AlgoError> {
     let (rows, width) = (out.sel.rows, out.sel.max_len);
     let stream = gpu.stream();
     stream
@@ -408,18 +437,25 @@ fn check_case<T: CudaElement>(
     stream
         .memcpy_htod(&vec![POISON; rows], &mut out.covered)
         .map_err(AttnError::from)?;
-    // Twice: the second launch finds the scratch the first left (zeroed counters and scores).
-    for _ in 0..2 {
-        sk.quest_topk(
-            &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
-        )?;
-    }
+    Ok(())
+}
+
+/// The device rows against the CPU's `want` (one row per sequence or per (sequence, KV head)):
+/// ids, -1 padding, and the tokens each row covers in sequences of `lens` tokens.
+fn compare_rows(
+    gpu: &Gpu,
+    want: &TopK,
+    out: &DeviceTopK,
+    lens: &[usize],
+) -> Result<Vec<(String, bool)>, AlgoError> {
+    let (rows, width) = (out.sel.rows, out.sel.max_len);
+    let ps = want.page_size;
     let (ids, dlens, covered) = (
         gpu.download(&out.sel.ids)?,
         gpu.download(&out.sel.lens)?,
         gpu.download(&out.covered)?,
     );
-    let per_seq = rows / n;
+    let per_seq = rows / lens.len().max(1);
     let mut sel_ok = true;
     let mut cover_ok = true;
     let mut pad_ok = true;
@@ -428,19 +464,292 @@ fn check_case<T: CudaElement>(
         let w = want.row(s, h);
         let len = dlens[r];
         let got = &ids[r * width..(r + 1) * width];
-        sel_ok &= len == w.len() as i32 && &got[..w.len()] == w;
+        sel_ok &= len == w.len() as i32 && w.len() <= width && &got[..w.len()] == w;
         pad_ok &= got[w.len().min(width)..].iter().all(|&x| x == -1);
-        let tokens: usize = w.iter().map(|&p| (lens[s] - p as usize * 16).min(16)).sum();
+        let tokens: usize = w.iter().map(|&p| (lens[s] - p as usize * ps).min(ps)).sum();
         cover_ok &= covered[r] == tokens as i32;
     }
     let picked: usize = (0..rows).map(|r| dlens[r].max(0) as usize).sum::<usize>();
-    results.push((
-        format!("selection rows equal the CPU's ({rows} rows, {picked} pages)"),
-        sel_ok,
-    ));
-    results.push(("rows padded with -1".to_owned(), pad_ok));
-    results.push(("covered tokens".to_owned(), cover_ok));
-    Ok(results)
+    Ok(vec![
+        (
+            format!("selection rows equal the CPU's ({rows} rows, {picked} ids)"),
+            sel_ok,
+        ),
+        ("rows padded with -1".to_owned(), pad_ok),
+        ("covered tokens".to_owned(), cover_ok),
+    ])
+}
+
+/// One checked StreamingLLM configuration.
+struct StreamingCase {
+    name: &'static str,
+    kv_heads: usize,
+    lens: &'static [usize],
+    sink: u32,
+    window: u32,
+    page_size: usize,
+    per_sequence: bool,
+}
+
+const STREAMING: &[StreamingCase] = &[
+    StreamingCase {
+        name: "StreamingLLM 4 + 2044 tokens, kvh 8",
+        kv_heads: 8,
+        lens: &[5000, 1000, 2049, 1, 2048],
+        sink: 4,
+        window: 2044,
+        page_size: 1,
+        per_sequence: false,
+    },
+    StreamingCase {
+        name: "StreamingLLM pages of 16, per sequence",
+        kv_heads: 2,
+        lens: &[40_000, 777, 16, 17],
+        sink: 64,
+        window: 1000,
+        page_size: 16,
+        per_sequence: true,
+    },
+    StreamingCase {
+        name: "StreamingLLM no sinks, window 1, MQA",
+        kv_heads: 1,
+        lens: &[33, 16, 3],
+        sink: 0,
+        window: 1,
+        page_size: 16,
+        per_sequence: false,
+    },
+];
+
+/// A batch's metadata over an identity block table of blocks of 16 (for the selections that
+/// read no KV).
+fn plain_meta(gpu: &Gpu, kv_heads: usize, lens: &[usize]) -> Result<DeviceBatch, AlgoError> {
+    let max_blocks = lens.iter().copied().max().unwrap_or(0).div_ceil(16).max(1);
+    let layout = KvLayout {
+        num_blocks: lens.len() * max_blocks,
+        block_size: 16,
+        kv_heads,
+        head_dim: 16,
+    };
+    let table: Vec<i32> = (0..(lens.len() * max_blocks) as i32).collect();
+    meta_for(gpu, &layout, lens, &vec![1; lens.len()], &table, max_blocks)
+}
+
+/// A decode step's inputs for the selections that read neither queries nor keys.
+fn plain_decode<'a>(
+    kv_heads: usize,
+    lens: &'a [usize],
+    slots: &'a [usize],
+    q: &'a [f32],
+) -> Decode<'a> {
+    Decode {
+        layer: 1,
+        q,
+        q_heads: kv_heads,
+        kv_heads,
+        head_dim: 16,
+        seq_lens: lens,
+        slots,
+        keys: None,
+    }
+}
+
+fn check_streaming(
+    gpu: &Gpu,
+    sk: &SelectKernels,
+    c: &StreamingCase,
+    seed: u64,
+) -> Result<Vec<(String, bool)>, AlgoError> {
+    let mut rng = Rng::new(seed);
+    let n = c.lens.len();
+    let algo = StreamingLlm::new(StreamingConfig {
+        sink_tokens: c.sink,
+        window_tokens: c.window,
+        page_size: c.page_size,
+    })?;
+    let max_len = c.lens.iter().copied().max().unwrap_or(1);
+    let pool = RepPool::new(algo.rep_shape(c.kv_heads, 16), LAYERS, n, max_len)?;
+    let slots: Vec<usize> = (0..n).collect();
+    let q: Vec<f32> = (0..n * c.kv_heads * 16).map(|_| rng.unit()).collect();
+    let want = algo.retrieve_topk(&plain_decode(c.kv_heads, c.lens, &slots, &q), &pool)?;
+    let meta = plain_meta(gpu, c.kv_heads, c.lens)?;
+    let mut out = DeviceTopK::streaming(gpu, &algo, n, c.kv_heads, c.per_sequence)?;
+    poison(gpu, &mut out)?;
+    sk.streaming_topk(&algo, &meta, &mut out)?;
+    compare_rows(gpu, &want, &out, c.lens)
+}
+
+/// One checked DSA configuration (a trained indexer; the selection is per sequence).
+struct DsaCase {
+    name: &'static str,
+    heads: usize,
+    dim: usize,
+    kv_heads: usize,
+    lens: &'static [usize],
+    topk: usize,
+    sink: u32,
+    recent: u32,
+    /// Keys drawn from this many levels (tied scores), or uniform.
+    levels: Option<usize>,
+    per_sequence: bool,
+}
+
+const DSA_CASES: &[DsaCase] = &[
+    DsaCase {
+        name: "DSA 4 heads of 64, top-256, kvh 2",
+        heads: 4,
+        dim: 64,
+        kv_heads: 2,
+        lens: &[3000, 700, 100, 257],
+        topk: 256,
+        sink: 0,
+        recent: 1,
+        levels: None,
+        per_sequence: false,
+    },
+    DsaCase {
+        name: "DSA 16 heads of 128, top-2048, sinks + recent",
+        heads: 16,
+        dim: 128,
+        kv_heads: 1,
+        lens: &[40_000, 5000],
+        topk: 2048,
+        sink: 4,
+        recent: 64,
+        levels: None,
+        per_sequence: true,
+    },
+    DsaCase {
+        name: "DSA 8 heads of 32, tied scores (3 levels)",
+        heads: 8,
+        dim: 32,
+        kv_heads: 4,
+        lens: &[1500, 2500],
+        topk: 100,
+        sink: 0,
+        recent: 1,
+        levels: Some(3),
+        per_sequence: true,
+    },
+    DsaCase {
+        name: "DSA 2 heads of 16, 70K tokens (keys past smem)",
+        heads: 2,
+        dim: 16,
+        kv_heads: 1,
+        lens: &[70_000],
+        topk: 512,
+        sink: 16,
+        recent: 1,
+        levels: None,
+        per_sequence: false,
+    },
+];
+
+/// A trained indexer held in tables: keys `[len, dim]` per sequence, one query `[heads, dim]`
+/// and weights `[heads]` per sequence (every layer the same).
+struct TableIndexer {
+    heads: usize,
+    dim: usize,
+    keys: Vec<Vec<f32>>,
+    q: Vec<f32>,
+    w: Vec<f32>,
+}
+
+impl Indexer for TableIndexer {
+    fn heads(&self) -> usize {
+        self.heads
+    }
+    fn dim(&self) -> usize {
+        self.dim
+    }
+    fn keys(&self, _layer: usize, seq: usize, start: usize, dst: &mut [f32]) {
+        dst.copy_from_slice(&self.keys[seq][start * self.dim..start * self.dim + dst.len()]);
+    }
+    fn queries(&self, _layer: usize, seq: usize, q: &mut [f32], weights: &mut [f32]) {
+        let hd = self.heads * self.dim;
+        q.copy_from_slice(&self.q[seq * hd..(seq + 1) * hd]);
+        weights.copy_from_slice(&self.w[seq * self.heads..(seq + 1) * self.heads]);
+    }
+}
+
+/// Sequence lengths only: what a trained indexer's representation update asks of the keys.
+struct Lengths<'a>(&'a [usize]);
+
+impl KeySource for Lengths<'_> {
+    fn num_seqs(&self) -> usize {
+        self.0.len()
+    }
+    fn kv_heads(&self) -> usize {
+        1
+    }
+    fn head_dim(&self) -> usize {
+        16
+    }
+    fn seq_len(&self, seq: usize) -> usize {
+        self.0[seq]
+    }
+    fn read(&self, _seq: usize, _start: usize, dst: &mut [f32]) {
+        // A trained indexer builds its representations from its own keys, never these.
+        dst.fill(f32::NAN);
+    }
+}
+
+fn check_dsa<T: CudaElement>(
+    gpu: &Gpu,
+    sk: &SelectKernels,
+    c: &DsaCase,
+    seed: u64,
+) -> Result<Vec<(String, bool)>, AlgoError> {
+    let mut rng = Rng::new(seed);
+    let n = c.lens.len();
+    // Keys the element type holds exactly, so the CPU's f32 pool and the device's agree.
+    let keys_of = |rng: &mut Rng, len: usize| -> Vec<f32> {
+        keys::<T>(rng, len * c.dim, c.levels)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect()
+    };
+    let ix = TableIndexer {
+        heads: c.heads,
+        dim: c.dim,
+        keys: c.lens.iter().map(|&l| keys_of(&mut rng, l)).collect(),
+        q: (0..n * c.heads * c.dim).map(|_| rng.unit()).collect(),
+        w: (0..n * c.heads).map(|_| rng.unit()).collect(),
+    };
+    let (q, w) = (gpu.upload(&ix.q)?, gpu.upload(&ix.w)?);
+    let dsa = Dsa::new(
+        DsaConfig {
+            topk: c.topk,
+            always: AlwaysInclude {
+                sink_tokens: c.sink,
+                recent_tokens: c.recent,
+            },
+        },
+        Some(Arc::new(ix)),
+    )?;
+    let max_len = c.lens.iter().copied().max().unwrap_or(1);
+    let shape = dsa.rep_shape(c.kv_heads, 16);
+    let slots: Vec<usize> = (0..n).map(|s| n - 1 - s).collect();
+    let layer = 1;
+    let mut pool = RepPool::new(shape, LAYERS, n, max_len)?;
+    dsa.update_representations(layer, &Lengths(c.lens), &slots, &mut pool)?;
+    let mut dev_pool = DeviceRepPool::<T>::new(gpu, shape, LAYERS, n, max_len)?;
+    let host: Vec<T> = pool.data().iter().map(|&x| T::from_f32(x)).collect();
+    gpu.stream()
+        .memcpy_htod(&host, dev_pool.data_mut())
+        .map_err(AttnError::from)?;
+    let attn_q: Vec<f32> = (0..n * c.kv_heads * 16).map(|_| rng.unit()).collect();
+    let step = plain_decode(c.kv_heads, c.lens, &slots, &attn_q);
+    let want = dsa.retrieve_topk(&step, &pool)?;
+    let meta = plain_meta(gpu, c.kv_heads, c.lens)?;
+    let dslots = gpu.upload(&slots.iter().map(|&s| s as i32).collect::<Vec<_>>())?;
+    let mut out = DeviceTopK::dsa(gpu, &dsa, n, c.kv_heads, max_len, c.per_sequence)?;
+    poison(gpu, &mut out)?;
+    // Twice: the second launch finds the score keys the first left.
+    for _ in 0..2 {
+        sk.dsa_topk(&dsa, &q, &w, &meta, layer, &dslots, &dev_pool, &mut out)?;
+    }
+    compare_rows(gpu, &want, &out, c.lens)
 }
 
 const Q_HEADS: usize = 32;
@@ -573,6 +882,9 @@ fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoEr
             bytes: kv_bytes,
             note: format!("{:.2} of copy bw", kv_bytes / t.synced / 1e6 / bw),
         });
+        rows.extend(bench_token_selections(
+            gpu, sk, &kv, &decode, &q, &slots, b, ctx, &tag,
+        )?);
     }
 
     print!("{}", table(&rows));
@@ -581,4 +893,108 @@ fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoEr
         std::fs::write(path, body).map_err(|e| AlgoError::Invalid(format!("{path}: {e}")))?;
     }
     Ok(())
+}
+
+/// DeepSeek V3.2's indexer shape: 64 heads of 128.
+const DSA_HEADS: usize = 64;
+const DSA_DIM: usize = 128;
+
+/// StreamingLLM (4 sink + 2044 window tokens) and the DSA indexer (top-2048 tokens), each alone
+/// and followed by token-level attention over its selection, for `b` sequences of `ctx` tokens.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the bench's shared inputs for one shape"
+)]
+fn bench_token_selections(
+    gpu: &Gpu,
+    sk: &SelectKernels,
+    kv: &DevicePagedKv<bf16>,
+    decode: &DeviceBatch,
+    q: &cudarc::driver::CudaSlice<bf16>,
+    slots: &cudarc::driver::CudaSlice<i32>,
+    b: usize,
+    ctx: usize,
+    tag: &str,
+) -> Result<Vec<Row>, AlgoError> {
+    let params = AttnParams::new(Q_HEADS, D);
+    let mut out_attn = gpu.zeros::<f32>(b * Q_HEADS * D)?;
+    let mut rows = Vec::new();
+    let attn_bytes = (b * KV_HEADS * 2048 * D * 2 * 2) as f64;
+
+    let streaming = StreamingLlm::new(StreamingConfig::default())?;
+    let mut top = DeviceTopK::streaming(gpu, &streaming, b, KV_HEADS, false)?;
+    let t = gpu.time(RUNS, || sk.streaming_topk(&streaming, decode, &mut top))?;
+    rows.push(Row {
+        name: format!("streaming-llm rows {tag}"),
+        t,
+        bytes: 0.0,
+        note: "4 sink + 2044 window tokens".to_owned(),
+    });
+    let t = gpu.time(RUNS, || {
+        sk.streaming_topk(&streaming, decode, &mut top)?;
+        gpu.token_sparse_attention(q, kv, decode, &top.sel, &params, &mut out_attn, None)?;
+        Ok::<(), AlgoError>(())
+    })?;
+    rows.push(Row {
+        name: format!("streaming-llm+token attn {tag}"),
+        t,
+        bytes: attn_bytes,
+        note: "rows, attention over 2048 tokens".to_owned(),
+    });
+
+    let ix = TableIndexer {
+        heads: DSA_HEADS,
+        dim: DSA_DIM,
+        keys: Vec::new(),
+        q: Vec::new(),
+        w: Vec::new(),
+    };
+    let dsa = Dsa::new(
+        DsaConfig {
+            topk: 2048,
+            always: AlwaysInclude::default(),
+        },
+        Some(Arc::new(ix)),
+    )?;
+    let shape = dsa.rep_shape(KV_HEADS, D);
+    let mut pool = DeviceRepPool::<bf16>::new(gpu, shape, 1, b, ctx)?;
+    let keys = random_bf16(pool.data().len(), 21);
+    gpu.stream()
+        .memcpy_htod(&keys, pool.data_mut())
+        .map_err(AttnError::from)?;
+    drop(keys);
+    let mut rng = Rng::new(23);
+    let iq = gpu.upload(
+        &(0..b * DSA_HEADS * DSA_DIM)
+            .map(|_| rng.unit())
+            .collect::<Vec<_>>(),
+    )?;
+    let iw = gpu.upload(&(0..b * DSA_HEADS).map(|_| rng.unit()).collect::<Vec<_>>())?;
+    let mut top = DeviceTopK::dsa(gpu, &dsa, b, KV_HEADS, ctx, false)?;
+    let key_bytes = (b * ctx * DSA_DIM * 2) as f64;
+    let flops = (b * ctx * DSA_HEADS * DSA_DIM * 2) as f64;
+    let t = gpu.time(RUNS, || {
+        sk.dsa_topk(&dsa, &iq, &iw, decode, 0, slots, &pool, &mut top)
+    })?;
+    rows.push(Row {
+        name: format!("dsa indexer+top-2048 {tag}"),
+        t,
+        bytes: key_bytes,
+        note: format!(
+            "64x128 heads, {:.1} TFLOP/s (no FMA)",
+            flops / t.synced / 1e9
+        ),
+    });
+    let t = gpu.time(RUNS, || {
+        sk.dsa_topk(&dsa, &iq, &iw, decode, 0, slots, &pool, &mut top)?;
+        gpu.token_sparse_attention(q, kv, decode, &top.sel, &params, &mut out_attn, None)?;
+        Ok::<(), AlgoError>(())
+    })?;
+    rows.push(Row {
+        name: format!("dsa+token attn {tag}"),
+        t,
+        bytes: key_bytes + attn_bytes,
+        note: "indexer, top-k, attention over 2048 tokens".to_owned(),
+    });
+    Ok(rows)
 }
