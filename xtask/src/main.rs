@@ -261,8 +261,8 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
       --section MemoryWorkloadAnalysis --section LaunchStats "$here/bin/gpu" profile >> "$out/tools.log" 2>&1
     echo "ncu exit $?" >> "$out/tools.log"
   done
-  echo "== ncu quest_score_bf16 and quest_pick, B8 L32K" >> "$out/tools.log"
-  timeout 180 ncu --clock-control none --kernel-name regex:"quest_(score_bf16|pick)" --launch-skip 10 \
+  echo "== ncu quest_score_bf16 and pick_rows, B8 L32K" >> "$out/tools.log"
+  timeout 180 ncu --clock-control none --kernel-name regex:"quest_score_bf16|pick_rows" --launch-skip 10 \
     --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section MemoryWorkloadAnalysis "$here/bin/gpu_select" bench >> "$out/tools.log" 2>&1
   echo "ncu exit $?" >> "$out/tools.log"

@@ -46,8 +46,9 @@ fn to_u32(x: usize) -> Result<u32, OffloadError> {
     u32::try_from(x).map_err(|_| OffloadError::Invalid(format!("{x} does not fit a u32")))
 }
 
-/// offload's kernels, loaded for one [`Gpu`], launched on its stream.
-#[derive(Debug)]
+/// offload's kernels, loaded for one [`Gpu`], launched on its stream (or another stream of
+/// its context, through [`IoKernels::on_stream`]).
+#[derive(Clone, Debug)]
 pub struct IoKernels {
     stream: Arc<CudaStream>,
     diff: CudaFunction,
@@ -250,6 +251,16 @@ impl IoKernels {
             load_misses: load("load_misses")?,
             copy_rows: load("copy_rows")?,
         })
+    }
+
+    /// The same kernels launched on `stream`, a stream of the same context: loads on a copy
+    /// stream, say, overlapped with attention on the compute stream. Ordering work across the
+    /// two streams (events) is the caller's.
+    pub fn on_stream(&self, stream: Arc<CudaStream>) -> Self {
+        IoKernels {
+            stream,
+            ..self.clone()
+        }
     }
 
     /// The swap-in of every row at once: `pages` (rows of ascending, unique logical pages, at
