@@ -25,7 +25,7 @@
 // order) takes the m-th evictable slot; the new LRU order is the untouched evictables, the slots
 // just filled, then the hits.
 
-#define DIFF_THREADS 512
+#define DIFF_THREADS 1024
 #define HASH_BITS 12  // 4096 entries: selections up to 2048 pages at load <= 1/2
 #define HASH_SIZE (1 << HASH_BITS)
 
@@ -41,7 +41,9 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     i32* __restrict__ miss_slots, i32* __restrict__ miss_counts, i32* __restrict__ hit_counts,
     i32* __restrict__ errors) {
     // Shared: the hash (page, selection index), the hit flag of each selection index, the old
-    // LRU order, and the evictable and hit slots in LRU order.
+    // LRU order, and the evictable and hit slots in LRU order; copies of the row's slot pages,
+    // blocks and selection (read once, coalesced, instead of one dependent global load per
+    // LRU position or selection index).
     __shared__ int h_page[HASH_SIZE];
     __shared__ short h_idx[HASH_SIZE];
     extern __shared__ int dyn[];
@@ -49,7 +51,10 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     int* s_evict = s_lru + hot;       // [hot]
     int* s_hit = s_evict + hot;       // [hot]
     int* s_cls = s_hit + hot;         // [hot]: selection index of each LRU position's page, -1
-    int* sel_hit = s_cls + hot;       // [sel_max]
+    int* s_sp = s_cls + hot;          // [hot]: the page of each slot
+    int* s_blk = s_sp + hot;          // [hot + 1]: the block of each slot
+    int* sel_hit = s_blk + hot + 1;   // [sel_max]
+    int* s_sel = sel_hit + sel_max;   // [sel_max]: the selection
 
     const int row = blockIdx.x;
     const int tid = threadIdx.x;
@@ -62,11 +67,16 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
 
     for (int i = tid; i < HASH_SIZE; i += DIFF_THREADS) h_page[i] = -1;
     for (int i = tid; i < sel_max; i += DIFF_THREADS) sel_hit[i] = 0;
-    for (int i = tid; i < hot; i += DIFF_THREADS) s_lru[i] = (int)lr[i];
+    for (int i = tid; i < hot; i += DIFF_THREADS) {
+        s_lru[i] = (int)lr[i];
+        s_sp[i] = sp[i];
+    }
+    for (int i = tid; i <= hot; i += DIFF_THREADS) s_blk[i] = blk[i];
+    for (int i = tid; i < len; i += DIFF_THREADS) s_sel[i] = sel[i];
     __syncthreads();
     // Insert the selection (the current page is never looked up, so it is left out).
     for (int i = tid; i < len; i += DIFF_THREADS) {
-        const int p = sel[i];
+        const int p = s_sel[i];
         if (p < 0 || p == cur) continue;
         u32 k = hash_page(p);
         while (true) {
@@ -87,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     int n_hit = 0;
     for (int j = a; j < b; j++) {
         const int slot = s_lru[j];
-        const int p = (slot >= 0 && slot < hot) ? sp[slot] : -1;
+        const int p = (slot >= 0 && slot < hot) ? s_sp[slot] : -1;
         int idx = -1;
         if (p >= 0 && p != cur) {
             u32 k = hash_page(p);
@@ -113,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
             s_hit[hi++] = slot;
             sel_hit[idx] = 1;
             slots_out[(size_t)row * sel_max + idx] = slot;
-            table_out[(size_t)row * sel_max + idx] = blk[slot];
+            table_out[(size_t)row * sel_max + idx] = s_blk[slot];
         } else {
             s_evict[ev++] = slot;
         }
@@ -126,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     const int sb = min(len, sa + sper);
     int n_miss = 0;
     for (int i = sa; i < sb; i++) {
-        const int p = sel[i];
+        const int p = s_sel[i];
         n_miss += p >= 0 && p != cur && !sel_hit[i];
     }
     int misses_total;
@@ -142,20 +152,20 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     }
     int cur_hits = 0;
     for (int i = sa; i < sb; i++) {
-        const int p = sel[i];
+        const int p = s_sel[i];
         const size_t o = (size_t)row * sel_max + i;
         if (p < 0) {
             slots_out[o] = -1;
             table_out[o] = -1;
         } else if (p == cur) {
             slots_out[o] = hot;
-            table_out[o] = blk[hot];
+            table_out[o] = s_blk[hot];
             cur_hits++;
         } else if (!sel_hit[i]) {
             const int slot = s_evict[m];
             sp[slot] = p;
             slots_out[o] = slot;
-            table_out[o] = blk[slot];
+            table_out[o] = s_blk[slot];
             miss_pages[(size_t)row * sel_max + m] = p;
             miss_slots[(size_t)row * sel_max + m] = slot;
             m++;

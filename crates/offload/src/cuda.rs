@@ -28,7 +28,7 @@ pub const KERNEL_SOURCE: &str = concat!(
 );
 
 /// Threads of a diff CTA (`DIFF_THREADS` in kernels/offload.cu).
-const DIFF_THREADS: u32 = 512;
+const DIFF_THREADS: u32 = 1024;
 /// The largest selection the diff's shared-memory hash takes (half its 4096 entries).
 pub const MAX_DIFF_SELECTION: usize = 2048;
 /// Warps of an IO CTA (`IO_WARPS`).
@@ -302,7 +302,9 @@ impl IoKernels {
         if rows == 0 {
             return Ok(());
         }
-        let smem = (4 * hot + sel_max) * 4;
+        // kernels/offload.cu's dynamic arrays: six of hot slots (one more for the blocks) and
+        // two of the selection.
+        let smem = (6 * hot + 1 + 2 * sel_max) * 4;
         if smem > self.diff_smem_max {
             return Err(OffloadError::Invalid(format!(
                 "a hot buffer of {hot} slots needs {smem} bytes of shared memory per diff CTA; \
