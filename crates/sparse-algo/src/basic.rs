@@ -103,6 +103,15 @@ impl StreamingLlm {
     pub fn config(&self) -> StreamingConfig {
         self.config
     }
+
+    /// The longest row a decode selection can have: the sink pages, the window's pages and a
+    /// page the window straddles (the width of a device selection).
+    pub fn row_width(&self) -> usize {
+        let c = self.config;
+        (c.sink_tokens as usize).div_ceil(c.page_size)
+            + (c.window_tokens as usize).div_ceil(c.page_size)
+            + 1
+    }
 }
 
 impl SparseAlgorithm for StreamingLlm {
@@ -117,13 +126,8 @@ impl SparseAlgorithm for StreamingLlm {
     }
 
     fn max_pages(&self, _kv_heads: usize) -> Option<usize> {
-        // Every head keeps the same pages: the sinks, the window and a straddled page.
-        let c = self.config;
-        Some(
-            (c.sink_tokens as usize).div_ceil(c.page_size)
-                + (c.window_tokens as usize).div_ceil(c.page_size)
-                + 1,
-        )
+        // Every head keeps the same pages.
+        Some(self.row_width())
     }
 
     fn retrieve_topk(&self, step: &Decode<'_>, _pool: &RepPool) -> Result<TopK, AlgoError> {

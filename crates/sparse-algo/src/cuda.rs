@@ -247,10 +247,6 @@ impl DeviceTopK {
         kv_heads: usize,
         per_sequence: bool,
     ) -> Result<Self, AlgoError> {
-        let c = streaming.config();
-        let width = (c.sink_tokens as usize).div_ceil(c.page_size)
-            + (c.window_tokens as usize).div_ceil(c.page_size)
-            + 1;
         let rows = Rows {
             num_seqs,
             kv_heads,
@@ -258,7 +254,7 @@ impl DeviceTopK {
             per_sequence,
         };
         // No scores: the rows are forced pages only.
-        Self::alloc(gpu, rows, width, 0)
+        Self::alloc(gpu, rows, streaming.row_width(), 0)
     }
 
     /// Buffers for DSA token selections of `num_seqs` sequences of up to `max_tokens` tokens
@@ -467,7 +463,14 @@ impl SelectKernels {
     ) -> Result<(), AlgoError> {
         let layout = kv.layout();
         let (kvh, d) = (layout.kv_heads, layout.head_dim);
-        self.check_pool(quest, meta, layer, slots, pool, kvh, d)?;
+        self.check_pool(
+            minmax::shape(quest.config().page_size, kvh, d),
+            d,
+            meta,
+            layer,
+            slots,
+            pool,
+        )?;
         if meta.layout() != &layout {
             return Err(AlgoError::Invalid(format!(
                 "the batch was validated against {:?}, the keys are {layout:?}",
@@ -557,7 +560,14 @@ impl SelectKernels {
     ) -> Result<(), AlgoError> {
         let layout = *meta.layout();
         let (kvh, d) = (layout.kv_heads, layout.head_dim);
-        self.check_pool(quest, meta, layer, slots, pool, kvh, d)?;
+        self.check_pool(
+            minmax::shape(quest.config().page_size, kvh, d),
+            d,
+            meta,
+            layer,
+            slots,
+            pool,
+        )?;
         if q_heads == 0 || !q_heads.is_multiple_of(kvh) {
             return Err(AlgoError::Invalid(format!(
                 "{q_heads} query heads over {kvh} KV heads"
@@ -609,10 +619,7 @@ impl SelectKernels {
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
         let c = streaming.config();
-        let width = (c.sink_tokens as usize).div_ceil(c.page_size)
-            + (c.window_tokens as usize).div_ceil(c.page_size)
-            + 1;
-        out.check(meta.num_seqs(), true, width, None)?;
+        out.check(meta.num_seqs(), true, streaming.row_width(), None)?;
         if meta.num_seqs() == 0 {
             return Ok(());
         }
@@ -662,34 +669,10 @@ impl SelectKernels {
             heads: 1,
             width: dim,
         };
-        if pool.shape != want {
-            return Err(AlgoError::Invalid(format!(
-                "the pool holds {:?}, the indexer needs {want:?}",
-                pool.shape
-            )));
-        }
-        if !dim.is_multiple_of(16) {
-            return Err(AlgoError::Invalid(format!(
-                "the device indexer takes dims that are multiples of 16, not {dim}"
-            )));
-        }
-        if layer >= pool.layers {
-            return Err(AlgoError::Invalid(format!(
-                "layer {layer} outside a pool of {} layers",
-                pool.layers
-            )));
-        }
+        self.check_pool(want, dim, meta, layer, slots, pool)?;
         let n = meta.num_seqs();
-        crate::error::check_len("slots", slots.len(), n)?;
         crate::error::check_len("indexer queries", q.len(), n * heads * dim)?;
         crate::error::check_len("indexer weights", weights.len(), n * heads)?;
-        if meta.max_kv_len() > pool.max_tokens() {
-            return Err(AlgoError::Invalid(format!(
-                "a sequence of {} tokens exceeds the pool's {} per request",
-                meta.max_kv_len(),
-                pool.max_tokens()
-            )));
-        }
         let c = dsa.config();
         out.check(n, true, dsa.row_width(), Some((meta.max_kv_len(), 1)))?;
         if n == 0 {
@@ -907,31 +890,26 @@ impl SelectKernels {
         Ok(())
     }
 
-    /// Checks a pool against Quest's shape, the layer, the batch's lengths and the slots.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "everything a pool is checked against"
-    )]
+    /// Checks a pool against the shape an algorithm needs (`want`, vectors of `dim`
+    /// elements), the layer, the batch's lengths and the slots.
     fn check_pool<T: CudaElement>(
         &self,
-        quest: &Quest,
+        want: RepShape,
+        dim: usize,
         meta: &DeviceBatch,
         layer: usize,
         slots: &CudaSlice<i32>,
         pool: &DeviceRepPool<T>,
-        kvh: usize,
-        d: usize,
     ) -> Result<(), AlgoError> {
-        let want = minmax::shape(quest.config().page_size, kvh, d);
         if pool.shape != want {
             return Err(AlgoError::Invalid(format!(
-                "the pool holds {:?}, Quest needs {want:?}",
+                "the pool holds {:?}, the algorithm needs {want:?}",
                 pool.shape
             )));
         }
-        if !d.is_multiple_of(16) {
+        if !dim.is_multiple_of(16) {
             return Err(AlgoError::Invalid(format!(
-                "the device kernels take head dims that are multiples of 16, not {d}"
+                "the device kernels take vectors of a multiple of 16 elements, not {dim}"
             )));
         }
         if layer >= pool.layers {

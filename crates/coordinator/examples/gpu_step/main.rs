@@ -117,6 +117,16 @@ impl Shape {
     fn pages(&self) -> usize {
         self.len.div_ceil(self.page)
     }
+
+    /// The whole cache as a block tensor: page p of sequence s in block s * pages + p.
+    fn layout(&self) -> KvLayout {
+        KvLayout {
+            num_blocks: self.seqs * self.pages(),
+            block_size: self.page,
+            kv_heads: self.kv_heads,
+            head_dim: self.dim,
+        }
+    }
 }
 
 /// A batch's KV cache and what a step only reads of it: the pinned host pool, the min/max
@@ -172,12 +182,7 @@ impl Cache {
             ..
         } = shape;
         let pages = shape.pages();
-        let layout = KvLayout {
-            num_blocks: seqs * pages,
-            block_size: page,
-            kv_heads,
-            head_dim: dim,
-        };
+        let layout = shape.layout();
         let kk = random_bf16(layout.len(), seed);
         let vv = random_bf16(layout.len(), seed + 1);
         let table: Vec<i32> = (0..(seqs * pages) as i32).collect();
@@ -267,12 +272,7 @@ impl Step {
             ..
         } = shape;
         let pages = shape.pages();
-        let layout = KvLayout {
-            num_blocks: seqs * pages,
-            block_size: page,
-            kv_heads,
-            head_dim: dim,
-        };
+        let layout = shape.layout();
         let tok = kv_heads * dim;
         let top =
             DeviceTopK::new(gpu, &cache.quest, seqs, kv_heads, shape.len, true).map_err(err)?;
@@ -469,13 +469,8 @@ fn check(gpu: &Gpu, k: &Kernels) -> Res<i32> {
         let n_q = shape.seqs * shape.q_heads * shape.dim;
         let mut qf: Vec<f32> = (0..n_q).map(|_| rng.unit()).collect();
         let pages = shape.pages();
-        let layout = KvLayout {
-            num_blocks: shape.seqs * pages,
-            block_size: shape.page,
-            kv_heads: shape.kv_heads,
-            head_dim: shape.dim,
-        };
-        let full = PagedKv::from_tensors(layout, cache.k.clone(), cache.v.clone()).map_err(err)?;
+        let full =
+            PagedKv::from_tensors(shape.layout(), cache.k.clone(), cache.v.clone()).map_err(err)?;
         let table: Vec<i32> = (0..(shape.seqs * pages) as i32).collect();
         let lens = vec![shape.len as i32; shape.seqs];
         let cu: Vec<i32> = (0..=shape.seqs as i32).collect();
