@@ -247,12 +247,7 @@ impl DeviceTopK {
         kv_heads: usize,
         per_sequence: bool,
     ) -> Result<Self, AlgoError> {
-        let rows = Rows {
-            num_seqs,
-            kv_heads,
-            shared: true,
-            per_sequence,
-        };
+        let rows = Rows::head_shared(num_seqs, kv_heads, per_sequence);
         // No scores: the rows are forced pages only.
         Self::alloc(gpu, rows, streaming.row_width(), 0)
     }
@@ -268,12 +263,7 @@ impl DeviceTopK {
         max_tokens: usize,
         per_sequence: bool,
     ) -> Result<Self, AlgoError> {
-        let rows = Rows {
-            num_seqs,
-            kv_heads,
-            shared: true,
-            per_sequence,
-        };
+        let rows = Rows::head_shared(num_seqs, kv_heads, per_sequence);
         Self::alloc(gpu, rows, dsa.row_width(), max_tokens.max(1))
     }
 
@@ -344,6 +334,18 @@ struct Rows {
     kv_heads: usize,
     shared: bool,
     per_sequence: bool,
+}
+
+impl Rows {
+    /// One selection per sequence, shared by its KV heads.
+    fn head_shared(num_seqs: usize, kv_heads: usize, per_sequence: bool) -> Rows {
+        Rows {
+            num_seqs,
+            kv_heads,
+            shared: true,
+            per_sequence,
+        }
+    }
 }
 
 /// [`SelectKernels::quest_topk`]'s inputs, checked by it, for its two launches.
@@ -462,21 +464,13 @@ impl SelectKernels {
         pool: &mut DeviceRepPool<T>,
     ) -> Result<(), AlgoError> {
         let layout = kv.layout();
-        let (kvh, d) = (layout.kv_heads, layout.head_dim);
-        self.check_pool(
-            minmax::shape(quest.config().page_size, kvh, d),
-            d,
-            meta,
-            layer,
-            slots,
-            pool,
-        )?;
         if meta.layout() != &layout {
             return Err(AlgoError::Invalid(format!(
                 "the batch was validated against {:?}, the keys are {layout:?}",
                 meta.layout()
             )));
         }
+        let (kvh, d) = self.check_quest_pool(quest, meta, layer, slots, pool)?;
         let ps = quest.config().page_size;
         let vec = 16 / size_of::<T>();
         let items = meta
@@ -558,16 +552,7 @@ impl SelectKernels {
         pool: &DeviceRepPool<T>,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
-        let layout = *meta.layout();
-        let (kvh, d) = (layout.kv_heads, layout.head_dim);
-        self.check_pool(
-            minmax::shape(quest.config().page_size, kvh, d),
-            d,
-            meta,
-            layer,
-            slots,
-            pool,
-        )?;
+        let (kvh, d) = self.check_quest_pool(quest, meta, layer, slots, pool)?;
         if q_heads == 0 || !q_heads.is_multiple_of(kvh) {
             return Err(AlgoError::Invalid(format!(
                 "{q_heads} query heads over {kvh} KV heads"
@@ -888,6 +873,22 @@ impl SelectKernels {
         // in the kernel, and a null pointer is never read.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
+    }
+
+    /// Checks a pool against Quest's min/max shape for the batch's layout (see
+    /// [`Self::check_pool`]); the layout's KV heads and head dim.
+    fn check_quest_pool<T: CudaElement>(
+        &self,
+        quest: &Quest,
+        meta: &DeviceBatch,
+        layer: usize,
+        slots: &CudaSlice<i32>,
+        pool: &DeviceRepPool<T>,
+    ) -> Result<(usize, usize), AlgoError> {
+        let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
+        let want = minmax::shape(quest.config().page_size, kvh, d);
+        self.check_pool(want, d, meta, layer, slots, pool)?;
+        Ok((kvh, d))
     }
 
     /// Checks a pool against the shape an algorithm needs (`want`, vectors of `dim`
