@@ -61,11 +61,7 @@ fn run(cmd: &str, rest: &[String]) -> Result<i32, AttnError> {
         "bench" | "profile" => {
             let mut gpu = Gpu::new(0)?;
             println!("device: {}", gpu.name()?);
-            let json = rest
-                .iter()
-                .position(|a| a == "--json")
-                .and_then(|i| rest.get(i + 1));
-            bench::all(&mut gpu, json.map(String::as_str), cmd == "profile")?;
+            bench::all(&mut gpu, report::json_arg(rest), cmd == "profile")?;
             Ok(0)
         }
         other => {

@@ -1,6 +1,6 @@
-//! The table and JSON of a GPU bench, and its random inputs, shared by attn-op's `gpu`,
-//! sparse-algo's `gpu_select` and coordinator's `gpu_step` (which include this file with
-//! `#[path]`).
+//! The table and JSON of a GPU bench, its random inputs and its command line, shared by
+//! attn-op's `gpu`, offload's `gpu_io`, sparse-algo's `gpu_select` and coordinator's
+//! `gpu_step` (which include this file with `#[path]`).
 #![allow(dead_code, reason = "each example uses a part")]
 
 use std::fmt::Write as _;
@@ -10,6 +10,14 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::rng::Rng;
+
+/// The file after `--json` in a command line, if any.
+pub(crate) fn json_arg(args: &[String]) -> Option<&str> {
+    args.iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
 
 /// One timed row of the table.
 pub(crate) struct Row {

@@ -79,11 +79,7 @@ fn run(cmd: &str, args: &[String]) -> Res<i32> {
     match cmd {
         "check" => check(&gpu, &k),
         "bench" => {
-            let json = args
-                .iter()
-                .position(|a| a == "--json")
-                .and_then(|i| args.get(i + 1));
-            bench(&gpu, &k, json.map(String::as_str))?;
+            bench(&gpu, &k, report::json_arg(args))?;
             Ok(0)
         }
         other => {

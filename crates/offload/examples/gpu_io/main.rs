@@ -14,16 +14,19 @@
     reason = "a command-line tool"
 )]
 
-use attn_op::cuda::{DevicePagedKv, DeviceSelection, Gpu};
+use attn_op::cuda::{DevicePagedKv, DeviceSelection, Gpu, Timing};
 use attn_op::{AttnError, KvLayout, Selection};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 use offload::cuda::{DeviceDiff, DeviceHotBuffers, IoKernels, PinnedHostPool};
 use offload::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, OffloadError};
 
+#[path = "../../../attn-op/examples/gpu/report.rs"]
+mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
 mod rng;
 
+use report::{Row, table};
 use rng::Rng;
 
 fn main() {
@@ -50,11 +53,7 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, OffloadError> {
     match cmd {
         "check" => check(&gpu, &io),
         "bench" => {
-            let json = args
-                .iter()
-                .position(|a| a == "--json")
-                .and_then(|i| args.get(i + 1));
-            bench(&gpu, &io, json.map(String::as_str))?;
+            bench(&gpu, &io, report::json_arg(args))?;
             Ok(0)
         }
         other => {
@@ -344,12 +343,12 @@ fn raw<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
 }
 
 /// Median milliseconds of 30 runs, each alone between CUDA events ([`Gpu::time`]'s synced).
-fn time(gpu: &Gpu, f: impl FnMut() -> Result<(), OffloadError>) -> Result<f64, OffloadError> {
-    Ok(gpu.time(30, f)?.synced)
+fn time(gpu: &Gpu, f: impl FnMut() -> Result<(), OffloadError>) -> Result<Timing, OffloadError> {
+    gpu.time(30, f)
 }
 
 fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadError> {
-    let mut rows: Vec<(String, f64, f64, String)> = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     // Host pool: 8192 pages of 16 tokens x 8 heads x 128 (bf16): 32 KiB per page, K and V.
     let (ps, heads, dim, pages) = (16, 8, 128, 8192);
     let shape = HostShape {
@@ -389,13 +388,13 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
             .map_err(|e| OffloadError::Attn(AttnError::from(e)))
         })?
     };
-    let cbw = (n * 2) as f64 / contiguous / 1e6;
-    rows.push((
-        "pinned H2D contiguous 256 MiB".into(),
-        contiguous,
-        (n * 2) as f64,
-        "ceiling".into(),
-    ));
+    let cbw = (n * 2) as f64 / contiguous.synced / 1e6;
+    rows.push(Row {
+        name: "pinned H2D contiguous 256 MiB".into(),
+        t: contiguous,
+        bytes: (n * 2) as f64,
+        note: "ceiling".into(),
+    });
 
     // 2048 scattered pages (K and V) through the zero-copy kernel: one row of 2048 misses.
     let miss = 2048;
@@ -423,21 +422,21 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
     let mut blocks = slots;
     blocks.push(0);
     let (dt, db) = (gpu.upload(&identity)?, gpu.upload(&blocks)?);
-    let ms = time(gpu, || {
+    let t = time(gpu, || {
         io.load_misses(&pinned, 0, &dt, pages, &db, miss, &diff, &mut dev)
     })?;
     let bytes = (miss * page_bytes * 2) as f64;
-    rows.push((
-        "zero-copy 2048 pages (K+V)".into(),
-        ms,
+    rows.push(Row {
+        name: "zero-copy 2048 pages (K+V)".into(),
+        t,
         bytes,
-        format!("{:.2} of contiguous", bytes / ms / 1e6 / cbw),
-    ));
+        note: format!("{:.2} of contiguous", bytes / t.synced / 1e6 / cbw),
+    });
     // Peer: one cuMemcpyHtoDAsync per page (K and V).
     let (hk, hv) = pinned.tensors()?;
     let stream = gpu.stream().clone();
     let (dk, dv) = (raw(gpu, dev.k()), raw(gpu, dev.v()));
-    let ms = time(gpu, || {
+    let t = time(gpu, || {
         for (i, &p) in picks.iter().enumerate() {
             let e = page_bytes / 2;
             let (s, o) = (p as usize * e, (i * page_bytes) as u64);
@@ -457,12 +456,12 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
         }
         Ok(())
     })?;
-    rows.push((
-        "cudaMemcpyAsync per page".into(),
-        ms,
+    rows.push(Row {
+        name: "cudaMemcpyAsync per page".into(),
+        t,
         bytes,
-        format!("{:.2} of contiguous (peer)", bytes / ms / 1e6 / cbw),
-    ));
+        note: format!("{:.2} of contiguous (peer)", bytes / t.synced / 1e6 / cbw),
+    });
 
     // 656-byte rows: 65536 scattered rows of a 262144-row pinned pool.
     let (nrows, pool_rows, width) = (65536, 262_144, 656 / 2);
@@ -486,16 +485,16 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
     let (sp, dp) = (rk.as_ptr() as u64, raw(gpu, &rdst));
     // SAFETY: pinned pool of pool_rows rows and a device buffer of nrows rows of 656 bytes,
     // both alive until the timing has waited for every copy.
-    let ms = time(gpu, || unsafe {
+    let t = time(gpu, || unsafe {
         io.copy_rows(sp, pool_rows, dp, nrows, &ds, &dd, 656)
     })?;
     let bytes = (nrows * 656) as f64;
-    rows.push((
-        "zero-copy 65536 rows of 656 B".into(),
-        ms,
+    rows.push(Row {
+        name: "zero-copy 65536 rows of 656 B".into(),
+        t,
         bytes,
-        format!("{:.2} of contiguous", bytes / ms / 1e6 / cbw),
-    ));
+        note: format!("{:.2} of contiguous", bytes / t.synced / 1e6 / cbw),
+    });
 
     // The diff at B64, top-k 2048, HOT 4096, in steady state (30 % of each selection changes
     // per step), rotating 8 precomputed steps.
@@ -515,7 +514,7 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
         io.diff(&mut dh, s, &current, &dblocks, &mut out)?;
     }
     let mut i = 0;
-    let ms = time(gpu, || {
+    let t = time(gpu, || {
         i += 1;
         io.diff(
             &mut dh,
@@ -525,31 +524,16 @@ fn bench(gpu: &Gpu, io: &IoKernels, json: Option<&str>) -> Result<(), OffloadErr
             &mut out,
         )
     })?;
-    rows.push((
-        "diff B64 top-2048 HOT 4096".into(),
-        ms,
-        0.0,
-        "per layer (goal <= 0.015 ms)".into(),
-    ));
+    rows.push(Row {
+        name: "diff B64 top-2048 HOT 4096".into(),
+        t,
+        bytes: 0.0,
+        note: "per layer (goal <= 0.015 ms)".into(),
+    });
 
-    let mut text = format!("{:<32} {:>10} {:>10}  note\n", "bench", "ms", "GB/s");
-    for (name, ms, bytes, note) in &rows {
-        let gbs = if *bytes > 0.0 { bytes / ms / 1e6 } else { 0.0 };
-        text.push_str(&format!("{name:<32} {ms:>10.4} {gbs:>10.1}  {note}\n"));
-    }
-    print!("{text}");
+    print!("{}", table(&rows));
     if let Some(path) = json {
-        let items: Vec<String> = rows
-            .iter()
-            .map(|(name, ms, bytes, note)| {
-                format!("{{\"name\":\"{name}\",\"ms\":{ms},\"bytes\":{bytes},\"note\":\"{note}\"}}")
-            })
-            .collect();
-        let body = format!(
-            "{{\"device\":\"{}\",\"rows\":[{}]}}\n",
-            gpu.name()?,
-            items.join(",")
-        );
+        let body = report::json(&gpu.name()?, &rows);
         std::fs::write(path, body).map_err(|e| OffloadError::Invalid(format!("{path}: {e}")))?;
     }
     Ok(())

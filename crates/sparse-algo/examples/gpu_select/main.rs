@@ -63,11 +63,7 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
     match cmd {
         "check" => check(&gpu, &sk),
         "bench" => {
-            let json = args
-                .iter()
-                .position(|a| a == "--json")
-                .and_then(|i| args.get(i + 1));
-            bench(&gpu, &sk, json.map(String::as_str))?;
+            bench(&gpu, &sk, report::json_arg(args))?;
             Ok(0)
         }
         other => {
