@@ -7,7 +7,10 @@ Two jobs:
   engine's own tokenization) in one pass with every position's logits, and prints llama.cpp's
   perplexity over them. With the engine's arg-max file (`hsa eval --argmax-out A.json`: a JSON
   object {"start": s, "argmax": [...]}, the engine's prediction after each position s, s+1, ...)
-  it prints the share of positions where both predict the same next token.
+  it prints the share of positions where both predict the same next token. With `--configs`,
+  it also evaluates the tokens under other llama.cpp settings that should not change the model
+  (flash attention on, an f32 KV cache, one token per forward) and prints how often each pair of
+  llama.cpp settings, and the engine against each, agree: llama.cpp's own floor of agreement.
 - `decode --context N [N ...]`: dense decode speed: a prompt of N tokens, then 64 generated
   tokens (greedy), timed; prints tokens/s of the generation.
 
@@ -22,15 +25,25 @@ import numpy as np
 from llama_cpp import Llama
 
 
-def load(path, n_ctx, logits_all=False):
+def load(path, n_ctx, logits_all=False, **settings):
+    kw = {"n_batch": 512, **settings}
     return Llama(
         model_path=path,
         n_ctx=n_ctx,
-        n_batch=512,
         n_threads=os.cpu_count(),
         logits_all=logits_all,
         verbose=False,
+        **kw,
     )
+
+
+# llama.cpp settings that leave the model unchanged; `default` is what `top1` compares to.
+CONFIGS = {
+    "default": {},
+    "flash_attn": {"flash_attn": True},
+    "f32_kv": {"type_k": 0, "type_v": 0},
+    "one_by_one": {"n_batch": 1},
+}
 
 
 def last_argmax(llm):
@@ -42,19 +55,34 @@ def last_argmax(llm):
 
 def top1(args):
     tokens = json.load(open(args.tokens))
-    llm = load(args.model, len(tokens) + 16, logits_all=True)
-    llm.eval(tokens)
-    logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
-    m = logits.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
-    nll = lse[:-1] - logits[np.arange(len(tokens) - 1), tokens[1:]]
-    result = {"job": "top1", "tokens": len(tokens), "llama_cpp_ppl": float(np.exp(nll.mean()))}
+    names = list(CONFIGS) if args.configs else ["default"]
+    argmax = {}
+    for name in names:
+        llm = load(args.model, len(tokens) + 16, logits_all=True, **CONFIGS[name])
+        llm.eval(tokens)
+        logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
+        argmax[name] = logits.argmax(axis=1)
+        if name == "default":
+            m = logits.max(axis=1, keepdims=True)
+            lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+            nll = lse[:-1] - logits[np.arange(len(tokens) - 1), tokens[1:]]
+            ppl = float(np.exp(nll.mean()))
+        del llm
+    result = {"job": "top1", "tokens": len(tokens), "llama_cpp_ppl": ppl}
     if args.ours:
         ours = json.load(open(args.ours))
-        start, pred = ours["start"], ours["argmax"]
-        theirs = logits[start : start + len(pred)].argmax(axis=1)
-        same = int((theirs == np.asarray(pred)).sum())
+        start, pred = ours["start"], np.asarray(ours["argmax"])
+        argmax = {k: v[start : start + len(pred)] for k, v in argmax.items()}
+        argmax["ours"] = pred
+        same = int((argmax["default"] == pred).sum())
         result.update({"positions": len(pred), "agree": same, "top1_agreement": same / len(pred)})
+    if args.configs:
+        keys = list(argmax)
+        result["pairwise"] = {a: {b: float((argmax[a] == argmax[b]).mean()) for b in keys} for a in keys}
+        print("top-1 agreement between llama.cpp settings" + (" and the engine" if args.ours else ""))
+        print("%-11s" % "" + "".join("%11s" % k for k in keys))
+        for a in keys:
+            print("%-11s" % a + "".join("%11.4f" % result["pairwise"][a][b] for b in keys))
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -82,6 +110,7 @@ def main():
     t = sub.add_parser("top1")
     t.add_argument("--tokens", required=True)
     t.add_argument("--ours")
+    t.add_argument("--configs", action="store_true", help="also run llama.cpp under other settings")
     d = sub.add_parser("decode")
     d.add_argument("--context", type=int, nargs="+", required=True)
     args = p.parse_args()
