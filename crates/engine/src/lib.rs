@@ -1,8 +1,9 @@
 //! The engine: a Llama-family model from GGUF, run through the hierarchical sparse attention
 //! layers.
 //!
-//! - [`gguf`], [`Tokenizer`], [`Model`]: the model file, its tokenizer, and the Llama forward
-//!   on the CPU with attention behind the [`Attention`] trait.
+//! - [`gguf`], [`hf`], [`Tokenizer`], [`Model`]: the model file (GGUF, or a Hugging Face
+//!   checkpoint in safetensors), its tokenizer, and the Llama forward on the CPU with
+//!   attention behind the [`Attention`] trait.
 //! - [`generate`]: one request end to end; [`Scheduler`]: many at once (continuous
 //!   batching, chunked prefill, kv-blocks prefix reuse, admission by a device budget).
 //! - [`eval`]: fidelity of sparse variants against dense (perplexity, top-1 agreement,
@@ -14,6 +15,7 @@ mod error;
 pub mod eval;
 mod generate;
 pub mod gguf;
+pub mod hf;
 mod kv;
 mod linear;
 mod model;

@@ -41,13 +41,31 @@ impl Linear {
                 t.dims
             )));
         }
-        let (per, bytes) = t.dtype.block();
+        Linear::from_raw(t.dtype, rows, cols, g.raw(name)?.to_vec())
+    }
+
+    /// A matrix `[rows, cols]` of `dtype` from its raw bytes, row after row (each row whole
+    /// blocks of `dtype`).
+    pub fn from_raw(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+    ) -> Result<Linear, EngineError> {
+        let (per, bytes) = dtype.block();
+        let row_bytes = cols / per * bytes;
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(per) || data.len() != rows * row_bytes {
+            return Err(EngineError::Malformed(format!(
+                "{} bytes of {dtype:?} for a [{rows}, {cols}] matrix",
+                data.len()
+            )));
+        }
         Ok(Linear {
-            dtype: t.dtype,
+            dtype,
             rows,
             cols,
-            row_bytes: cols / per * bytes,
-            data: g.raw(name)?.to_vec(),
+            row_bytes,
+            data,
         })
     }
 

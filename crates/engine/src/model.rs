@@ -78,7 +78,7 @@ impl ModelConfig {
             .get(1)
             .copied()
             .unwrap_or(0);
-        let c = ModelConfig {
+        ModelConfig {
             layers: int("block_count")?,
             embed,
             ffn: int("feed_forward_length")?,
@@ -89,8 +89,22 @@ impl ModelConfig {
             context: int("context_length")?,
             rope_base: float("rope.freq_base", 10_000.0)?,
             rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5)?,
-        };
-        if !q_heads.is_multiple_of(kv_heads) || head_dim % 2 != 0 || vocab == 0 {
+        }
+        .checked()
+    }
+
+    /// The config itself if its shape is consistent: KV heads divide the query heads, the
+    /// head dimension is even (RoPE rotates pairs), and no size is 0.
+    pub(crate) fn checked(self) -> Result<ModelConfig, EngineError> {
+        let c = self;
+        let sizes = [
+            c.layers, c.embed, c.ffn, c.q_heads, c.kv_heads, c.head_dim, c.vocab,
+        ];
+        if sizes.contains(&0)
+            || !c.q_heads.is_multiple_of(c.kv_heads)
+            || !c.head_dim.is_multiple_of(2)
+            || c.context == 0
+        {
             return Err(EngineError::Malformed(format!("inconsistent shape {c:?}")));
         }
         Ok(c)
@@ -128,6 +142,35 @@ pub trait Attention {
     ) -> Result<(), EngineError>;
 }
 
+/// A model file's tensors, named as GGUF names them (`blk.0.attn_q.weight`), whatever the
+/// file's format: [`Model::assemble`] reads every weight through it.
+pub(crate) trait Weights {
+    /// The matrix `name` as `[rows, cols]` (`rows` output features), in its file encoding.
+    /// Q and K rotate adjacent pairs (the GGUF convention).
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, EngineError>;
+    /// The vector `name` of `len` elements, as f32.
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, EngineError>;
+    /// Whether the file has an output head of its own (else it is tied to the embedding).
+    fn has_output(&self) -> bool;
+}
+
+impl Weights for Gguf {
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, EngineError> {
+        Linear::from_gguf(self, name, rows, cols)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
+        if self.tensor(name)?.dims != [len] {
+            return Err(EngineError::Malformed(format!("{name}: expected [{len}]")));
+        }
+        self.dequantize(name)
+    }
+
+    fn has_output(&self) -> bool {
+        self.tensors.contains_key("output.weight")
+    }
+}
+
 /// One transformer block's weights.
 struct Block {
     attn_norm: Vec<f32>,
@@ -157,32 +200,30 @@ pub struct Model {
 impl Model {
     /// Loads every weight of a Llama-family GGUF file (quantized weights stay quantized).
     pub fn load(g: &Gguf) -> Result<Model, EngineError> {
-        let c = ModelConfig::from_gguf(g)?;
-        let vec = |name: &str, len: usize| -> Result<Vec<f32>, EngineError> {
-            if g.tensor(name)?.dims != [len] {
-                return Err(EngineError::Malformed(format!("{name}: expected [{len}]")));
-            }
-            g.dequantize(name)
-        };
+        Model::assemble(ModelConfig::from_gguf(g)?, g)
+    }
+
+    /// Builds a model of shape `c` from the weights `w` holds.
+    pub(crate) fn assemble(c: ModelConfig, w: &dyn Weights) -> Result<Model, EngineError> {
         let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
         let blocks = (0..c.layers)
             .map(|l| {
                 let n = |s: &str| format!("blk.{l}.{s}.weight");
                 Ok(Block {
-                    attn_norm: vec(&n("attn_norm"), c.embed)?,
-                    wq: Linear::from_gguf(g, &n("attn_q"), qd, c.embed)?,
-                    wk: Linear::from_gguf(g, &n("attn_k"), kvd, c.embed)?,
-                    wv: Linear::from_gguf(g, &n("attn_v"), kvd, c.embed)?,
-                    wo: Linear::from_gguf(g, &n("attn_output"), c.embed, qd)?,
-                    ffn_norm: vec(&n("ffn_norm"), c.embed)?,
-                    gate: Linear::from_gguf(g, &n("ffn_gate"), c.ffn, c.embed)?,
-                    up: Linear::from_gguf(g, &n("ffn_up"), c.ffn, c.embed)?,
-                    down: Linear::from_gguf(g, &n("ffn_down"), c.embed, c.ffn)?,
+                    attn_norm: w.vector(&n("attn_norm"), c.embed)?,
+                    wq: w.linear(&n("attn_q"), qd, c.embed)?,
+                    wk: w.linear(&n("attn_k"), kvd, c.embed)?,
+                    wv: w.linear(&n("attn_v"), kvd, c.embed)?,
+                    wo: w.linear(&n("attn_output"), c.embed, qd)?,
+                    ffn_norm: w.vector(&n("ffn_norm"), c.embed)?,
+                    gate: w.linear(&n("ffn_gate"), c.ffn, c.embed)?,
+                    up: w.linear(&n("ffn_up"), c.ffn, c.embed)?,
+                    down: w.linear(&n("ffn_down"), c.embed, c.ffn)?,
                 })
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
-        let output = match g.tensors.contains_key("output.weight") {
-            true => Some(Linear::from_gguf(g, "output.weight", c.vocab, c.embed)?),
+        let output = match w.has_output() {
+            true => Some(w.linear("output.weight", c.vocab, c.embed)?),
             false => None,
         };
         let half = c.head_dim / 2;
@@ -190,9 +231,9 @@ impl Model {
             .map(|i| (f64::from(c.rope_base).powf(-2.0 * i as f64 / c.head_dim as f64)) as f32)
             .collect();
         Ok(Model {
-            embed: Linear::from_gguf(g, "token_embd.weight", c.vocab, c.embed)?,
+            embed: w.linear("token_embd.weight", c.vocab, c.embed)?,
             output,
-            output_norm: vec("output_norm.weight", c.embed)?,
+            output_norm: w.vector("output_norm.weight", c.embed)?,
             blocks,
             freqs,
             config: c,

@@ -1,12 +1,13 @@
-//! The tokenizer, built from a GGUF file's `tokenizer.ggml.*` metadata with the `tokenizers`
-//! crate: byte-level BPE (the GPT-2 family, `tokenizer.ggml.model = "gpt2"`), its vocabulary,
-//! merges and control tokens.
+//! The tokenizer, built with the `tokenizers` crate from a GGUF file's `tokenizer.ggml.*`
+//! metadata (byte-level BPE, the GPT-2 family, `tokenizer.ggml.model = "gpt2"`: its
+//! vocabulary, merges and control tokens), or read from a Hugging Face `tokenizer.json`.
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use crate::EngineError;
@@ -18,6 +19,9 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    /// Whether encoding runs the tokenizer's own post-processor (a `tokenizer.json`'s
+    /// template adds BOS itself).
+    post_process: bool,
     vocab: usize,
 }
 
@@ -107,8 +111,59 @@ impl Tokenizer {
                 meta("tokenizer.ggml.add_bos_token"),
                 Some(Value::Bool(true))
             ),
+            post_process: false,
             vocab: tokens.len(),
         })
+    }
+
+    /// Reads a Hugging Face `tokenizer.json`; its post-processor adds BOS where the model
+    /// wants one. `bos` and `eos` come from the checkpoint's config.
+    pub fn from_hf_file(
+        path: &std::path::Path,
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Result<Tokenizer, EngineError> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let vocab = inner.get_vocab_size(true);
+        if let Some(bad) = [bos, eos]
+            .into_iter()
+            .flatten()
+            .find(|&t| t as usize >= vocab)
+        {
+            return Err(EngineError::Malformed(format!(
+                "special token {bad} outside the vocabulary of {vocab}"
+            )));
+        }
+        Ok(Tokenizer {
+            inner,
+            bos,
+            eos,
+            add_bos: false,
+            post_process: true,
+            vocab,
+        })
+    }
+
+    /// The tokenizer as a Hugging Face `tokenizer.json`. A BOS the GGUF file asks for
+    /// becomes a template post-processor, so [`Tokenizer::from_hf_file`] encodes the same ids.
+    pub fn to_hf_json(&self) -> Result<String, EngineError> {
+        let err = |e: tokenizers::Error| EngineError::Tokenizer(e.to_string());
+        let mut t = self.inner.clone();
+        if let (true, Some(b)) = (self.add_bos, self.bos) {
+            let text = self
+                .inner
+                .id_to_token(b)
+                .ok_or_else(|| EngineError::Tokenizer(format!("BOS id {b} has no token")))?;
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{text} $A"))
+                .map_err(EngineError::Tokenizer)?
+                .special_tokens(vec![(text, b)])
+                .build()
+                .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+            t.with_post_processor(Some(template));
+        }
+        t.to_string(false).map_err(err)
     }
 
     /// Encodes text. Control tokens written in the text (`<|im_start|>`) become their ids; a
@@ -116,7 +171,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         let enc = self
             .inner
-            .encode_fast(text, false)
+            .encode_fast(text, self.post_process)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if let (true, Some(b)) = (self.add_bos, self.bos) {

@@ -1,5 +1,5 @@
 //! The real model end to end, where `cargo xtask fetch-model` has fetched it: tokenizer
-//! against llama.cpp's ids, perplexity of a real text, a greedy answer, and sparse with a full
+//! against llama.cpp's ids and through its `tokenizer.json` form, perplexity of a real text, a greedy answer, and sparse with a full
 //! budget against dense. CI fetches the model and sets `HSA_REQUIRE_MODEL=1`, which turns a
 //! missing model into a failure; elsewhere the test says it skipped.
 
@@ -44,6 +44,14 @@ fn real_model_end_to_end() {
             41, 4019, 216, 34, 32, 32
         ]
     );
+    // The tokenizer written as a Hugging Face tokenizer.json (what `hsa export` writes) reads
+    // back to the same ids for the whole text.
+    let json = std::env::temp_dir().join(format!("hsa-real-{}-tokenizer.json", std::process::id()));
+    std::fs::write(&json, tok.to_hf_json().expect("the tokenizer serializes"))
+        .expect("the temp directory is writable");
+    let hf = Tokenizer::from_hf_file(&json, tok.bos(), tok.eos()).expect("it reads back");
+    std::fs::remove_file(&json).expect("the file is ours");
+    assert_eq!(hf.encode(&text).expect("text encodes"), ids);
     // Perplexity over positions 256..384 after a dense prefill, and a full-budget sparse
     // variant that must be bit-identical.
     let full = coordinator::SparseConfig {

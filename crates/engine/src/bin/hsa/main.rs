@@ -48,8 +48,9 @@ struct Cli {
     /// A TOML file: `model`, `[sampling]`, `[sparse]` and `[variants.NAME]` tables.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
-    /// The GGUF model (default: the config's `model`, else the one `cargo xtask fetch-model`
-    /// fetches).
+    /// The model: a GGUF file, or a Hugging Face checkpoint directory (`config.json`,
+    /// safetensors, `tokenizer.json`). Default: the config's `model`, else the GGUF file
+    /// `cargo xtask fetch-model` fetches.
     #[arg(long, global = true)]
     model: Option<PathBuf>,
     /// Run a synthetic model of the real model's shape with random weights and a byte-level
@@ -71,6 +72,26 @@ enum Command {
     /// Dense against sparse variants on a text: perplexity, top-1 agreement, logit drift,
     /// mass recall, bytes and speed; optionally passkey retrieval.
     Eval(EvalArgs),
+    /// Writes a GGUF model as a Hugging Face checkpoint (safetensors, weights dequantized).
+    Export(ExportArgs),
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// The directory to write `config.json`, `model.safetensors` and `tokenizer.json` into.
+    #[arg(long)]
+    out: PathBuf,
+    /// The weights' encoding.
+    #[arg(long, value_enum, default_value_t = ExportDtype::Bf16)]
+    dtype: ExportDtype,
+}
+
+/// The encodings `hsa export` writes.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportDtype {
+    F32,
+    F16,
+    Bf16,
 }
 
 #[derive(Args)]
@@ -175,32 +196,72 @@ fn run(cli: Cli) -> Result<(), EngineError> {
     };
     let gguf = if cli.synthetic {
         eprintln!("synthetic model: SmolLM2-135M's shape, random Q4_1 weights, byte tokens");
-        Gguf::from_bytes(engine::synthetic::synthetic_gguf(
+        Some(Gguf::from_bytes(engine::synthetic::synthetic_gguf(
             &SMOLLM2_135M,
             engine::gguf::DType::Q4_1,
             1,
-        ))?
+        ))?)
     } else {
-        let path = cli
-            .model
-            .clone()
-            .or_else(|| file.model.clone())
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
-        if !path.exists() {
+        None
+    };
+    let path = cli
+        .model
+        .clone()
+        .or_else(|| file.model.clone())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    let gguf = match gguf {
+        Some(g) => Some(g),
+        None if path.is_dir() => None,
+        None if path.exists() => Some(Gguf::open(&path)?),
+        None => {
             return Err(EngineError::Invalid(format!(
                 "no model at {} (run `cargo xtask fetch-model`, pass --model, or --synthetic)",
                 path.display()
             )));
         }
-        Gguf::open(&path)?
     };
-    let tokenizer = Tokenizer::from_gguf(&gguf)?;
-    let model = Model::load(&gguf)?;
+    let load = || -> Result<(Tokenizer, Model), EngineError> {
+        match &gguf {
+            Some(g) => Ok((Tokenizer::from_gguf(g)?, Model::load(g)?)),
+            None => {
+                let ck = engine::hf::Checkpoint::open(&path)?;
+                Ok((ck.tokenizer()?, ck.model()?))
+            }
+        }
+    };
     match cli.command {
-        Command::Generate(a) => generate(&model, &tokenizer, &file, a),
-        Command::Eval(a) => eval(&model, &tokenizer, &file, &a),
-        Command::Run(a) => run::run(&model, &tokenizer, &file, &a),
+        Command::Generate(a) => {
+            let (tokenizer, model) = load()?;
+            generate(&model, &tokenizer, &file, a)
+        }
+        Command::Eval(a) => {
+            let (tokenizer, model) = load()?;
+            eval(&model, &tokenizer, &file, &a)
+        }
+        Command::Run(a) => {
+            let (tokenizer, model) = load()?;
+            run::run(&model, &tokenizer, &file, &a)
+        }
+        Command::Export(a) => export(gguf.as_ref(), &path, &a),
     }
+}
+
+/// `hsa export`: the GGUF model written as a Hugging Face checkpoint.
+fn export(gguf: Option<&Gguf>, path: &Path, a: &ExportArgs) -> Result<(), EngineError> {
+    let g = gguf.ok_or_else(|| {
+        EngineError::Invalid(format!(
+            "{} is already a Hugging Face checkpoint",
+            path.display()
+        ))
+    })?;
+    let dtype = match a.dtype {
+        ExportDtype::F32 => engine::gguf::DType::F32,
+        ExportDtype::F16 => engine::gguf::DType::F16,
+        ExportDtype::Bf16 => engine::gguf::DType::BF16,
+    };
+    engine::hf::export(g, &Tokenizer::from_gguf(g)?, &a.out, dtype)?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
 }
 
 fn bar(len: usize, what: &str) -> ProgressBar {
