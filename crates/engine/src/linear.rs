@@ -1,8 +1,9 @@
 //! Weight matrices in their file encoding (quantized or float), and `x · Wᵀ` over them.
 //!
-//! A few rows (decode) run a fused kernel: each weight row is dequantized into an L1-sized
-//! buffer and dotted with every input row, so the weights are read once, at their quantized
-//! size. Many rows (prefill) dequantize a tile of weight rows at a time and hand it to the
+//! A few rows (decode) run a fused kernel that reads the weights once, at their quantized
+//! size: against quantized weights the rows are quantized to 8 bits and meet each weight
+//! block in integer dot products (`qdot`, as ggml does); float weight rows are widened into
+//! an L1-sized buffer and dotted with every input row. Many rows (prefill) dequantize a tile of weight rows at a time and hand it to the
 //! `gemm` crate. Both are parallel over tiles of output features with rayon and built for
 //! AVX-512F or AVX2 + FMA where the CPU has them.
 
@@ -95,6 +96,10 @@ impl Linear {
             return;
         }
         let isa = isa();
+        // Quantized weights meet the few decode rows as 8-bit blocks, quantized once here.
+        let q8 = (n < GEMM_ROWS && crate::qdot::supports(self.dtype))
+            .then(|| crate::qdot::Q8Rows::new(x, n, self.cols));
+        let q8 = q8.as_ref();
         let weights = |t: usize| {
             let r0 = t * TILE;
             let nr = TILE.min(self.rows - r0);
@@ -107,7 +112,7 @@ impl Linear {
             // One input row (decode): each tile's results are a contiguous run of `out`.
             out.par_chunks_mut(TILE)
                 .enumerate()
-                .for_each(|(t, dst)| tile_dot(isa, self, weights(t).1, x, 1, dst));
+                .for_each(|(t, dst)| tile_dot(isa, self, weights(t).1, x, q8, 1, dst));
             return;
         }
         // Per tile of output features, the results [n, TILE], then scattered into out.
@@ -118,7 +123,7 @@ impl Linear {
             .for_each(|(t, dst)| {
                 let (nr, w) = weights(t);
                 if n < GEMM_ROWS {
-                    tile_dot(isa, self, w, x, n, dst);
+                    tile_dot(isa, self, w, x, q8, n, dst);
                 } else {
                     tile_gemm(self, w, nr, x, n, dst);
                 }
@@ -168,17 +173,30 @@ fn tile_gemm(l: &Linear, w: &[u8], nr: usize, x: &[f32], n: usize, dst: &mut [f3
     }
 }
 
-/// The fused decode kernel over one tile, in the widest build the CPU runs.
-fn tile_dot(isa: u8, l: &Linear, w: &[u8], x: &[f32], n: usize, dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if isa != PORTABLE && crate::qdot::supports(l.dtype) && n <= crate::qdot::MAX_ROWS {
+/// The fused decode kernel over one tile, in the widest build the CPU runs: `q8` holds the
+/// input rows quantized when the weights are (integer dot products), else `x` is used.
+fn tile_dot(
+    isa: u8,
+    l: &Linear,
+    w: &[u8],
+    x: &[f32],
+    q8: Option<&crate::qdot::Q8Rows>,
+    n: usize,
+    dst: &mut [f32],
+) {
+    if let Some(q8) = q8 {
+        #[cfg(target_arch = "x86_64")]
+        if isa != PORTABLE {
             // SAFETY: `isa()` returned AVX2 or AVX512 only after detecting avx2, fma and
-            // f16c; the dtype is supported; `x` holds n rows of `cols`; `dst` holds n rows
-            // of TILE (n > 1) or the tile's rows (n = 1).
-            unsafe { crate::qdot::tile_dot(l.dtype, w, l.row_bytes, l.cols, x, n, dst, TILE) };
+            // f16c; `q8` exists only for dtypes qdot supports, with the n rows of `x`; `dst`
+            // holds n rows of TILE (n > 1) or the tile's rows (n = 1).
+            unsafe { crate::qdot::tile_dot(l.dtype, w, l.row_bytes, q8, n, dst, TILE) };
             return;
         }
+        return crate::qdot::tile_dot_portable(l.dtype, w, l.row_bytes, q8, n, dst, TILE);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
         if isa == AVX512 {
             // SAFETY: `isa()` returned AVX512 only after detecting avx512f, avx2, fma and f16c.
             return unsafe { tile_dot_avx512(l, w, x, n, dst) };

@@ -1,6 +1,8 @@
-//! The decode matmul's inner kernel for quantized weights on x86-64 with AVX2 and FMA: each
-//! block of 32 weights is unpacked into four 8-lane vectors (`d · q + m`) and multiplied
-//! straight into the accumulators of every input row, without a dequantized copy.
+//! The decode matmul's inner kernel for quantized weights, as ggml runs it: the few input rows
+//! are quantized once per matmul to 8 bits in blocks of 32 (`d · q`, [`Q8Rows`]), and each
+//! weight block meets each input block in an integer dot product (`maddubs`, 32 products in
+//! one instruction on AVX2), scaled by both blocks' `d`. Q4_1's minimum adds `m · d · Σq`.
+//! A portable scalar body computes the same sums where AVX2 is missing.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -15,102 +17,184 @@ pub(crate) fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
 }
 
-/// `dst[i * stride + r] = x_i · w_r` for the weight rows `w` (each `row_bytes` long, `cols`
-/// weights of `dtype`) and the `n ≤ MAX_ROWS` input rows of `x`.
+/// Input rows quantized to 8 bits in blocks of 32: element `j` of row `i` is about
+/// `d[i, j / 32] · q[i, j]`, with `|q| ≤ 127`.
+pub(crate) struct Q8Rows {
+    q: Vec<i8>,
+    /// Per block, its scale `d`.
+    d: Vec<f32>,
+    /// Per block, `d · Σq` (Q4_1's minimum multiplies it).
+    s: Vec<f32>,
+    cols: usize,
+}
+
+impl Q8Rows {
+    /// Quantizes the `n` rows of `x`, each `cols` long (a multiple of 32): `d` is the block's
+    /// largest magnitude over 127, and `q` rounds `x / d` to nearest.
+    pub(crate) fn new(x: &[f32], n: usize, cols: usize) -> Q8Rows {
+        let blocks = n * cols / 32;
+        let mut r = Q8Rows {
+            q: vec![0; n * cols],
+            d: Vec::with_capacity(blocks),
+            s: Vec::with_capacity(blocks),
+            cols,
+        };
+        for (xb, qb) in x[..n * cols].chunks_exact(32).zip(r.q.chunks_exact_mut(32)) {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                // |v · id| ≤ 127 up to rounding; the clamp makes the cast exact.
+                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                sum += i32::from(*q);
+            }
+            let d = amax / 127.0;
+            r.d.push(d);
+            r.s.push(d * sum as f32);
+        }
+        r
+    }
+}
+
+/// `dst[i * stride + r] = x_i · w_r` for the weight rows `w` (each `row_bytes` long, `x.cols`
+/// weights of `dtype`) and the first `n ≤ MAX_ROWS` rows of `x`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `dtype` must be one [`supports`] accepts; `x` must
-/// hold `n × cols` values and `dst` `(n - 1) × stride + rows` of `w`.
+/// hold at least `n` rows and `dst` `(n - 1) × stride + rows` of `w`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the tile, its row encoding and the inputs, each distinct"
-)]
 pub(crate) unsafe fn tile_dot(
     dtype: DType,
     w: &[u8],
     row_bytes: usize,
-    cols: usize,
-    x: &[f32],
+    x: &Q8Rows,
     n: usize,
     dst: &mut [f32],
     stride: usize,
 ) {
     let n = n.min(MAX_ROWS);
     let (_, bytes) = dtype.block();
-    let blocks = cols / 32;
+    let blocks = x.cols / 32;
     assert!(
-        x.len() >= n * cols && blocks * bytes <= row_bytes,
+        x.q.len() >= n * x.cols && blocks * bytes <= row_bytes,
         "qdot::tile_dot: the caller sizes x and rows from the layer's shape"
     );
+    let ones = _mm256_set1_epi16(1);
     for (r, row) in w.chunks_exact(row_bytes).enumerate() {
         let mut acc = [_mm256_setzero_ps(); MAX_ROWS];
+        let mut mins = [0.0f32; MAX_ROWS];
         for b in 0..blocks {
             let blk = &row[b * bytes..(b + 1) * bytes];
-            // SAFETY: `blk` holds one whole block of `dtype` (checked above), which is all
-            // `unpack` reads; AVX2/FMA/F16C are enabled on this function.
-            let wv = unsafe { unpack(dtype, blk) };
-            for (i, a) in acc.iter_mut().enumerate().take(n) {
-                let xb = &x[i * cols + b * 32..i * cols + b * 32 + 32];
-                for (k, &wk) in wv.iter().enumerate() {
-                    // SAFETY: `xb` holds 32 floats, so each 8-float load at 8k is in bounds.
-                    let xv = unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * k)) };
-                    *a = _mm256_fmadd_ps(wk, xv, *a);
+            let h = |i: usize| half::f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
+            let dw = h(0);
+            // SAFETY: `blk` is one whole block of `dtype`, which is all `weights` reads.
+            let wq = unsafe { weights(dtype, blk) };
+            // Q4_1's nibbles are unsigned: maddubs takes them as they are. Signed weights
+            // multiply as |w| · (x with w's sign).
+            let unsigned = dtype == DType::Q4_1;
+            let wabs = if unsigned {
+                wq
+            } else {
+                _mm256_sign_epi8(wq, wq)
+            };
+            for i in 0..n {
+                let at = i * x.cols + b * 32;
+                // SAFETY: `at + 32 ≤ n × cols ≤ x.q.len()` (asserted above).
+                let xq = unsafe { _mm256_loadu_si256(x.q.as_ptr().add(at).cast()) };
+                let xs = if unsigned {
+                    xq
+                } else {
+                    _mm256_sign_epi8(xq, wq)
+                };
+                let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
+                let k = i * blocks + b;
+                let scale = _mm256_set1_ps(dw * x.d[k]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
+                if unsigned {
+                    mins[i] += h(2) * x.s[k];
                 }
             }
         }
-        for (i, a) in acc.iter().enumerate().take(n) {
-            dst[i * stride + r] = hsum(*a);
+        for i in 0..n {
+            dst[i * stride + r] = hsum(acc[i]) + mins[i];
         }
     }
 }
 
-/// One block's 32 weights as four vectors of 8, in order.
+/// The scalar body of [`tile_dot`], for CPUs without AVX2: the same integer sums per block.
+pub(crate) fn tile_dot_portable(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    x: &Q8Rows,
+    n: usize,
+    dst: &mut [f32],
+    stride: usize,
+) {
+    let (_, bytes) = dtype.block();
+    let blocks = x.cols / 32;
+    for (r, row) in w.chunks_exact(row_bytes).enumerate() {
+        for i in 0..n.min(MAX_ROWS) {
+            let mut acc = 0.0f32;
+            for b in 0..blocks {
+                let blk = &row[b * bytes..(b + 1) * bytes];
+                let h = |i: usize| half::f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
+                let xq = &x.q[i * x.cols + b * 32..][..32];
+                let k = i * blocks + b;
+                let sum: i32 = match dtype {
+                    DType::Q8_0 => (0..32)
+                        .map(|j| i32::from(blk[2 + j] as i8) * i32::from(xq[j]))
+                        .sum(),
+                    _ => {
+                        let at = if dtype == DType::Q4_1 { 4 } else { 2 };
+                        let off = if dtype == DType::Q4_1 { 0 } else { 8 };
+                        (0..32)
+                            .map(|j| {
+                                let byte = blk[at + j % 16];
+                                let nib = if j < 16 { byte & 15 } else { byte >> 4 };
+                                (i32::from(nib) - off) * i32::from(xq[j])
+                            })
+                            .sum()
+                    }
+                };
+                acc += h(0) * x.d[k] * sum as f32;
+                if dtype == DType::Q4_1 {
+                    acc += h(2) * x.s[k];
+                }
+            }
+            dst[i * stride + r] = acc;
+        }
+    }
+}
+
+/// One block's 32 weights as 32 bytes in element order: Q8_0's signed values, Q4_0's
+/// nibbles minus 8, Q4_1's nibbles (elements 0–15 are the low nibbles, 16–31 the high).
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `blk` is one whole block of `dtype`.
+/// AVX2; `blk` is one whole block of `dtype`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn unpack(dtype: DType, blk: &[u8]) -> [__m256; 4] {
-    let h = |i: usize| half::f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
-    let d = _mm256_set1_ps(h(0));
+unsafe fn weights(dtype: DType, blk: &[u8]) -> __m256i {
     match dtype {
         // SAFETY: a Q8_0 block is 2 + 32 bytes; the load reads bytes 2..34.
-        DType::Q8_0 => unsafe {
-            let q = _mm256_loadu_si256(blk.as_ptr().add(2).cast());
-            let lo = _mm256_castsi256_si128(q);
-            let hi = _mm256_extracti128_si256::<1>(q);
-            let f = |v: __m128i| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
-            [
-                f(lo),
-                f(_mm_srli_si128::<8>(lo)),
-                f(hi),
-                f(_mm_srli_si128::<8>(hi)),
-            ]
-        },
+        DType::Q8_0 => unsafe { _mm256_loadu_si256(blk.as_ptr().add(2).cast()) },
         // SAFETY: a Q4_0 block is 2 + 16 bytes, a Q4_1 block 4 + 16; the load reads the 16
         // after the header.
-        DType::Q4_0 | DType::Q4_1 => unsafe {
-            let (m, at) = if dtype == DType::Q4_1 {
-                (_mm256_set1_ps(h(2)), 4)
-            } else {
-                (_mm256_set1_ps(-8.0 * h(0)), 2)
-            };
+        _ => unsafe {
+            let at = if dtype == DType::Q4_1 { 4 } else { 2 };
             let q = _mm_loadu_si128(blk.as_ptr().add(at).cast());
             let mask = _mm_set1_epi8(0x0f);
             let lo = _mm_and_si128(q, mask);
             let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-            let f = |v: __m128i| _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), m);
-            [
-                f(lo),
-                f(_mm_srli_si128::<8>(lo)),
-                f(hi),
-                f(_mm_srli_si128::<8>(hi)),
-            ]
+            let v = _mm256_set_m128i(hi, lo);
+            if dtype == DType::Q4_1 {
+                v
+            } else {
+                _mm256_sub_epi8(v, _mm256_set1_epi8(8))
+            }
         },
-        _ => [_mm256_setzero_ps(); 4],
     }
 }
 
@@ -123,4 +207,85 @@ fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
     _mm_cvtss_f32(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::dequantize;
+
+    /// Weight rows of `dtype` with random codes and scales, from a fixed seed.
+    fn rows(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = move || {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (s >> 33) as u32
+        };
+        let (_, bytes) = dtype.block();
+        let mut out = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            let mut blk: Vec<u8> = (0..bytes).map(|_| next() as u8).collect();
+            let scale =
+                |v: u32| half::f16::from_f32(0.005 + (v % 1000) as f32 * 1e-4).to_le_bytes();
+            blk[..2].copy_from_slice(&scale(next()));
+            if dtype == DType::Q4_1 {
+                let m = half::f16::from_f32(-0.05 + (next() % 100) as f32 * 1e-3);
+                blk[2..4].copy_from_slice(&m.to_le_bytes());
+            }
+            out.extend(blk);
+        }
+        out
+    }
+
+    #[test]
+    fn both_bodies_compute_the_integer_dot_products() {
+        let (n_rows, cols, n) = (5, 128, 3);
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 37.0)
+            .collect();
+        let q = Q8Rows::new(&x, n, cols);
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let (_, bytes) = dtype.block();
+            let row_bytes = cols / 32 * bytes;
+            let w = rows(dtype, n_rows, cols, 7);
+            let mut portable = vec![f32::NAN; n * n_rows];
+            tile_dot_portable(dtype, &w, row_bytes, &q, n, &mut portable, n_rows);
+            for r in 0..n_rows {
+                let mut wr = vec![0.0f32; cols];
+                dequantize(dtype, &w[r * row_bytes..(r + 1) * row_bytes], &mut wr);
+                for i in 0..n {
+                    let want: f64 = (0..cols)
+                        .map(|k| {
+                            let xv =
+                                f64::from(q.d[(i * cols + k) / 32]) * f64::from(q.q[i * cols + k]);
+                            xv * f64::from(wr[k])
+                        })
+                        .sum();
+                    let got = f64::from(portable[i * n_rows + r]);
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{dtype:?} portable {got} vs {want}"
+                    );
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                let mut simd = vec![f32::NAN; n * n_rows];
+                // SAFETY: AVX2, FMA and F16C were detected; the dtype is supported; `q` holds n
+                // rows of `cols`; `simd` holds n rows of `n_rows`.
+                unsafe { tile_dot(dtype, &w, row_bytes, &q, n, &mut simd, n_rows) };
+                for (a, b) in simd.iter().zip(&portable) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{dtype:?} AVX2 {a} vs portable {b}"
+                    );
+                }
+            }
+        }
+    }
 }
