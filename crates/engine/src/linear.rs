@@ -3,9 +3,9 @@
 //! A few rows (decode) run a fused kernel that reads the weights once, at their quantized
 //! size: against quantized weights the rows are quantized to 8 bits and meet each weight
 //! block in integer dot products (`qdot`, as ggml does); float weight rows are widened into
-//! an L1-sized buffer and dotted with every input row. Many rows (prefill) dequantize a tile of weight rows at a time and hand it to the
-//! `gemm` crate. Both are parallel over tiles of output features with rayon and built for
-//! AVX-512F or AVX2 + FMA where the CPU has them.
+//! an L1-sized buffer and dotted with every input row. Many rows (prefill) dequantize a tile
+//! of weight rows at a time and hand it to the `gemm` crate. Both are parallel over tiles of
+//! output features with rayon and built for AVX-512F or AVX2 + FMA where the CPU has them.
 
 use rayon::prelude::*;
 

@@ -194,6 +194,12 @@ fn run(cli: Cli) -> Result<(), EngineError> {
                 .map_err(|e| EngineError::Invalid(format!("{}: {e}", p.display())))?
         }
     };
+    let path = cli
+        .model
+        .clone()
+        .or_else(|| file.model.clone())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    // `None`: a Hugging Face checkpoint directory.
     let gguf = if cli.synthetic {
         eprintln!("synthetic model: SmolLM2-135M's shape, random Q4_1 weights, byte tokens");
         Some(Gguf::from_bytes(engine::synthetic::synthetic_gguf(
@@ -201,24 +207,15 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             engine::gguf::DType::Q4_1,
             1,
         ))?)
-    } else {
+    } else if path.is_dir() {
         None
-    };
-    let path = cli
-        .model
-        .clone()
-        .or_else(|| file.model.clone())
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
-    let gguf = match gguf {
-        Some(g) => Some(g),
-        None if path.is_dir() => None,
-        None if path.exists() => Some(Gguf::open(&path)?),
-        None => {
-            return Err(EngineError::Invalid(format!(
-                "no model at {} (run `cargo xtask fetch-model`, pass --model, or --synthetic)",
-                path.display()
-            )));
-        }
+    } else if path.exists() {
+        Some(Gguf::open(&path)?)
+    } else {
+        return Err(EngineError::Invalid(format!(
+            "no model at {} (run `cargo xtask fetch-model`, pass --model, or --synthetic)",
+            path.display()
+        )));
     };
     let load = || -> Result<(Tokenizer, Model), EngineError> {
         match &gguf {
