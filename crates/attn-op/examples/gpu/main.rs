@@ -27,20 +27,7 @@ use attn_op::AttnError;
 use attn_op::cuda::Gpu;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let cmd = args.first().map_or("check", String::as_str);
-    let code = match run(cmd, &args[1.min(args.len())..]) {
-        Ok(code) => code,
-        Err(AttnError::Device(why)) if cmd != "compile" && why.starts_with("no CUDA") => {
-            println!("skipped: no CUDA device ({why})");
-            0
-        }
-        Err(e) => {
-            eprintln!("gpu {cmd}: {e}");
-            1
-        }
-    };
-    std::process::exit(code);
+    report::tool_main("gpu", &["compile"], run);
 }
 
 fn run(cmd: &str, rest: &[String]) -> Result<i32, AttnError> {

@@ -11,6 +11,33 @@ use rayon::prelude::*;
 
 use crate::rng::Rng;
 
+/// A GPU tool's `main`: runs `run(command, the rest of the arguments)` (command `check` by
+/// default) and exits with its code. Where no CUDA driver exists, a command that needs the
+/// device (all but those in `device_free`) prints "skipped: no CUDA device" and exits 0; any
+/// other error is printed and exits 1.
+pub(crate) fn tool_main<E: std::fmt::Display>(
+    tool: &str,
+    device_free: &[&str],
+    run: impl FnOnce(&str, &[String]) -> Result<i32, E>,
+) -> ! {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cmd = args.first().map_or("check", String::as_str);
+    let code = match run(cmd, &args[1.min(args.len())..]) {
+        Ok(code) => code,
+        Err(e) => {
+            let why = e.to_string();
+            if why.contains("no CUDA") && !device_free.contains(&cmd) {
+                println!("skipped: no CUDA device ({why})");
+                0
+            } else {
+                eprintln!("{tool} {cmd}: {why}");
+                1
+            }
+        }
+    };
+    std::process::exit(code);
+}
+
 /// The file after `--json` in a command line, if any.
 pub(crate) fn json_arg(args: &[String]) -> Option<&str> {
     args.iter()

@@ -49,20 +49,7 @@ use sparse_algo::{AlwaysInclude, Quest, QuestConfig, SparseAlgorithm};
 type Res<T> = Result<T, String>;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let cmd = args.first().map_or("check", String::as_str);
-    let code = match run(cmd, &args) {
-        Ok(code) => code,
-        Err(why) if why.contains("no CUDA") => {
-            println!("skipped: no CUDA device ({why})");
-            0
-        }
-        Err(e) => {
-            eprintln!("gpu_step {cmd}: {e}");
-            1
-        }
-    };
-    std::process::exit(code);
+    report::tool_main("gpu_step", &[], run);
 }
 
 fn run(cmd: &str, args: &[String]) -> Res<i32> {

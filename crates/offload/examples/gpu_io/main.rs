@@ -30,20 +30,7 @@ use report::{Row, table};
 use rng::Rng;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let cmd = args.first().map_or("check", String::as_str);
-    let code = match run(cmd, &args) {
-        Ok(code) => code,
-        Err(OffloadError::Attn(AttnError::Device(why))) if why.starts_with("no CUDA") => {
-            println!("skipped: no CUDA device ({why})");
-            0
-        }
-        Err(e) => {
-            eprintln!("gpu_io {cmd}: {e}");
-            1
-        }
-    };
-    std::process::exit(code);
+    report::tool_main("gpu_io", &[], run);
 }
 
 fn run(cmd: &str, args: &[String]) -> Result<i32, OffloadError> {
