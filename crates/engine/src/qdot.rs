@@ -88,6 +88,8 @@ pub(crate) unsafe fn tile_dot(
             let blk = &row[b * bytes..(b + 1) * bytes];
             let h = |i: usize| half::f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
             let dw = h(0);
+            // Q4_1's minimum (the others have none).
+            let mw = if dtype == DType::Q4_1 { h(2) } else { 0.0 };
             // SAFETY: `blk` is one whole block of `dtype`, which is all `weights` reads.
             let wq = unsafe { weights(dtype, blk) };
             // Q4_1's nibbles are unsigned: maddubs takes them as they are. Signed weights
@@ -111,9 +113,7 @@ pub(crate) unsafe fn tile_dot(
                 let k = i * blocks + b;
                 let scale = _mm256_set1_ps(dw * x.d[k]);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
-                if unsigned {
-                    mins[i] += h(2) * x.s[k];
-                }
+                mins[i] += mw * x.s[k];
             }
         }
         for i in 0..n {
