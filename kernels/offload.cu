@@ -39,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     const i32* __restrict__ current, const i32* __restrict__ blocks,
     i32* __restrict__ slots_out, i32* __restrict__ table_out, i32* __restrict__ miss_pages,
     i32* __restrict__ miss_slots, i32* __restrict__ miss_counts, i32* __restrict__ hit_counts,
-    i32* __restrict__ errors) {
+    i32* __restrict__ errors, const i32* __restrict__ buf_rows, i32 num_bufs) {
     // Shared: the hash (page, selection index), the hit flag of each selection index, the old
     // LRU order, and the evictable and hit slots in LRU order; copies of the row's slot pages,
     // blocks and selection (read once, coalesced, instead of one dependent global load per
@@ -58,11 +58,22 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
 
     const int row = blockIdx.x;
     const int tid = threadIdx.x;
+    // The hot buffer of this selection row: buf_rows[row] (distinct rows, checked on the
+    // host), or the row itself.
+    const int brow = buf_rows ? buf_rows[row] : row;
+    if (brow < 0 || brow >= num_bufs) {
+        if (tid == 0) {
+            errors[row] = 1;
+            miss_counts[row] = 0;
+            hit_counts[row] = 0;
+        }
+        return;
+    }
     const int len = min(max(lens[row], 0), sel_max);
     const int cur = current[row];
     const i32* sel = pages + (size_t)row * sel_max;
-    u32* lr = lru + (size_t)row * hot;
-    i32* sp = slot_page + (size_t)row * hot;
+    u32* lr = lru + (size_t)brow * hot;
+    i32* sp = slot_page + (size_t)brow * hot;
     const i32* blk = blocks + (size_t)row * (hot + 1);
 
     for (int i = tid; i < HASH_SIZE; i += DIFF_THREADS) h_page[i] = -1;

@@ -102,6 +102,8 @@ impl std::fmt::Debug for Lowered {
 /// One sparse layer's parameters.
 #[derive(Clone)]
 pub struct LayerParams {
+    /// The layer's algorithm configuration (the user's, with overrides applied).
+    pub config: AlgoConfig,
     /// The built algorithm.
     pub algo: Arc<dyn SparseAlgorithm>,
     /// Its capabilities.
@@ -114,6 +116,7 @@ pub struct LayerParams {
 impl std::fmt::Debug for LayerParams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LayerParams")
+            .field("config", &self.config)
             .field("caps", &self.caps)
             .field("max_pages", &self.max_pages)
             .finish()
@@ -205,6 +208,7 @@ impl SparseConfig {
                 Some(_) => {}
             }
             layers.push(Some(LayerParams {
+                config: c.clone(),
                 algo,
                 caps,
                 max_pages,

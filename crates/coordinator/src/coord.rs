@@ -15,19 +15,22 @@ use crate::{CoordError, Lowered, Mode, ModelShape, Phase, RequestTracker, Sparse
 /// Drives hierarchical sparse attention through an engine's forward passes: see the crate
 /// documentation for the order of the hooks.
 pub struct SparseCoordinator<T: Element> {
-    model: ModelShape,
-    lowered: Lowered,
+    pub(crate) model: ModelShape,
+    pub(crate) lowered: Lowered,
     /// Model layer → index among the sparse layers, and back.
-    sparse_of: Vec<Option<usize>>,
-    sparse_layers: Vec<usize>,
+    pub(crate) sparse_of: Vec<Option<usize>>,
+    pub(crate) sparse_layers: Vec<usize>,
     /// The hierarchical KV of sparse-mode requests (absent when every layer is dense).
-    manager: Option<SparseKvCacheManager<T>>,
+    pub(crate) manager: Option<SparseKvCacheManager<T>>,
     /// Representations per sparse layer: one pool layer, one slot per sparse-mode request.
-    pools: Vec<RepPool>,
+    pub(crate) pools: Vec<RepPool>,
     free_slots: Vec<usize>,
+    /// Per representation slot, how many requests have taken it (a device mirror compares
+    /// them to see a new request in a slot).
+    pub(crate) slot_epochs: Vec<u64>,
     trackers: FxHashMap<RequestId, RequestTracker>,
     adaptor: Box<dyn BackendAdaptor>,
-    forward: Option<Forward>,
+    pub(crate) forward: Option<Forward>,
 }
 
 /// Sizes of the memory a coordinator manages.
@@ -65,9 +68,23 @@ pub struct LayerPlan {
     pub stats: StepStats,
 }
 
+/// A sparse-mode decode request of the forward in progress.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodeRow {
+    /// Index in the batch.
+    pub(crate) index: usize,
+    pub(crate) id: RequestId,
+    /// Its token row in the batch's q/k/v.
+    pub(crate) row: usize,
+    /// Tokens before this step's.
+    pub(crate) len: usize,
+    /// Representation slot.
+    pub(crate) slot: usize,
+}
+
 /// The batch of the forward in progress.
-struct Forward {
-    batch: Vec<(RequestId, usize)>,
+pub(crate) struct Forward {
+    pub(crate) batch: Vec<(RequestId, usize)>,
     /// First token row of each request in the batch's q/k/v.
     offsets: Vec<usize>,
     tokens: usize,
@@ -143,6 +160,7 @@ impl<T: Element> SparseCoordinator<T> {
             manager,
             pools,
             free_slots: (0..capacity.max_requests).rev().collect(),
+            slot_epochs: vec![0; capacity.max_requests],
             trackers: FxHashMap::default(),
             adaptor,
             forward: None,
@@ -393,19 +411,7 @@ impl<T: Element> SparseCoordinator<T> {
                 stats: StepStats::default(),
             });
         };
-        // Sparse-mode decode requests: (batch index, id, token row, length, slot).
-        let rows: Vec<(usize, RequestId, usize, usize, usize)> = f
-            .batch
-            .iter()
-            .enumerate()
-            .filter_map(|(i, &(id, _))| {
-                let t = &self.trackers[&id];
-                (t.mode == Mode::Sparse && t.phase == Phase::Decode).then(|| {
-                    let slot = t.slot.expect("a sparse-mode request holds a slot");
-                    (i, id, f.offsets[i], t.len, slot)
-                })
-            })
-            .collect();
+        let rows = self.decode_rows();
         if rows.is_empty() {
             return Ok(LayerPlan {
                 routes,
@@ -421,10 +427,10 @@ impl<T: Element> SparseCoordinator<T> {
             .expect("a sparse layer has parameters");
         let q_rows: Vec<f32> = rows
             .iter()
-            .flat_map(|r| q[r.2 * qs..(r.2 + 1) * qs].iter().copied())
+            .flat_map(|r| q[r.row * qs..(r.row + 1) * qs].iter().copied())
             .collect();
-        let seq_lens: Vec<usize> = rows.iter().map(|r| r.3 + 1).collect();
-        let slots: Vec<usize> = rows.iter().map(|r| r.4).collect();
+        let seq_lens: Vec<usize> = rows.iter().map(|r| r.len + 1).collect();
+        let slots: Vec<usize> = rows.iter().map(|r| r.slot).collect();
         let manager = self.manager.as_mut().expect("sparse layers have a manager");
         let top = {
             let host = manager.host();
@@ -435,7 +441,7 @@ impl<T: Element> SparseCoordinator<T> {
                 seqs: host_seqs(
                     manager,
                     rows.iter()
-                        .map(|r| (r.1, r.3, &k[r.2 * kvs..(r.2 + 1) * kvs])),
+                        .map(|r| (r.id, r.len, &k[r.row * kvs..(r.row + 1) * kvs])),
                 )?,
             };
             let step = Decode {
@@ -457,15 +463,15 @@ impl<T: Element> SparseCoordinator<T> {
             let mut union: Vec<i32> = heads.iter().flat_map(|h| h.iter().copied()).collect();
             union.sort_unstable();
             union.dedup();
-            let plan = manager.step_with_new(r.1, sl, &union, 1)?;
+            let plan = manager.step_with_new(r.id, sl, &union, 1)?;
             manager.device(sl).write().set_kv(
                 &plan.new_slots,
-                &k[r.2 * kvs..(r.2 + 1) * kvs],
-                &v[r.2 * kvs..(r.2 + 1) * kvs],
+                &k[r.row * kvs..(r.row + 1) * kvs],
+                &v[r.row * kvs..(r.row + 1) * kvs],
             )?;
             stats.add(&plan.stats);
             meta_rows.push(self.adaptor.row(&heads, &union, plan)?);
-            routes[r.0] = Route::Sparse(j);
+            routes[r.index] = Route::Sparse(j);
         }
         Ok(LayerPlan {
             routes,
@@ -485,6 +491,18 @@ impl<T: Element> SparseCoordinator<T> {
     /// request's new tokens up to the host pool, updates the representations of decode
     /// requests, and builds them for requests whose prompt this forward completes.
     pub fn attention_end(&mut self, layer: usize, k: &[T], v: &[T]) -> Result<(), CoordError> {
+        self.end_layer(layer, k, v, true)
+    }
+
+    /// [`attention_end`](Self::attention_end), updating decode requests' representations here
+    /// (`decode_reps`) or leaving them to a device mirror that keeps its own.
+    pub(crate) fn end_layer(
+        &mut self,
+        layer: usize,
+        k: &[T],
+        v: &[T],
+        decode_reps: bool,
+    ) -> Result<(), CoordError> {
         self.check_layer_io(layer, None, k, v)?;
         let kvs = self.model.kv_heads * self.model.head_dim;
         if let Some(sl) = self.sparse_of[layer] {
@@ -507,7 +525,9 @@ impl<T: Element> SparseCoordinator<T> {
                     Phase::Prefill => {}
                 }
             }
-            self.build_reps(sl, &decode, true)?;
+            if decode_reps {
+                self.build_reps(sl, &decode, true)?;
+            }
             self.build_reps(sl, &complete, false)?;
         }
         self.forward
@@ -629,6 +649,27 @@ impl<T: Element> SparseCoordinator<T> {
         Ok(())
     }
 
+    /// The sparse-mode decode requests of the forward in progress, in batch order.
+    pub(crate) fn decode_rows(&self) -> Vec<DecodeRow> {
+        let Some(f) = self.forward.as_ref() else {
+            return Vec::new();
+        };
+        f.batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &(id, _))| {
+                let t = &self.trackers[&id];
+                (t.mode == Mode::Sparse && t.phase == Phase::Decode).then(|| DecodeRow {
+                    index: i,
+                    id,
+                    row: f.offsets[i],
+                    len: t.len,
+                    slot: t.slot.expect("a sparse-mode request holds a slot"),
+                })
+            })
+            .collect()
+    }
+
     fn check_new(&self, id: RequestId, prompt_len: usize) -> Result<(), CoordError> {
         if self.trackers.contains_key(&id) {
             return Err(CoordError::DuplicateRequest(id));
@@ -649,7 +690,9 @@ impl<T: Element> SparseCoordinator<T> {
 
     fn take_slot(&mut self) -> Result<usize, CoordError> {
         let cap = self.pools.first().map_or(0, RepPool::slots);
-        self.free_slots.pop().ok_or(CoordError::Full(cap))
+        let slot = self.free_slots.pop().ok_or(CoordError::Full(cap))?;
+        self.slot_epochs[slot] += 1;
+        Ok(slot)
     }
 
     fn manager_mut(&mut self) -> &mut SparseKvCacheManager<T> {
@@ -663,7 +706,7 @@ impl<T: Element> SparseCoordinator<T> {
     }
 
     /// Checks a layer hook: a forward in progress, the layer not ended, and the batch's shapes.
-    fn check_layer_io(
+    pub(crate) fn check_layer_io(
         &self,
         layer: usize,
         q: Option<&[f32]>,

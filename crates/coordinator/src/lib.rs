@@ -24,6 +24,8 @@
 mod adaptor;
 mod config;
 mod coord;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod keys;
 mod tracker;

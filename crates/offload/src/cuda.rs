@@ -9,16 +9,17 @@
 //! [`IoKernels::diff`] runs the swap-in for all of them in one launch. Its misses feed
 //! [`IoKernels::load_misses`] without a round trip to the host.
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use attn_op::cuda::{CudaElement, DevicePagedKv, DeviceSelection, Gpu, compile_source};
 use attn_op::{AttnError, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 
-use crate::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, OffloadError};
+use crate::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, Load, OffloadError};
 
 /// The CUDA C source of offload's kernels (`kernels/common.cuh`, then
 /// `kernels/offload.cu`), embedded at build time.
@@ -112,16 +113,60 @@ impl DeviceDiff {
     }
 }
 
-/// The host KV pool in pinned memory, in offload's [`HostLayout::LayerFirst`] layout (K and V
-/// each `[layers, pages, page_size, kv_heads, head_dim]`). Kernels read it by address, so it
-/// waits for its stream before it frees the memory.
+/// Which hot buffer each selection row of a [`IoKernels::diff_rows`] batch diffs against:
+/// distinct rows of a [`DeviceHotBuffers`] of `bufs` rows, checked on the host and uploaded.
+pub struct BufRows {
+    rows: CudaSlice<i32>,
+    bufs: usize,
+}
+
+impl BufRows {
+    /// Uploads `rows` (distinct, each below `bufs`).
+    pub fn upload(gpu: &Gpu, rows: &[usize], bufs: usize) -> Result<Self, OffloadError> {
+        let mut seen = vec![false; bufs];
+        let mut ids = Vec::with_capacity(rows.len());
+        for &r in rows {
+            if r >= bufs || std::mem::replace(&mut seen[r], true) {
+                return Err(OffloadError::Invalid(format!(
+                    "hot buffer row {r} repeated or outside {bufs} rows"
+                )));
+            }
+            ids.push(to_i32(r)?);
+        }
+        Ok(BufRows {
+            rows: gpu.upload(&ids)?,
+            bufs,
+        })
+    }
+}
+
+/// The host KV pool in page-locked memory, in offload's [`HostLayout::LayerFirst`] layout (K
+/// and V each `[layers, pages, page_size, kv_heads, head_dim]`): a pinned copy
+/// ([`PinnedHostPool::from_host`]), or a [`HostPool`] registered in place
+/// ([`PinnedHostPool::register`]) so that what the CPU appends to it is what kernels load.
+/// Kernels read it by address, so it waits for its stream before it frees or unregisters the
+/// memory.
 pub struct PinnedHostPool<T: CudaElement> {
     shape: HostShape,
-    k: PinnedHostSlice<T>,
-    v: PinnedHostSlice<T>,
-    /// The addresses of `k` and `v`, which kernels read through unified addressing.
+    mem: HostMem<T>,
+    /// The device addresses of K and V, which kernels read through unified addressing.
     ptrs: (u64, u64),
     stream: Arc<CudaStream>,
+}
+
+/// Where a [`PinnedHostPool`]'s memory comes from.
+enum HostMem<T: CudaElement> {
+    /// Pinned allocations of its own.
+    Owned {
+        k: PinnedHostSlice<T>,
+        v: PinnedHostSlice<T>,
+    },
+    /// A host pool's tensors, page-locked in place; the `Arc` keeps them alive (a `HostPool`
+    /// never reallocates its tensors) until they are unregistered.
+    Registered {
+        pool: Arc<parking_lot::RwLock<HostPool<T>>>,
+        host_ptrs: (u64, u64),
+    },
 }
 
 impl<T: CudaElement> Drop for PinnedHostPool<T> {
@@ -129,6 +174,13 @@ impl<T: CudaElement> Drop for PinnedHostPool<T> {
         // A kernel enqueued on the stream may still read the pool; an error here leaves
         // nothing better to do than to free it anyway.
         let _ = self.stream.synchronize();
+        if let HostMem::Registered { host_ptrs, .. } = &self.mem {
+            for p in [host_ptrs.0, host_ptrs.1] {
+                // SAFETY: `p` was registered by `register` and nothing reads it any more (the
+                // stream has drained); the pool's `Arc` still keeps the memory alive here.
+                let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut c_void) };
+            }
+        }
     }
 }
 
@@ -161,9 +213,76 @@ impl<T: CudaElement> PinnedHostPool<T> {
         );
         Ok(PinnedHostPool {
             shape: pool.shape(),
-            k: pk,
-            v: pv,
+            mem: HostMem::Owned { k: pk, v: pv },
             ptrs,
+            stream: gpu.stream().clone(),
+        })
+    }
+
+    /// Page-locks a layer-first host pool in place (`cuMemHostRegister`, mapped for the
+    /// device): no copy, so tokens the CPU writes into the pool later (an offload manager's
+    /// appends) are what kernels load. The caller orders those writes with the kernels that
+    /// read the same pages (the pool's stream). Unregistered on drop.
+    pub fn register(
+        gpu: &Gpu,
+        pool: Arc<parking_lot::RwLock<HostPool<T>>>,
+    ) -> Result<Self, OffloadError> {
+        let (shape, host_ptrs, bytes) = {
+            let p = pool.read();
+            if p.layout() != HostLayout::LayerFirst {
+                return Err(OffloadError::Invalid(format!(
+                    "a pinned pool is layer-first, not {:?}",
+                    p.layout()
+                )));
+            }
+            let (k, v) = p.tensors();
+            (
+                p.shape(),
+                (k.as_ptr() as u64, v.as_ptr() as u64),
+                size_of_val(k),
+            )
+        };
+        gpu.context().bind_to_thread().map_err(device_err)?;
+        let mut ptrs = [0u64; 2];
+        let mut registered = 0;
+        let mut failure = None;
+        for (i, p) in [host_ptrs.0, host_ptrs.1].into_iter().enumerate() {
+            // SAFETY: `p` addresses `bytes` bytes of a live `Vec` that the pool's `Arc` keeps
+            // alive and never reallocates; registering only page-locks and maps it.
+            let r = unsafe {
+                cudarc::driver::sys::cuMemHostRegister_v2(
+                    p as *mut c_void,
+                    bytes.max(1),
+                    cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                )
+            };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                failure = Some(format!("cuMemHostRegister: {r:?}"));
+                break;
+            }
+            registered += 1;
+            let mut d: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: `p` was just registered with DEVICEMAP; the call writes one address.
+            let r = unsafe {
+                cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut d, p as *mut c_void, 0)
+            };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                failure = Some(format!("cuMemHostGetDevicePointer: {r:?}"));
+                break;
+            }
+            ptrs[i] = d;
+        }
+        if let Some(f) = failure {
+            for p in [host_ptrs.0, host_ptrs.1].into_iter().take(registered) {
+                // SAFETY: `p` was registered above and no kernel has been given it.
+                let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut c_void) };
+            }
+            return Err(OffloadError::Attn(AttnError::Device(f)));
+        }
+        Ok(PinnedHostPool {
+            shape,
+            mem: HostMem::Registered { pool, host_ptrs },
+            ptrs: (ptrs[0], ptrs[1]),
             stream: gpu.stream().clone(),
         })
     }
@@ -173,12 +292,26 @@ impl<T: CudaElement> PinnedHostPool<T> {
         self.shape
     }
 
-    /// K and V, read on the host (waits for work that uses them).
+    /// K and V of a pinned copy, read on the host (waits for work that uses them). A
+    /// registered pool answers an error: read it through its [`HostPool`].
     pub fn tensors(&self) -> Result<(&[T], &[T]), OffloadError> {
-        Ok((
-            self.k.as_slice().map_err(device_err)?,
-            self.v.as_slice().map_err(device_err)?,
-        ))
+        match &self.mem {
+            HostMem::Owned { k, v } => Ok((
+                k.as_slice().map_err(device_err)?,
+                v.as_slice().map_err(device_err)?,
+            )),
+            HostMem::Registered { .. } => Err(OffloadError::Invalid(
+                "a registered pool is read through its HostPool".to_owned(),
+            )),
+        }
+    }
+
+    /// The host pool a registered pool page-locks (`None` for a pinned copy).
+    pub fn host_pool(&self) -> Option<&Arc<parking_lot::RwLock<HostPool<T>>>> {
+        match &self.mem {
+            HostMem::Owned { .. } => None,
+            HostMem::Registered { pool, .. } => Some(pool),
+        }
     }
 
     /// Elements of one page of one layer (K or V).
@@ -210,6 +343,26 @@ impl DeviceHotBuffers {
             lru: gpu.upload(&lru)?,
             slot_page: gpu.upload(&pages)?,
         })
+    }
+
+    /// Empties row `row` (a new request in it): the LRU order `0..hot` and no pages.
+    pub fn reset_row(&mut self, gpu: &Gpu, row: usize) -> Result<(), OffloadError> {
+        if row >= self.rows {
+            return Err(OffloadError::Invalid(format!(
+                "hot buffer row {row} of {}",
+                self.rows
+            )));
+        }
+        let fresh = HotBuffer::new(self.hot);
+        let range = row * self.hot..(row + 1) * self.hot;
+        let stream = gpu.stream();
+        stream
+            .memcpy_htod(fresh.lru(), &mut self.lru.slice_mut(range.clone()))
+            .map_err(device_err)?;
+        stream
+            .memcpy_htod(fresh.slot_pages(), &mut self.slot_page.slice_mut(range))
+            .map_err(device_err)?;
+        Ok(())
     }
 
     /// The LRU orders and slot pages, `[rows, hot]` each (waits for the stream).
@@ -276,17 +429,57 @@ impl IoKernels {
         blocks: &CudaSlice<i32>,
         out: &mut DeviceDiff,
     ) -> Result<(), OffloadError> {
-        let (rows, hot, sel_max) = (buffers.rows, buffers.hot, pages.max_len);
-        if pages.rows != rows
-            || current.len() != rows
+        if pages.rows != buffers.rows {
+            return Err(OffloadError::Invalid(format!(
+                "a selection of {} rows for {} hot buffers",
+                pages.rows, buffers.rows
+            )));
+        }
+        self.launch_diff(buffers, None, pages, current, blocks, out)
+    }
+
+    /// [`diff`](Self::diff) of a batch that holds some of `buffers`' rows: selection row `i`
+    /// diffs against hot buffer `rows.get(i)`, and `current`, `blocks` and `out` are per
+    /// selection row. The hot buffers of other rows are untouched.
+    pub fn diff_rows(
+        &self,
+        buffers: &mut DeviceHotBuffers,
+        rows: &BufRows,
+        pages: &DeviceSelection,
+        current: &CudaSlice<i32>,
+        blocks: &CudaSlice<i32>,
+        out: &mut DeviceDiff,
+    ) -> Result<(), OffloadError> {
+        if rows.bufs != buffers.rows || rows.rows.len() != pages.rows {
+            return Err(OffloadError::Invalid(format!(
+                "a row map of {} rows over {} buffers, for a selection of {} rows over {}",
+                rows.rows.len(),
+                rows.bufs,
+                pages.rows,
+                buffers.rows
+            )));
+        }
+        self.launch_diff(buffers, Some(&rows.rows), pages, current, blocks, out)
+    }
+
+    fn launch_diff(
+        &self,
+        buffers: &mut DeviceHotBuffers,
+        map: Option<&CudaSlice<i32>>,
+        pages: &DeviceSelection,
+        current: &CudaSlice<i32>,
+        blocks: &CudaSlice<i32>,
+        out: &mut DeviceDiff,
+    ) -> Result<(), OffloadError> {
+        let (rows, hot, sel_max) = (pages.rows, buffers.hot, pages.max_len);
+        if current.len() != rows
             || blocks.len() != rows * (hot + 1)
             || out.rows() != rows
             || out.sel_max != sel_max
         {
             return Err(OffloadError::Invalid(format!(
-                "diff of {rows} rows of {sel_max}: selection {} rows, current {}, blocks {} \
-                 (want {}), outputs {} rows of {}",
-                pages.rows,
+                "diff of {rows} rows of {sel_max}: current {}, blocks {} (want {}), outputs {} \
+                 rows of {}",
                 current.len(),
                 blocks.len(),
                 rows * (hot + 1),
@@ -312,12 +505,13 @@ impl IoKernels {
                 self.diff_smem_max
             )));
         }
-        let (hot_i, sel_i) = (to_i32(hot)?, to_i32(sel_max)?);
+        let (hot_i, sel_i, bufs_i) = (to_i32(hot)?, to_i32(sel_max)?, to_i32(buffers.rows)?);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(rows)?, 1, 1),
             block_dim: (DIFF_THREADS, 1, 1),
             shared_mem_bytes: to_u32(smem)?,
         };
+        let null: u64 = 0;
         let mut b = self.stream.launch_builder(&self.diff);
         b.arg(&mut buffers.lru)
             .arg(&mut buffers.slot_page)
@@ -334,10 +528,18 @@ impl IoKernels {
             .arg(&mut out.miss_counts)
             .arg(&mut out.hit_counts)
             .arg(&mut out.errors);
-        // SAFETY: the arguments follow `hot_diff` in kernels/offload.cu; every buffer has the
-        // `[rows, hot]`, `[rows, sel_max]`, `[rows]` or `[rows, hot + 1]` length checked above,
-        // the dynamic shared memory holds 4 * hot + sel_max ints (within the limit set at
-        // load), and the selection fits the kernel's hash (sel_max <= MAX_DIFF_SELECTION).
+        match map {
+            Some(m) => b.arg(m),
+            None => b.arg(&null),
+        };
+        b.arg(&bufs_i);
+        // SAFETY: the arguments follow `hot_diff` in kernels/offload.cu; the hot buffers hold
+        // `[buffers.rows, hot]` and the kernel range-checks each row map entry against that
+        // count (a null map is the identity, with as many selection rows as buffers, checked
+        // by `diff`); the map's rows are distinct (`BufRows`), so no two CTAs share a buffer;
+        // every per-row buffer has the `[rows, sel_max]`, `[rows]` or `[rows, hot + 1]` length
+        // checked above, the dynamic shared memory is within the limit set at load, and the
+        // selection fits the kernel's hash (sel_max <= MAX_DIFF_SELECTION).
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }
@@ -441,6 +643,69 @@ impl IoKernels {
         // kernels), freed only after the pool's stream (this one) has drained; the kernel
         // range-checks every page, slot, host page and block id before it addresses memory.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
+        Ok(())
+    }
+
+    /// Executes `loads` as [`execute_loads`](crate::execute_loads) does on the CPU: each
+    /// load's tokens of one host page go from the pinned pool into the same offsets of a
+    /// device block (a reserved slot's refresh, say), all in one launch for K and one for V.
+    pub fn execute_loads<T: CudaElement>(
+        &self,
+        gpu: &Gpu,
+        host: &PinnedHostPool<T>,
+        loads: &[Load],
+        device: &mut DevicePagedKv<T>,
+    ) -> Result<(), OffloadError> {
+        let shape = host.shape;
+        let layout = device.layout();
+        if layout.block_size != shape.page_size
+            || layout.kv_heads != shape.kv_heads
+            || layout.head_dim != shape.head_dim
+        {
+            return Err(OffloadError::Invalid(format!(
+                "device pool {layout:?} does not match host pages {shape:?}"
+            )));
+        }
+        let ps = shape.page_size;
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        for l in loads {
+            let (page, block) = (l.host_page as usize, l.device_block as usize);
+            let (first, n) = (l.first as usize, l.tokens as usize);
+            if l.layer >= shape.layers
+                || page >= shape.pages
+                || block >= layout.num_blocks
+                || first + n > ps
+            {
+                return Err(OffloadError::Invalid(format!(
+                    "load {l:?} outside host {shape:?} or device {layout:?}"
+                )));
+            }
+            for t in first..first + n {
+                src.push(to_i32((l.layer * shape.pages + page) * ps + t)?);
+                dst.push(to_i32(block * ps + t)?);
+            }
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let row_bytes = shape.kv_heads * shape.head_dim * size_of::<T>();
+        let src_rows = shape.layers * shape.pages * ps;
+        let dst_rows = layout.num_blocks * ps;
+        let (src_idx, dst_idx) = (gpu.upload(&src)?, gpu.upload(&dst)?);
+        let (hk, hv) = host.ptrs;
+        let stream = self.stream.clone();
+        let (dk, dv) = device.tensors_mut();
+        for (from, to) in [(hk, dk), (hv, dv)] {
+            let (to, _guard) = to.device_ptr_mut(&stream);
+            // SAFETY: `from` is the pinned pool's K or V (`src_rows` rows of `row_bytes`,
+            // 16-byte aligned allocations; the pool outlives the launch, as it drains its
+            // stream before freeing), `to` the device tensor of `dst_rows` rows, kept borrowed
+            // (and its use recorded by the guard) until the launch is enqueued; every index was
+            // range-checked above.
+            unsafe {
+                self.copy_rows(from, src_rows, to, dst_rows, &src_idx, &dst_idx, row_bytes)?;
+            }
+        }
         Ok(())
     }
 

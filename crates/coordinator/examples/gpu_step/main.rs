@@ -10,6 +10,9 @@
 //!   Then the pipelined schedule (two micro-batches, each one's loads on a copy stream under
 //!   the other's compute, ordered by events) against the serial one over 3 layers and 4 steps:
 //!   every output equal bit for bit.
+//!   Then the coordinator: the same forwards through a `SparseCoordinator`'s CPU hooks and
+//!   through its device hooks (`coordinator::cuda`), with equal selections, hits and misses,
+//!   and attention outputs (module `coord`).
 //! - `gpu_step bench [--json FILE]`: bf16, 32 query / 8 KV heads, D 128, pages of 16, a 2K
 //!   budget, a hot buffer of 4K tokens per sequence, B8 L32K: CUDA events around each stage
 //!   over 16 steps of drifting queries (after one step that fills the buffers), the share of
@@ -23,6 +26,7 @@
     reason = "a command-line tool"
 )]
 
+mod coord;
 #[path = "../../../attn-op/examples/gpu/report.rs"]
 mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
@@ -534,6 +538,7 @@ fn check(gpu: &Gpu, k: &Kernels) -> Res<i32> {
         }
     }
     failed += check_pipeline(gpu, k)?;
+    failed += coord::check(gpu)?;
     println!("gpu_step check: {failed} failed");
     Ok(i32::from(failed > 0))
 }

@@ -1,0 +1,230 @@
+//! `gpu_step check`, coordinator part: two [`SparseCoordinator`]s fed the same forwards, one
+//! through the CPU hooks and one through the device hooks ([`DeviceSparse`]). Requests of
+//! different lengths prefill, decode across page boundaries, end, and a new request takes a
+//! freed slot in a mixed prefill + decode batch. Per sparse layer and step: the routes, the
+//! selections, the hits and misses, and the attention outputs (relative error 1e-2 in bf16)
+//! must agree.
+
+use attn_op::cuda::Gpu;
+use attn_op::{AttnOut, AttnParams};
+use coordinator::cuda::DeviceSparse;
+use coordinator::{Capacity, ModelShape, Route, SparseConfig, SparseCoordinator};
+use half::bf16;
+use kv_blocks::RequestId;
+use offload::{HostAlloc, HostLayout};
+use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
+
+use crate::rng::Rng;
+use crate::{Res, err};
+
+const MODEL: ModelShape = ModelShape {
+    layers: 3,
+    q_heads: 8,
+    kv_heads: 2,
+    head_dim: 64,
+};
+
+/// Both coordinators and what the check counts.
+struct Pair {
+    cpu: SparseCoordinator<bf16>,
+    gco: SparseCoordinator<bf16>,
+    dev: DeviceSparse<bf16>,
+    rng: Rng,
+    /// Per layer, the query direction the steps drift around (selections stay similar, so
+    /// the hot buffers see hits as well as misses).
+    base_q: Vec<Vec<f32>>,
+    failed: usize,
+    compared: usize,
+    hits: u64,
+    misses: u64,
+}
+
+/// Runs the scenario; answers the number of failed comparisons.
+pub(crate) fn check(gpu: &Gpu) -> Res<usize> {
+    let config = SparseConfig {
+        algo: AlgoConfig::Quest(QuestConfig {
+            page_size: 16,
+            budget_tokens: 128,
+            always: AlwaysInclude {
+                sink_tokens: 16,
+                recent_tokens: 32,
+            },
+            shared_heads: true,
+        }),
+        hot_tokens: None,
+        min_prompt_tokens: Some(1),
+        dense_layers: vec![0],
+        layer: Vec::new(),
+        host_layout: HostLayout::LayerFirst,
+    };
+    let cap = Capacity {
+        max_requests: 4,
+        max_tokens: 2048,
+        host_pages: 4 * 128,
+        host_alloc: HostAlloc::Own,
+    };
+    let cpu = SparseCoordinator::from_config(MODEL, &config, cap).map_err(err)?;
+    let gco = SparseCoordinator::from_config(MODEL, &config, cap).map_err(err)?;
+    let dev = DeviceSparse::new(gpu, &gco).map_err(err)?;
+    let mut rng = Rng::new(17);
+    let qs = MODEL.q_heads * MODEL.head_dim;
+    let base_q = (0..MODEL.layers)
+        .map(|_| (0..qs).map(|_| rng.unit()).collect())
+        .collect();
+    let mut p = Pair {
+        cpu,
+        gco,
+        dev,
+        rng,
+        base_q,
+        failed: 0,
+        compared: 0,
+        hits: 0,
+        misses: 0,
+    };
+    let (a, b, c, d) = (RequestId(1), RequestId(2), RequestId(3), RequestId(4));
+    for (id, len) in [(a, 300), (b, 517), (c, 1000)] {
+        p.begin(id, len)?;
+    }
+    p.forward(gpu, &[(a, 300), (b, 517)])?;
+    p.forward(gpu, &[(c, 1000)])?;
+    for _ in 0..8 {
+        p.forward(gpu, &[(a, 1), (b, 1), (c, 1)])?;
+    }
+    for co in [&mut p.cpu, &mut p.gco] {
+        co.on_request_end(b).map_err(err)?;
+    }
+    p.begin(d, 200)?;
+    // A mixed batch: decode rows around a prefill, so the device gathers their queries.
+    p.forward(gpu, &[(a, 1), (d, 200), (c, 1)])?;
+    for _ in 0..8 {
+        p.forward(gpu, &[(c, 1), (a, 1), (d, 1)])?;
+    }
+    println!(
+        "{} coordinator, CPU hooks against device hooks: {} layer steps compared, {} failed; \
+         device {} hits, {} misses",
+        if p.failed == 0 { "ok  " } else { "FAIL" },
+        p.compared,
+        p.failed,
+        p.hits,
+        p.misses
+    );
+    Ok(p.failed)
+}
+
+impl Pair {
+    fn begin(&mut self, id: RequestId, len: usize) -> Res<()> {
+        for co in [&mut self.cpu, &mut self.gco] {
+            co.on_request_begin(id, len).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// One forward through both coordinators, comparing every sparse layer's step.
+    fn forward(&mut self, gpu: &Gpu, batch: &[(RequestId, usize)]) -> Res<()> {
+        let tokens: usize = batch.iter().map(|b| b.1).sum();
+        let (qs, kvs) = (
+            MODEL.q_heads * MODEL.head_dim,
+            MODEL.kv_heads * MODEL.head_dim,
+        );
+        self.cpu.forward_begin(batch).map_err(err)?;
+        self.gco.forward_begin(batch).map_err(err)?;
+        let params = AttnParams::new(MODEL.q_heads, MODEL.head_dim);
+        for layer in 0..MODEL.layers {
+            // Queries exact in bf16, so the CPU's f32 scores see what the device's bf16 do.
+            let qb: Vec<bf16> = (0..tokens * qs)
+                .map(|i| bf16::from_f32(self.base_q[layer][i % qs] + 0.3 * self.rng.unit()))
+                .collect();
+            let qf: Vec<f32> = qb.iter().map(|x| x.to_f32()).collect();
+            let k: Vec<bf16> = (0..tokens * kvs)
+                .map(|_| bf16::from_f32(self.rng.unit()))
+                .collect();
+            let v: Vec<bf16> = (0..tokens * kvs)
+                .map(|_| bf16::from_f32(self.rng.unit()))
+                .collect();
+            let want = self.cpu.attention_begin(layer, &qf, &k, &v).map_err(err)?;
+            let q_dev = gpu.upload(&qb).map_err(err)?;
+            let got = self
+                .gco
+                .attention_begin_device(gpu, &mut self.dev, layer, &q_dev, &k, &v)
+                .map_err(err)?;
+            if let Some(meta) = &want.meta {
+                let n = meta.num_seqs();
+                let mut ok = got.routes == want.routes && got.rows == n;
+                // The CPU attends over its device pool with the sparse rows' queries.
+                let mut q_rows = vec![bf16::ZERO; n * qs];
+                let mut offsets = Vec::with_capacity(batch.len());
+                let mut at = 0;
+                for b in batch {
+                    offsets.push(at);
+                    at += b.1;
+                }
+                for (i, r) in want.routes.iter().enumerate() {
+                    if let Route::Sparse(j) = *r {
+                        let src = offsets[i] * qs;
+                        q_rows[j * qs..(j + 1) * qs].copy_from_slice(&qb[src..src + qs]);
+                    }
+                }
+                let mut out = vec![0f32; n * qs];
+                let pool = self.cpu.device(layer).ok_or("a sparse layer has a pool")?;
+                meta.attend(
+                    &q_rows,
+                    &pool.read(),
+                    &params,
+                    AttnOut {
+                        out: &mut out,
+                        lse: None,
+                    },
+                )
+                .map_err(err)?;
+                let mut out_dev = gpu.zeros::<f32>(n * qs).map_err(err)?;
+                self.dev
+                    .attend(gpu, &self.gco, layer, &q_dev, &params, &mut out_dev)
+                    .map_err(err)?;
+                let got_out = gpu.download(&out_dev).map_err(err)?;
+                let scale = out.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+                let worst = got_out
+                    .iter()
+                    .zip(&out)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale));
+                let sel = self.dev.selection(gpu, &self.gco, layer).map_err(err)?;
+                let top = want
+                    .selection
+                    .as_ref()
+                    .ok_or("a sparse plan has a selection")?;
+                let same_sel = (0..n).all(|j| sel.get(j).map(Vec::as_slice) == Some(top.row(j, 0)));
+                let stats = self.dev.stats(gpu, &self.gco, layer).map_err(err)?;
+                let same_stats = stats.hits == want.stats.hits && stats.misses == want.stats.misses;
+                self.hits += stats.hits;
+                self.misses += stats.misses;
+                ok &= same_sel && same_stats && worst <= 1e-2;
+                self.compared += 1;
+                if !ok {
+                    self.failed += 1;
+                    println!(
+                        "FAIL coordinator layer {layer}, {n} sparse rows: routes {:?} / {:?}, \
+                         selections equal {same_sel}, hits {} / {}, misses {} / {}, attention \
+                         max rel err {worst:.2e}",
+                        got.routes,
+                        want.routes,
+                        stats.hits,
+                        want.stats.hits,
+                        stats.misses,
+                        want.stats.misses
+                    );
+                }
+            } else if got.rows != 0 || got.routes != want.routes {
+                self.failed += 1;
+                self.compared += 1;
+                println!("FAIL coordinator layer {layer}: the device planned sparse rows");
+            }
+            self.cpu.attention_end(layer, &k, &v).map_err(err)?;
+            self.gco
+                .attention_end_device(&mut self.dev, layer, &k, &v)
+                .map_err(err)?;
+        }
+        self.cpu.forward_end().map_err(err)?;
+        self.gco.forward_end().map_err(err)?;
+        Ok(())
+    }
+}
