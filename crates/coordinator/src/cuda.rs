@@ -347,13 +347,21 @@ impl<T: CudaElement> SparseCoordinator<T> {
         let m = self.model;
         let tokens = k.len() / (m.kv_heads * m.head_dim);
         let qs = m.q_heads * m.head_dim;
-        if q.len() != tokens * qs || dev.q_heads != m.q_heads {
+        if q.len() != tokens * qs {
             return Err(CoordError::Invalid(format!(
                 "q of {} elements for {tokens} tokens of {} heads of {}",
                 q.len(),
                 m.q_heads,
                 m.head_dim
             )));
+        }
+        if dev.layers.len() != self.sparse_layers.len()
+            || dev.epochs.len() != self.slot_epochs.len()
+            || (dev.q_heads, dev.kv_heads, dev.head_dim) != (m.q_heads, m.kv_heads, m.head_dim)
+        {
+            return Err(CoordError::Invalid(
+                "a device mirror made for another coordinator".to_owned(),
+            ));
         }
         let batch = self.forward.as_ref().map_or(0, |f| f.batch.len());
         let mut routes = vec![Route::Dense; batch];

@@ -658,29 +658,13 @@ impl IoKernels {
     ) -> Result<(), OffloadError> {
         let shape = host.shape;
         let layout = device.layout();
-        if layout.block_size != shape.page_size
-            || layout.kv_heads != shape.kv_heads
-            || layout.head_dim != shape.head_dim
-        {
-            return Err(OffloadError::Invalid(format!(
-                "device pool {layout:?} does not match host pages {shape:?}"
-            )));
-        }
+        crate::exec::check_loads(shape, layout, loads)?;
         let ps = shape.page_size;
         let (mut src, mut dst) = (Vec::new(), Vec::new());
         for l in loads {
             let (page, block) = (l.host_page as usize, l.device_block as usize);
-            let (first, n) = (l.first as usize, l.tokens as usize);
-            if l.layer >= shape.layers
-                || page >= shape.pages
-                || block >= layout.num_blocks
-                || first + n > ps
-            {
-                return Err(OffloadError::Invalid(format!(
-                    "load {l:?} outside host {shape:?} or device {layout:?}"
-                )));
-            }
-            for t in first..first + n {
+            let first = l.first as usize;
+            for t in first..first + l.tokens as usize {
                 src.push(to_i32((l.layer * shape.pages + page) * ps + t)?);
                 dst.push(to_i32(block * ps + t)?);
             }

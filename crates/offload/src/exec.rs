@@ -4,13 +4,13 @@
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use attn_op::{Element, KvCache, PagedKv};
+use attn_op::{Element, KvCache, KvLayout, PagedKv};
 use crossbeam::channel::{Receiver, Sender, bounded, unbounded};
 use kv_blocks::{Tier, Transfer};
 use parking_lot::RwLock;
 
 use crate::OffloadError;
-use crate::host::HostStore;
+use crate::host::{HostShape, HostStore};
 
 /// One load: tokens `first..first + tokens` of a host page into the same offsets of a device
 /// block of `layer`.
@@ -85,22 +85,7 @@ pub fn execute_loads<T: Element>(
 ) -> Result<(), OffloadError> {
     let shape = host.shape();
     let layout = device.layout();
-    if layout.block_size != shape.page_size
-        || layout.kv_heads != shape.kv_heads
-        || layout.head_dim != shape.head_dim
-    {
-        return Err(OffloadError::Invalid(format!(
-            "device pool {layout:?} does not match host pages {shape:?}"
-        )));
-    }
-    if let Some(l) = loads.iter().find(|l| {
-        l.layer >= shape.layers
-            || l.host_page as usize >= shape.pages
-            || l.device_block as usize >= layout.num_blocks
-            || (l.first + l.tokens) as usize > shape.page_size
-    }) {
-        return Err(OffloadError::Invalid(format!("load out of range: {l:?}")));
-    }
+    check_loads(shape, layout, loads)?;
     let stride = layout.token_stride();
     let page = shape.page_size * stride;
     let (mut bk, mut bv) = (vec![T::default(); page], vec![T::default(); page]);
@@ -114,6 +99,32 @@ pub fn execute_loads<T: Element>(
         v[dst + a..dst + n].copy_from_slice(&bv[a..n]);
     }
     Ok(())
+}
+
+/// Checks that `loads` fit a host pool of `shape` and a device pool of `layout` (the same page
+/// shape, every page, block and token range inside), for the CPU and the device executors.
+pub(crate) fn check_loads(
+    shape: HostShape,
+    layout: KvLayout,
+    loads: &[Load],
+) -> Result<(), OffloadError> {
+    if layout.block_size != shape.page_size
+        || layout.kv_heads != shape.kv_heads
+        || layout.head_dim != shape.head_dim
+    {
+        return Err(OffloadError::Invalid(format!(
+            "device pool {layout:?} does not match host pages {shape:?}"
+        )));
+    }
+    match loads.iter().find(|l| {
+        l.layer >= shape.layers
+            || l.host_page as usize >= shape.pages
+            || l.device_block as usize >= layout.num_blocks
+            || l.first as usize + l.tokens as usize > shape.page_size
+    }) {
+        Some(l) => Err(OffloadError::Invalid(format!("load out of range: {l:?}"))),
+        None => Ok(()),
+    }
 }
 
 /// Executes kv-blocks' transfer commands for one window group over per-layer block tensors of
