@@ -7,6 +7,16 @@ import json
 import sys
 
 
+def rows_table(title, rows, width, queued):
+    """Prints a tool's rows: name, ms (and queued ms), GB/s where it moved bytes, note."""
+    head = f"{title:<{width}} {'ms':>9}" + (f" {'queued':>9}" if queued else "")
+    print(f"{head} {'GB/s':>7}  note")
+    for name, r in rows.items():
+        gbs = r["bytes"] / r["ms"] / 1e6 if r["bytes"] else 0.0
+        line = f"{name:<{width}} {r['ms']:>9.4f}" + (f" {r['queued_ms']:>9.4f}" if queued else "")
+        print(f"{line} {gbs:>7.1f}  {r['note']}")
+
+
 def load(path):
     try:
         with open(path) as f:
@@ -62,10 +72,7 @@ def main():
     sel, _ = load(sys.argv[4]) if len(sys.argv) > 4 else ({}, "?")
     if sel:
         print()
-        print(f"{'sparse-algo Quest':<36} {'ms':>9} {'queued':>9} {'GB/s':>7}  note")
-        for name, r in sel.items():
-            gbs = r["bytes"] / r["ms"] / 1e6 if r["bytes"] else 0.0
-            print(f"{name:<36} {r['ms']:>9.4f} {r['queued_ms']:>9.4f} {gbs:>7.1f}  {r['note']}")
+        rows_table("sparse-algo Quest", sel, 36, queued=True)
         print()
         print("Quest estimate + top-k + sparse attention (2K budget) against the torch peers, "
               "synced / queued:")
@@ -87,10 +94,7 @@ def main():
     io, _ = load(sys.argv[3]) if len(sys.argv) > 3 else ({}, "?")
     if io:
         print()
-        print(f"{'offload diff and IO':<32} {'ms':>9} {'GB/s':>7}  note")
-        for name, r in io.items():
-            gbs = r["bytes"] / r["ms"] / 1e6 if r["bytes"] else 0.0
-            print(f"{name:<32} {r['ms']:>9.4f} {gbs:>7.1f}  {r['note']}")
+        rows_table("offload diff and IO", io, 32, queued=False)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,12 @@
 //! hooks must use them for every forward: its CPU copies of decode-time representations and
 //! hot buffers are not kept.
 
+use std::sync::Arc;
+
 use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, DevicePagedKv, Gpu};
 use attn_op::{AttnParams, BatchMeta, Element, KvCache, KvLayout};
 use cudarc::driver::CudaSlice;
+use kv_blocks::RequestId;
 use offload::cuda::{
     BufRows, DeviceDiff, DeviceHotBuffers, IoKernels, MAX_DIFF_SELECTION, PinnedHostPool,
 };
@@ -48,6 +51,8 @@ pub struct DeviceSparse<T: CudaElement> {
     hot: usize,
     /// Pages per request (the representation pools' extent).
     max_pages: usize,
+    /// The decode-row arrays of the last forward with sparse rows.
+    rows: Option<Arc<RowsArrays>>,
 }
 
 /// One sparse layer on the device.
@@ -73,17 +78,38 @@ struct LayerStep<T: CudaElement> {
     q: Option<CudaSlice<T>>,
     top: DeviceTopK,
     diff: DeviceDiff,
-    /// The decode batch over the hot buffers' KV: one query per row, lengths after the new
-    /// token, every table entry the row's reserved block (only the current page is read).
-    meta: DeviceBatch,
-    /// Representation slots of the rows.
-    slots: CudaSlice<i32>,
+    /// The forward's decode-row arrays, shared by its sparse layers.
+    arrays: Arc<RowsArrays>,
     /// The batch attention reads: the diff's table and the selection's covered tokens are
     /// swapped in for the launch.
     attn: DeviceBatch,
     /// Loads that refreshed reserved slots, and their tokens.
     reserved_loads: u64,
     reserved_tokens: u64,
+}
+
+/// The device arrays of a forward's sparse decode rows. They are the same in every sparse
+/// layer, so the forward's first sparse layer builds and uploads them and the others reuse
+/// them.
+struct RowsArrays {
+    /// What they were built for: per row (request, length, slot, the slot's epoch).
+    key: Vec<(RequestId, usize, usize, u64)>,
+    /// Per row, the host page of its current page (`None`: not on the host yet).
+    current_host: Vec<Option<u32>>,
+    /// The decode batch over the hot buffers' KV: one query per row, lengths after the new
+    /// token, every table entry the row's reserved block (only the current page is read).
+    meta: DeviceBatch,
+    /// Representation slots of the rows (also their hot-buffer rows, `buf_rows`).
+    slots: CudaSlice<i32>,
+    buf_rows: BufRows,
+    /// `[rows]`: each row's current page.
+    current: CudaSlice<i32>,
+    /// `[rows, hot + 1]`: the device block of each of a row's slots.
+    blocks: CudaSlice<i32>,
+    /// `[rows, max_pages]`: each row's host pages, -1 padded.
+    host_table: CudaSlice<i32>,
+    /// `[rows]`: the device slot of each row's new token.
+    new_slots: CudaSlice<i32>,
 }
 
 /// What [`SparseCoordinator::attention_begin_device`] decided for one layer.
@@ -165,6 +191,7 @@ impl<T: CudaElement> DeviceSparse<T> {
             page_size: c.page_size,
             hot: c.hot_pages,
             max_pages,
+            rows: None,
         })
     }
 
@@ -379,9 +406,10 @@ impl<T: CudaElement> SparseCoordinator<T> {
             }
         }
         let manager = self.manager.as_ref().expect("sparse layers have a manager");
-        let step = dev.begin_layer(gpu, sl, &rows, q, k, v, |id| {
+        let arrays = dev.rows_arrays(gpu, &rows, &self.slot_epochs, |id| {
             manager.host_pages(id).map(<[u32]>::to_vec)
         })?;
+        let step = dev.begin_layer(gpu, sl, &rows, arrays, q, k, v)?;
         dev.layers[sl].step = Some(step);
         for (j, r) in rows.iter().enumerate() {
             routes[r.index] = Route::Sparse(j);
@@ -413,8 +441,9 @@ impl<T: CudaElement> SparseCoordinator<T> {
                 ..
             } = &mut dev.layers[sl];
             if let Some(step) = step.as_ref() {
+                let a = &step.arrays;
                 dev.select
-                    .update_minmax(quest, kv, &step.meta, 0, &step.slots, reps)?;
+                    .update_minmax(quest, kv, &a.meta, 0, &a.slots, reps)?;
             }
         }
         Ok(())
@@ -422,38 +451,31 @@ impl<T: CudaElement> SparseCoordinator<T> {
 }
 
 impl<T: CudaElement> DeviceSparse<T> {
-    /// Enqueues sparse layer `sl`'s step for `rows`; `host_pages` answers a request's host
-    /// pages in logical order.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the hook's inputs plus the rows and their host pages"
-    )]
-    fn begin_layer(
+    /// The device arrays of this forward's decode rows, built by its first sparse layer and
+    /// reused by the others; `host_pages` answers a request's host pages in logical order.
+    fn rows_arrays(
         &mut self,
         gpu: &Gpu,
-        sl: usize,
         rows: &[DecodeRow],
-        q: &CudaSlice<T>,
-        k: &[T],
-        v: &[T],
-        host_pages: impl Fn(kv_blocks::RequestId) -> Result<Vec<u32>, offload::OffloadError>,
-    ) -> Result<LayerStep<T>, CoordError> {
+        epochs: &[u64],
+        host_pages: impl Fn(RequestId) -> Result<Vec<u32>, offload::OffloadError>,
+    ) -> Result<Arc<RowsArrays>, CoordError> {
+        let key: Vec<_> = rows
+            .iter()
+            .map(|r| (r.id, r.len, r.slot, epochs[r.slot]))
+            .collect();
+        if let Some(a) = self.rows.as_ref().filter(|a| a.key == key) {
+            return Ok(a.clone());
+        }
         let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
-        let kvs = self.kv_heads * self.head_dim;
-        let qs = self.q_heads * self.head_dim;
         let n = rows.len();
-        let l = &mut self.layers[sl];
-        let layout = l.kv.layout();
-        // Host-side bookkeeping of each row's current page and reserved slot.
-        let mut loads = Vec::new();
+        let mut current_host = Vec::with_capacity(n);
         let mut new_slots = Vec::with_capacity(n);
-        let (mut new_k, mut new_v) = (Vec::with_capacity(n * kvs), Vec::with_capacity(n * kvs));
         let mut lens = Vec::with_capacity(n);
         let mut current = Vec::with_capacity(n);
         let mut table = Vec::with_capacity(n * mp);
         let mut host_table = Vec::with_capacity(n * mp);
         let mut blocks = Vec::with_capacity(n * (hot + 1));
-        let mut reserved_tokens = 0u64;
         for r in rows {
             let total = r.len + 1;
             if total > mp * ps {
@@ -464,30 +486,10 @@ impl<T: CudaElement> DeviceSparse<T> {
                 )));
             }
             let cur = r.len / ps;
-            let (valid, on_host) = (total - cur * ps, r.len - cur * ps);
             let pages = host_pages(r.id)?;
             let base = r.slot * (hot + 1);
-            let res = &mut l.reserved[r.slot];
-            if res.0 != cur as i32 {
-                *res = (cur as i32, 0);
-            }
-            if res.1 < on_host {
-                let page = *pages.get(cur).ok_or_else(|| {
-                    CoordError::Invalid(format!("{:?} has no host page {cur}", r.id))
-                })?;
-                loads.push(Load {
-                    layer: sl,
-                    host_page: page,
-                    first: res.1 as u32,
-                    tokens: (on_host - res.1) as u32,
-                    device_block: (base + hot) as u32,
-                });
-                reserved_tokens += (on_host - res.1) as u64;
-            }
-            res.1 = valid;
-            new_slots.push(to_i32((base + hot) * ps + valid - 1)?);
-            new_k.extend_from_slice(&k[r.row * kvs..(r.row + 1) * kvs]);
-            new_v.extend_from_slice(&v[r.row * kvs..(r.row + 1) * kvs]);
+            current_host.push(pages.get(cur).copied());
+            new_slots.push(to_i32((base + hot) * ps + total - cur * ps - 1)?);
             lens.push(to_i32(total)?);
             current.push(to_i32(cur)?);
             table.extend(std::iter::repeat_n(to_i32(base + hot)?, mp));
@@ -496,11 +498,89 @@ impl<T: CudaElement> DeviceSparse<T> {
                 blocks.push(to_i32(b)?);
             }
         }
-        // The current pages: what the reserved slots lack comes from the host, then the new
-        // tokens are written into them.
+        let layout = self.layers[0].kv.layout();
+        let cu: Vec<i32> = (0..=n).map(to_i32).collect::<Result<_, _>>()?;
+        let slots: Vec<i32> = rows
+            .iter()
+            .map(|r| to_i32(r.slot))
+            .collect::<Result<_, _>>()?;
+        let buf_rows: Vec<usize> = rows.iter().map(|r| r.slot).collect();
+        let arrays = Arc::new(RowsArrays {
+            key,
+            current_host,
+            meta: DeviceBatch::upload(
+                gpu,
+                &BatchMeta {
+                    cu_seqlens_q: &cu,
+                    seq_lens_kv: &lens,
+                    block_table: &table,
+                    max_blocks: mp,
+                },
+                &layout,
+            )?,
+            slots: gpu.upload(&slots)?,
+            current: gpu.upload(&current)?,
+            blocks: gpu.upload(&blocks)?,
+            host_table: gpu.upload(&host_table)?,
+            buf_rows: BufRows::upload(gpu, &buf_rows, self.layers[0].bufs.rows)?,
+            new_slots: gpu.upload(&new_slots)?,
+        });
+        self.rows = Some(arrays.clone());
+        Ok(arrays)
+    }
+
+    /// Enqueues sparse layer `sl`'s step for `rows` over the forward's `arrays`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the hook's inputs plus the rows and their arrays"
+    )]
+    fn begin_layer(
+        &mut self,
+        gpu: &Gpu,
+        sl: usize,
+        rows: &[DecodeRow],
+        arrays: Arc<RowsArrays>,
+        q: &CudaSlice<T>,
+        k: &[T],
+        v: &[T],
+    ) -> Result<LayerStep<T>, CoordError> {
+        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
+        let kvs = self.kv_heads * self.head_dim;
+        let qs = self.q_heads * self.head_dim;
+        let n = rows.len();
+        let l = &mut self.layers[sl];
+        // The reserved slots of this layer: what each lacks of its current page comes from the
+        // host, then the new tokens are written into them.
+        let mut loads = Vec::new();
+        let (mut new_k, mut new_v) = (Vec::with_capacity(n * kvs), Vec::with_capacity(n * kvs));
+        let mut reserved_tokens = 0u64;
+        for (r, &host_page) in rows.iter().zip(&arrays.current_host) {
+            let cur = r.len / ps;
+            let (valid, on_host) = (r.len + 1 - cur * ps, r.len - cur * ps);
+            let res = &mut l.reserved[r.slot];
+            if res.0 != cur as i32 {
+                *res = (cur as i32, 0);
+            }
+            if res.1 < on_host {
+                let page = host_page.ok_or_else(|| {
+                    CoordError::Invalid(format!("{:?} has no host page {cur}", r.id))
+                })?;
+                loads.push(Load {
+                    layer: sl,
+                    host_page: page,
+                    first: res.1 as u32,
+                    tokens: (on_host - res.1) as u32,
+                    device_block: (r.slot * (hot + 1) + hot) as u32,
+                });
+                reserved_tokens += (on_host - res.1) as u64;
+            }
+            res.1 = valid;
+            new_k.extend_from_slice(&k[r.row * kvs..(r.row + 1) * kvs]);
+            new_v.extend_from_slice(&v[r.row * kvs..(r.row + 1) * kvs]);
+        }
         self.io.execute_loads(gpu, &self.host, &loads, &mut l.kv)?;
         l.kv.set_kv(
-            &gpu.upload(&new_slots)?,
+            &arrays.new_slots,
             &gpu.upload(&new_k)?,
             &gpu.upload(&new_v)?,
         )?;
@@ -520,74 +600,55 @@ impl<T: CudaElement> DeviceSparse<T> {
             }
             Some(g)
         };
-        let cu: Vec<i32> = (0..=n).map(to_i32).collect::<Result<_, _>>()?;
-        let meta = DeviceBatch::upload(
-            gpu,
-            &BatchMeta {
-                cu_seqlens_q: &cu,
-                seq_lens_kv: &lens,
-                block_table: &table,
-                max_blocks: mp,
-            },
-            &layout,
-        )?;
-        let slot_ids: Vec<i32> = rows
-            .iter()
-            .map(|r| to_i32(r.slot))
-            .collect::<Result<_, _>>()?;
-        let slots = gpu.upload(&slot_ids)?;
         // Quest: scores and top-k, one selection per request.
         let mut top = DeviceTopK::new(gpu, &l.quest, n, self.kv_heads, mp * ps, true)?;
         self.select.quest_topk(
             &l.quest,
             q_rows.as_ref().unwrap_or(q),
             self.q_heads,
-            &meta,
+            &arrays.meta,
             0,
-            &slots,
+            &arrays.slots,
             &l.reps,
             &mut top,
         )?;
         // The diff against each request's hot buffer, then the loads of its misses.
         let width = l.quest.row_width();
         let mut diff = DeviceDiff::new(gpu, n, width)?;
-        let buf_rows: Vec<usize> = rows.iter().map(|r| r.slot).collect();
-        let blocks = gpu.upload(&blocks)?;
-        let buf_rows = BufRows::upload(gpu, &buf_rows, l.bufs.rows)?;
         self.io.diff_rows(
             &mut l.bufs,
-            &buf_rows,
+            &arrays.buf_rows,
             &top.sel,
-            &gpu.upload(&current)?,
-            &blocks,
+            &arrays.current,
+            &arrays.blocks,
             &mut diff,
         )?;
         self.io.load_misses(
             &self.host,
             sl,
-            &gpu.upload(&host_table)?,
+            &arrays.host_table,
             mp,
-            &blocks,
+            &arrays.blocks,
             hot,
             &diff,
             &mut l.kv,
         )?;
-        let arrays = DeviceArrays {
+        let dev_arrays = DeviceArrays {
             seq_lens_kv: gpu.zeros(n)?,
             block_table: gpu.zeros(n * width)?,
             max_blocks: width,
         };
         // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at most
         // `width` pages of `ps` tokens, the bound given here (zeros until then).
-        let attn =
-            unsafe { DeviceBatch::from_device(gpu, arrays, vec![1; n], width * ps, &layout) }?;
+        let attn = unsafe {
+            DeviceBatch::from_device(gpu, dev_arrays, vec![1; n], width * ps, &l.kv.layout())
+        }?;
         Ok(LayerStep {
             rows: n,
             q: q_rows,
             top,
             diff,
-            meta,
-            slots,
+            arrays,
             attn,
             reserved_loads: loads.len() as u64,
             reserved_tokens,
