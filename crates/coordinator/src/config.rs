@@ -123,6 +123,31 @@ impl std::fmt::Debug for LayerParams {
     }
 }
 
+impl Lowered {
+    /// Device bytes one sparse-mode request holds on a model of shape `model` with KV
+    /// elements of `elem_bytes` bytes: in every sparse layer, the hot buffer and the reserved
+    /// page of KV, plus the representations of `tokens` tokens (f32). Dense layers' KV is not
+    /// counted: it lives wherever the backend keeps dense KV.
+    pub fn sparse_device_bytes(
+        &self,
+        model: ModelShape,
+        elem_bytes: usize,
+        tokens: usize,
+    ) -> usize {
+        let slots = (self.hot_pages + 1) * self.page_size;
+        let pages = tokens.div_ceil(self.page_size);
+        self.layers
+            .iter()
+            .flatten()
+            .map(|p| {
+                let kv = slots * 2 * model.kv_heads * model.head_dim * elem_bytes;
+                let reps = p.algo.rep_shape(model.kv_heads, model.head_dim).page_len() * pages * 4;
+                kv + reps
+            })
+            .sum()
+    }
+}
+
 impl SparseConfig {
     /// The default configuration (Quest, pages of 16, one selection shared by the KV heads)
     /// with a budget of `budget_tokens` per step.

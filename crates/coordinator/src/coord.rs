@@ -194,18 +194,10 @@ impl<T: Element> SparseCoordinator<T> {
         Some(self.manager.as_ref()?.device(sl))
     }
 
-    /// Device bytes a sparse-mode request holds: hot buffers and reserved slots of every sparse
-    /// layer, plus representations for `tokens` tokens.
+    /// Device bytes a sparse-mode request holds: see [`Lowered::sparse_device_bytes`].
     pub fn sparse_device_bytes(&self, tokens: usize) -> usize {
-        let m = self.model;
-        let slots = (self.lowered.hot_pages + 1) * self.lowered.page_size;
-        let kv = self.pools.len() * slots * 2 * m.kv_heads * m.head_dim * size_of::<T>();
-        let reps: usize = self
-            .pools
-            .iter()
-            .map(|p| p.shape().page_len() * tokens.div_ceil(self.lowered.page_size) * 4)
-            .sum();
-        kv + reps
+        self.lowered
+            .sparse_device_bytes(self.model, size_of::<T>(), tokens)
     }
 
     /// Starts a request: sparse mode if some layer is sparse and the prompt holds at least

@@ -11,6 +11,7 @@
 //! - the `hsa` binary: the command line over all of it.
 #![deny(missing_docs)]
 
+pub mod capacity;
 mod error;
 pub mod eval;
 mod generate;

@@ -11,6 +11,7 @@ use kv_blocks::{GroupId, KvCacheConfig, KvCacheManager, RequestId, RequestSpec, 
 use offload::{HostAlloc, StepStats};
 use serde::{Deserialize, Serialize};
 
+use crate::capacity::{BlockGeometry, Footprint, footprint};
 use crate::error::RequestError;
 use crate::kv::{Batch, KvStore};
 use crate::model::{Model, ModelConfig};
@@ -465,32 +466,19 @@ impl<'m, T: Element> Scheduler<'m, T> {
     }
 
     /// What a request of `prompt` tokens and `total` at most reserves.
-    fn plan(&self, coord: Option<usize>, prompt: usize, total: usize) -> Plan {
-        let blocks = |n: usize| n.div_ceil(self.bs()) as u64 * self.block_bytes;
-        let dense = Plan {
-            sparse: false,
-            drop_blocks: false,
-            reserve: blocks(total),
-            decode_reserve: blocks(total),
-            host_pages: 0,
+    fn plan(&self, coord: Option<usize>, prompt: usize, total: usize) -> Footprint {
+        let geometry = BlockGeometry {
+            tokens: self.bs(),
+            bytes: self.block_bytes,
         };
-        let Some(co) = coord.map(|i| &self.coords[i].coord) else {
-            return dense;
-        };
-        let lowered = co.lowered();
-        if co.manager().is_none() || prompt < lowered.min_prompt_tokens {
-            return dense;
-        }
-        let sparse = co.sparse_device_bytes(total) as u64;
-        let drop_blocks = lowered.layers.iter().all(Option::is_some);
-        let held = if drop_blocks { 0 } else { blocks(total) };
-        Plan {
-            sparse: true,
-            drop_blocks,
-            reserve: sparse + held.max(blocks(prompt)),
-            decode_reserve: sparse + held,
-            host_pages: total.div_ceil(lowered.page_size) + 1,
-        }
+        footprint(
+            coord.map(|i| self.coords[i].coord.lowered()),
+            self.model.config.shape(),
+            size_of::<T>(),
+            geometry,
+            prompt,
+            total,
+        )
     }
 
     /// Admits waiting requests in order while they fit.
@@ -526,7 +514,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
 
     /// Allocates an admitted request's blocks, reuses its cached prefix, and begins it in its
     /// coordinator.
-    fn start(&mut self, p: Pending, plan: &Plan) -> Result<Live, EngineError> {
+    fn start(&mut self, p: Pending, plan: &Footprint) -> Result<Live, EngineError> {
         let rid = RequestId(p.id);
         let sampler = Sampler::new(&p.request.sampling)?;
         let out = self
@@ -810,15 +798,6 @@ impl<'m, T: Element> Scheduler<'m, T> {
         report.total_s = live.submitted.elapsed().as_secs_f64();
         Ok(report)
     }
-}
-
-/// What a request reserves.
-struct Plan {
-    sparse: bool,
-    drop_blocks: bool,
-    reserve: u64,
-    decode_reserve: u64,
-    host_pages: usize,
 }
 
 /// Rejects a request that cannot run: an empty prompt, one longer than `limit` with its

@@ -5,6 +5,35 @@
 use crate::gguf::DType;
 use crate::model::ModelConfig;
 
+/// The shape of SmolLM2-135M (the real model `cargo xtask fetch-model` fetches).
+pub const SMOLLM2_135M: ModelConfig = ModelConfig {
+    layers: 30,
+    embed: 576,
+    ffn: 1536,
+    q_heads: 9,
+    kv_heads: 3,
+    head_dim: 64,
+    vocab: 49152,
+    context: 8192,
+    rope_base: 100_000.0,
+    rms_eps: 1e-5,
+};
+
+/// The shape of a Llama-3-8B-class model (32 layers, 32 query / 8 KV heads of 128, a
+/// 128K-token context), for capacity and throughput figures where the real model is small.
+pub const LLAMA3_8B: ModelConfig = ModelConfig {
+    layers: 32,
+    embed: 4096,
+    ffn: 14336,
+    q_heads: 32,
+    kv_heads: 8,
+    head_dim: 128,
+    vocab: 128_256,
+    context: 131_072,
+    rope_base: 500_000.0,
+    rms_eps: 1e-5,
+};
+
 /// The bytes of a GGUF v3 file holding a model of `config` (its `vocab` is raised to at
 /// least 256 for the byte tokens) with weights of `dtype` (F32, F16, Q8_0 or Q4_1; norms stay
 /// F32), drawn from `seed`.

@@ -1,5 +1,6 @@
 //! Integration tests of the engine.
 
+mod capacity;
 mod gguf;
 mod hf;
 mod model;

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use coordinator::SparseConfig;
+use engine::capacity::{BlockGeometry, footprint};
 use engine::gguf::DType;
 use engine::{
     EngineError, Event, FinishReason, Model, Report, Request, RequestError, Sampling, Scheduler,
@@ -119,6 +120,49 @@ fn batched_requests_generate_what_they_generate_alone() {
         let got = &done[id];
         assert_eq!(got.reason, FinishReason::Length);
         assert_eq!(got.tokens, alone(&m, &tok, r), "request {id}");
+    }
+}
+
+#[test]
+fn reservations_are_the_capacity_accounting() {
+    let g = tiny(DType::Q8_0);
+    let m = Model::load(&g).expect("a valid model");
+    let base = text(400);
+    let cases = [
+        (130, None),
+        (200, Some(quest(1024, Vec::new()))),
+        (90, Some(quest(256, vec![0]))),
+        (40, Some(quest(256, Vec::new()))),
+    ];
+    let mut s = Scheduler::<f32>::new(&m, None, config(64 << 20)).expect("valid");
+    let ids: Vec<u64> = cases
+        .iter()
+        .map(|(len, sparse)| {
+            let r = Request {
+                prompt: base[..*len].to_vec(),
+                sampling: greedy(6),
+                sparse: sparse.clone(),
+            };
+            s.submit(r).expect("a valid request")
+        })
+        .collect();
+    let (done, _) = drain(&mut s);
+    let bs = SchedulerConfig::default().block_size;
+    let blocks = BlockGeometry {
+        tokens: bs,
+        bytes: BLOCK / 16 * bs as u64,
+    };
+    for (id, (len, sparse)) in ids.iter().zip(&cases) {
+        let lowered = sparse
+            .as_ref()
+            .map(|c| c.lower(TINY.shape(), None).expect("a valid configuration"));
+        let f = footprint(lowered.as_ref(), TINY.shape(), 4, blocks, *len, len + 6);
+        let r = &done[id];
+        assert_eq!(
+            (r.sparse, r.device_bytes, r.decode_device_bytes),
+            (f.sparse, f.reserve, f.decode_reserve),
+            "request of {len} tokens"
+        );
     }
 }
 

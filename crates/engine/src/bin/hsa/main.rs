@@ -11,32 +11,19 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod capacity;
 mod run;
 
 use clap::{Args, Parser, Subcommand};
 use coordinator::SparseConfig;
 use engine::eval::{EvalOptions, VariantReport};
 use engine::gguf::Gguf;
-use engine::{EngineError, Model, Sampling, SchedulerConfig, Tokenizer};
+use engine::{EngineError, Model, ModelConfig, Sampling, SchedulerConfig, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
 
 /// Where `cargo xtask fetch-model` puts the model.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The shape of SmolLM2-135M, for the synthetic model.
-const SMOLLM2_135M: engine::ModelConfig = engine::ModelConfig {
-    layers: 30,
-    embed: 576,
-    ffn: 1536,
-    q_heads: 9,
-    kv_heads: 3,
-    head_dim: 64,
-    vocab: 49152,
-    context: 8192,
-    rope_base: 100_000.0,
-    rms_eps: 1e-5,
-};
 
 #[derive(Parser)]
 #[command(
@@ -72,6 +59,9 @@ enum Command {
     /// Dense against sparse variants on a text: perplexity, top-1 agreement, logit drift,
     /// mass recall, bytes and speed; optionally passkey retrieval.
     Eval(EvalArgs),
+    /// Device and host bytes per request against context length, dense against sparse, and
+    /// how many requests fit the device budget.
+    Capacity(capacity::CapacityArgs),
     /// Writes a GGUF model as a Hugging Face checkpoint (safetensors, weights dequantized).
     Export(ExportArgs),
 }
@@ -194,6 +184,11 @@ fn run(cli: Cli) -> Result<(), EngineError> {
                 .map_err(|e| EngineError::Invalid(format!("{}: {e}", p.display())))?
         }
     };
+    if let Command::Capacity(a) = &cli.command
+        && !a.needs_model()
+    {
+        return capacity::capacity(None, &file, a);
+    }
     let path = cli
         .model
         .clone()
@@ -203,7 +198,7 @@ fn run(cli: Cli) -> Result<(), EngineError> {
     let gguf = if cli.synthetic {
         eprintln!("synthetic model: SmolLM2-135M's shape, random Q4_1 weights, byte tokens");
         Some(Gguf::from_bytes(engine::synthetic::synthetic_gguf(
-            &SMOLLM2_135M,
+            &engine::synthetic::SMOLLM2_135M,
             engine::gguf::DType::Q4_1,
             1,
         ))?)
@@ -240,6 +235,13 @@ fn run(cli: Cli) -> Result<(), EngineError> {
             run::run(&model, &tokenizer, &file, &a)
         }
         Command::Export(a) => export(gguf.as_ref(), &path, &a),
+        Command::Capacity(a) => {
+            let config = match &gguf {
+                Some(g) => ModelConfig::from_gguf(g)?,
+                None => load()?.1.config,
+            };
+            capacity::capacity(Some(&config), &file, &a)
+        }
     }
 }
 
@@ -441,7 +443,19 @@ fn eval(
         write_json(p, &serde_json::json!({ "start": 0, "argmax": am }))?;
     }
     if let Some(p) = &a.json {
-        let v: Vec<_> = reports.iter().map(report_json).collect();
+        let mut v = Vec::with_capacity(reports.len());
+        for r in &reports {
+            let mut j = report_json(r);
+            // The variant's configuration and its hot buffer as lowered for this model.
+            if let Some((_, c)) = variants.iter().find(|(name, _)| *name == r.name) {
+                let l = c
+                    .lower(model.config.shape(), None)
+                    .map_err(|e| EngineError::Invalid(format!("variant {}: {e}", r.name)))?;
+                j["config"] = serde_json::json!(c);
+                j["hot_tokens"] = serde_json::json!(l.hot_pages * l.page_size);
+            }
+            v.push(j);
+        }
         let pk: Vec<_> = passkeys
             .iter()
             .map(|(ctx, r)| serde_json::json!({ "context": ctx, "trials": a.passkey_trials, "correct": r }))

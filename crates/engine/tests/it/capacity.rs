@@ -1,0 +1,135 @@
+//! The capacity accounting on a Llama-3-8B-class shape (bf16 KV, blocks of 16: 2 MiB a
+//! block), against bytes computed by hand. The hot buffers hold twice the pages one step can
+//! select (Quest, pages of 16: `budget / 16 + 2`), plus the reserved page; the
+//! representations are f32 min and max per (page, KV head, channel): 8 KiB a page and layer.
+
+use coordinator::SparseConfig;
+use engine::capacity::{BlockGeometry, footprint};
+use engine::synthetic::LLAMA3_8B;
+
+const MIB: u64 = 1 << 20;
+const BUDGET: u64 = 64 << 30;
+
+/// One request's expected reservation and how many fit in [`BUDGET`].
+struct Case {
+    name: &'static str,
+    config: Option<SparseConfig>,
+    /// Whether it runs in sparse mode.
+    sparse: bool,
+    prompt: usize,
+    total: usize,
+    reserve: u64,
+    decode_reserve: u64,
+    max: u64,
+}
+
+fn check(c: &Case) {
+    let shape = LLAMA3_8B.shape();
+    let lowered = c
+        .config
+        .as_ref()
+        .map(|s| s.lower(shape, None).expect("a valid configuration"));
+    let blocks = BlockGeometry {
+        tokens: 16,
+        bytes: 2 * MIB,
+    };
+    let f = footprint(lowered.as_ref(), shape, 2, blocks, c.prompt, c.total);
+    assert_eq!(
+        (
+            f.sparse,
+            f.reserve,
+            f.decode_reserve,
+            f.max_concurrent(BUDGET)
+        ),
+        (c.sparse, c.reserve, c.decode_reserve, c.max),
+        "{}",
+        c.name
+    );
+}
+
+fn quest(budget: usize, dense: Vec<usize>, min_prompt: usize) -> SparseConfig {
+    SparseConfig {
+        dense_layers: dense,
+        min_prompt_tokens: Some(min_prompt),
+        ..SparseConfig::quest(budget)
+    }
+}
+
+#[test]
+fn footprints_of_an_8b_shape_equal_hand_computed_bytes() {
+    // Quest 2048: 260 hot pages + 1 = 4176 tokens of 4 KiB per layer; 2048 pages of
+    // representations per layer at 32K.
+    let quest_2048 = 32 * 4096 * 4176 + 32 * 8192 * 2048;
+    // Quest 1024 on 30 layers: 132 + 1 pages = 2128 tokens.
+    let quest_1024_30 = 30 * 4096 * 2128 + 30 * 8192 * 2048;
+    for c in [
+        Case {
+            name: "dense 32K",
+            config: None,
+            sparse: false,
+            prompt: 32512,
+            total: 32768,
+            reserve: 4096 * MIB,
+            decode_reserve: 4096 * MIB,
+            max: 16,
+        },
+        Case {
+            name: "quest-2048, every layer sparse: the prompt's blocks only while it prefills",
+            config: Some(quest(2048, Vec::new(), 1)),
+            sparse: true,
+            prompt: 32512,
+            total: 32768,
+            reserve: quest_2048 + 2032 * 2 * MIB,
+            decode_reserve: quest_2048,
+            max: 59,
+        },
+        Case {
+            name: "quest-1024 with layers 0 and 1 dense: the blocks of every layer stay",
+            config: Some(quest(1024, vec![0, 1], 1)),
+            sparse: true,
+            prompt: 32512,
+            total: 32768,
+            reserve: quest_1024_30 + 4096 * MIB,
+            decode_reserve: quest_1024_30 + 4096 * MIB,
+            max: 13,
+        },
+        Case {
+            name: "a prompt below min_prompt_tokens runs dense",
+            config: Some(quest(2048, Vec::new(), 4096)),
+            sparse: false,
+            prompt: 100,
+            total: 356,
+            reserve: 23 * 2 * MIB,
+            decode_reserve: 23 * 2 * MIB,
+            max: BUDGET / (46 * MIB),
+        },
+        Case {
+            name: "128K dense does not fit 64 GiB twice",
+            config: None,
+            sparse: false,
+            prompt: 130_816,
+            total: 131_072,
+            reserve: 16384 * MIB,
+            decode_reserve: 16384 * MIB,
+            max: 4,
+        },
+    ] {
+        check(&c);
+    }
+}
+
+#[test]
+fn a_request_larger_than_the_budget_fits_zero_times() {
+    let f = footprint(
+        None,
+        LLAMA3_8B.shape(),
+        2,
+        BlockGeometry {
+            tokens: 16,
+            bytes: 2 * MIB,
+        },
+        1000,
+        1 << 20,
+    );
+    assert_eq!((f.decode_reserve, f.max_concurrent(BUDGET)), (128 << 30, 0));
+}
