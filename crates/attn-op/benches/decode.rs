@@ -6,6 +6,8 @@
 //! - `sparse_decode/{dtype}/B{b}/L32768`: the same step reading a 2048-token budget (64 random
 //!   pages per KV head, through `gather_page_offsets`). Throughput is the dense step's KV bytes,
 //!   so its bytes/s over dense's is the sparse/dense speedup.
+//! - bf16 at batch 1 sweeps the context from 4K to 128K, dense and sparse at each, for the
+//!   report's speedup-against-context plot.
 //!
 //! `cargo xtask bench` prints the fractions and ratios from criterion's estimates.
 #![allow(missing_docs)]
@@ -88,7 +90,13 @@ fn stream_read(c: &mut Criterion) {
 fn decode_dtype<T: Element>(c: &mut Criterion, name: &str) {
     let params = AttnParams::new(Q_HEADS, D);
     for batch in [1usize, 8] {
-        for ctx in [4096usize, 32768] {
+        let sweep = name == "bf16" && batch == 1;
+        let contexts: &[usize] = if sweep {
+            &[4096, 8192, 16384, 32768, 65536, 131_072]
+        } else {
+            &[4096, 32768]
+        };
+        for &ctx in contexts {
             let (kv, table, q) = setup::<T>(batch, ctx);
             let cu: Vec<i32> = (0..=batch as i32).collect();
             let lens = vec![ctx as i32; batch];
@@ -120,7 +128,7 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str) {
                 });
             });
             g.finish();
-            if ctx == 32768 {
+            if ctx == 32768 || sweep {
                 // 64 random pages per (sequence, KV head), gathered into sorted page lists.
                 let pages = BUDGET / BS;
                 let mut y = 0x9e37u32;
