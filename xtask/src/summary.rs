@@ -112,6 +112,13 @@ pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
     Ok(md)
 }
 
+/// Criterion's mean time (ns) of every result under `root`, by benchmark id.
+pub(crate) fn means(root: &Path) -> Result<BTreeMap<String, f64>, String> {
+    let mut benches = BTreeMap::new();
+    collect(root, &mut benches)?;
+    Ok(benches.into_iter().map(|(id, b)| (id, b.mean_ns)).collect())
+}
+
 fn fmt_time(ns: f64) -> String {
     match ns {
         n if n >= 1e9 => format!("{:.3} s", n / 1e9),
