@@ -72,6 +72,15 @@ def main():
     rows.append(row("torch copy d2d 1 GiB", timed(lambda: dst.copy_(src)), n * 4 * 2))
     del src, dst
 
+    # The report's context sweep at batch 1: SDPA dense only.
+    for ctx in [4096, 8192, 16384, 32768, 65536]:
+        q = torch.rand(1, QH, 1, D, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.rand(1, KVH, ctx, D, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.rand(1, KVH, ctx, D, device=dev, generator=g, dtype=torch.bfloat16)
+        t = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        rows.append(row(f"torch SDPA dense B1 L{ctx // 1024}K", t, ctx * KVH * D * 2 * 2))
+        del q, k, v
+
     pool_k = torch.rand(POOL_BLOCKS, BS, KVH, D, device=dev, generator=g, dtype=torch.bfloat16)
     pool_v = torch.rand(POOL_BLOCKS, BS, KVH, D, device=dev, generator=g, dtype=torch.bfloat16)
     for b, ctx in [(8, 32 * 1024), (1, 128 * 1024)]:

@@ -4,6 +4,7 @@
 //! in seconds on a fresh machine.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod gpu_report;
 mod plot;
 mod report;
 mod summary;
@@ -17,7 +18,7 @@ usage: cargo xtask <command>
 commands:
   ci      what CI runs: rustfmt check, clippy with -D warnings, rustdoc with -D warnings, tests
   test    the README's test command: cargo test --workspace --all-features
-  bench [--peers] [--skip-engine] [-- ARGS]
+  bench [--peers] [--skip-engine] [--gpu] [-- ARGS]
           every crate's criterion benches, then the engine's scenarios (the real model's
           fidelity and hit-rate sweep of bench/report.toml, about 10 minutes on 2 cores, and
           the capacity of a Llama-3-8B-class shape); writes target/bench-report/report.md
@@ -25,7 +26,8 @@ commands:
           --peers also runs the peers under bench/peers/ (PyTorch CPU SDPA; torch is
           installed into target/peers/site when missing: PyPI's Linux wheel is the CUDA
           build, several GB). --skip-engine leaves the engine's scenarios out.
-          ARGS go to the bench binaries, e.g. `cargo xtask bench -- --quick`
+          ARGS go to the bench binaries, e.g. `cargo xtask bench -- --quick`.
+          --gpu builds the device bundle instead (see `gpu`): the GPU half of the report
   report  writes target/bench-report/report.md and its plots again from the results already
           there and under target/criterion, without measuring
   fetch-model
@@ -37,7 +39,10 @@ commands:
   gpu     builds the device bundle into target/device/: the GPU check and bench binaries
           (built here with --features cuda, stripped), the torch peer, and run.sh; on a GPU
           machine `bash target/device/run.sh OUTDIR` runs every GPU check and benchmark,
-          writes logs into OUTDIR and prints one table
+          writes logs into OUTDIR and prints one table, then the GPU report (OUTDIR/report.md
+          and gpu_speedup.png, drawn by the bundle's own xtask binary)
+  gpu-report OUTDIR
+          the GPU report from the bundle's outputs in OUTDIR (run.sh runs it)
   help    this text";
 
 fn main() -> ExitCode {
@@ -47,6 +52,14 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
         Some("report") => rewrite_report(),
+        Some("gpu-report") => match args.get(1) {
+            Some(dir) => gpu_report::write(Path::new(dir)).map(|_| {
+                println!("GPU report: {}", Path::new(dir).join("report.md").display());
+            }),
+            None => Err(format!(
+                "gpu-report needs the bundle's output folder\n\n{USAGE}"
+            )),
+        },
         Some("fetch-model") => fetch_model(),
         Some("demo") => demo(&args[1..]),
         Some("gpu") => gpu_bundle(),
@@ -105,6 +118,9 @@ fn bench(extra: &[String]) -> Result<(), String> {
         .take_while(|a| *a != "--")
         .map(String::as_str)
         .collect();
+    if flags.contains(&"--gpu") {
+        return gpu_bundle();
+    }
     let peers = flags.contains(&"--peers");
     let skip_engine = flags.contains(&"--skip-engine");
     // xtask's plotters has `ab_glyph` text, which needs registered fonts; left out of the
@@ -321,7 +337,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # The GPU checks and benchmarks of attn-op (gpu), offload (gpu_io), sparse-algo (gpu_select) and
 # the full step of the coordinator's layers (gpu_step).
 # Usage: bash run.sh OUTDIR. Writes check.log, bench.log/json, io.log/json, select.log/json,
-# step.json, peers.log/json, tools.log (sanitizers, ncu) and table.txt (the step's table last).
+# step.json, peers.log/json, tools.log (sanitizers, ncu), table.txt (the step's table last), and
+# the GPU report: report.md with gpu_speedup.png.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/out}
@@ -377,6 +394,7 @@ fi
 grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:)" "$out/check.log"
 python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" "$out/select.json" | tee "$out/table.txt"
 "$here/bin/gpu_step" bench --json "$out/step.json" 2>&1 | tee -a "$out/table.txt"
+"$here/bin/xtask" gpu-report "$out" || echo "the GPU report failed"
 exit $check
 "#;
 
@@ -415,11 +433,13 @@ fn gpu_bundle() -> Result<(), String> {
         )?;
         let exe = bin.join(example);
         copy(&target.join("release/examples").join(example), &exe)?;
-        let stripped = Command::new("strip").arg(&exe).status();
-        if !matches!(stripped, Ok(s) if s.success()) {
-            eprintln!("xtask: strip failed or is missing; the bundle keeps symbols");
-        }
+        strip(&exe);
     }
+    // This program draws the GPU report on the GPU machine.
+    cargo(&["build", "--release", "-p", "xtask"], &[])?;
+    let exe = bin.join("xtask");
+    copy(&target.join("release/xtask"), &exe)?;
+    strip(&exe);
     let root = workspace_root();
     copy(
         &root.join("bench/peers/torch_gpu_attn.py"),
@@ -445,6 +465,17 @@ fn gpu_bundle() -> Result<(), String> {
         return Err("the bundle is over 60 MiB; the device machine takes 64 MiB".to_owned());
     }
     Ok(())
+}
+
+/// Strips a binary of the bundle; where `strip` fails or is missing it keeps its symbols.
+fn strip(exe: &Path) {
+    let stripped = Command::new("strip").arg(exe).status();
+    if !matches!(stripped, Ok(s) if s.success()) {
+        eprintln!(
+            "xtask: strip failed or is missing; {} keeps its symbols",
+            exe.display()
+        );
+    }
 }
 
 /// Runs `cargo` with `args` in the workspace root and fails with a message when it fails.

@@ -299,7 +299,7 @@ fn capacity(dir: &Path, cap: &Value, md: &mut String) -> Result<(), String> {
 }
 
 /// Today's date from `date -u +%F`, or "date unknown".
-fn today() -> String {
+pub(crate) fn today() -> String {
     std::process::Command::new("date")
         .args(["-u", "+%F"])
         .output()
