@@ -1,7 +1,8 @@
 //! `hsa capacity`: what one request reserves of the device and the host at each context length,
 //! dense against the sparse variants, and how many requests fit the device budget. The figures
-//! come from the accounting the scheduler admits by ([`engine::capacity::footprint`]); no
-//! weights are read.
+//! come from the accounting the scheduler admits by ([`engine::capacity::footprint`]). Only
+//! the shape is needed: a GGUF file's metadata, or none at all for `--shape llama3-8b` (a
+//! Hugging Face checkpoint is loaded whole to learn it).
 
 use std::path::PathBuf;
 
