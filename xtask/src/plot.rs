@@ -4,7 +4,7 @@
 //! beside it), so the plots need no system fonts on a fresh machine.
 
 use std::path::Path;
-use std::sync::Once;
+use std::sync::OnceLock;
 
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
@@ -34,7 +34,7 @@ pub(crate) struct Chart<'a> {
     pub(crate) legend: SeriesLabelPosition,
 }
 
-const FONT: &[u8] = include_bytes!("../assets/DejaVuSans-subset.ttf");
+const FONT_BYTES: &[u8] = include_bytes!("../assets/DejaVuSans-subset.ttf");
 const COLORS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
@@ -47,12 +47,10 @@ const COLORS: [RGBColor; 6] = [
 /// Draws `series` into a PNG at `path`. Series without points are left out; a chart without
 /// any point is an error.
 pub(crate) fn line_chart(path: &Path, chart: &Chart<'_>, series: &[Series]) -> Result<(), String> {
-    static FONT_ONCE: Once = Once::new();
-    let mut font_error = None;
-    FONT_ONCE.call_once(|| {
-        font_error = register_font("sans-serif", FontStyle::Normal, FONT).err();
-    });
-    if font_error.is_some() {
+    static FONT: OnceLock<bool> = OnceLock::new();
+    let registered =
+        *FONT.get_or_init(|| register_font("sans-serif", FontStyle::Normal, FONT_BYTES).is_ok());
+    if !registered {
         return Err("the embedded font does not parse".to_owned());
     }
     let all: Vec<(f64, f64)> = series

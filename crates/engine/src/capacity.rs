@@ -32,6 +32,12 @@ impl BlockGeometry {
     pub fn bytes_for(&self, tokens: usize) -> u64 {
         tokens.div_ceil(self.tokens) as u64 * self.bytes
     }
+
+    /// Bytes of `tokens` tokens' K and V over every layer, not rounded up to blocks (a sparse
+    /// configuration's host page).
+    pub fn token_bytes(&self, tokens: usize) -> u64 {
+        tokens as u64 * self.bytes / self.tokens.max(1) as u64
+    }
 }
 
 /// The reservation of a request of `prompt` tokens that may grow to `total`, on a model of

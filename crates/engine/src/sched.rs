@@ -431,6 +431,13 @@ impl<'m, T: Element> Scheduler<'m, T> {
         self.config.block_size
     }
 
+    fn geometry(&self) -> BlockGeometry {
+        BlockGeometry {
+            tokens: self.bs(),
+            bytes: self.block_bytes,
+        }
+    }
+
     /// The coordinator of `config`, made on first use.
     fn coord_for(&mut self, config: &SparseConfig, limit: usize) -> Result<usize, EngineError> {
         if let Some(i) = self.coords.iter().position(|c| &c.config == config) {
@@ -441,7 +448,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
             .lower(shape, None)
             .map_err(|e| RequestError::Sparse(e.to_string()))?;
         let page = lowered.page_size;
-        let page_bytes = (page * self.block_bytes as usize / self.bs()) as u64;
+        let page_bytes = self.geometry().token_bytes(page);
         let host_pages = (self.config.sparse_host_bytes / page_bytes.max(1)) as usize;
         let coord = SparseCoordinator::<T>::new(
             shape,
@@ -467,15 +474,11 @@ impl<'m, T: Element> Scheduler<'m, T> {
 
     /// What a request of `prompt` tokens and `total` at most reserves.
     fn plan(&self, coord: Option<usize>, prompt: usize, total: usize) -> Footprint {
-        let geometry = BlockGeometry {
-            tokens: self.bs(),
-            bytes: self.block_bytes,
-        };
         footprint(
             coord.map(|i| self.coords[i].coord.lowered()),
             self.model.config.shape(),
             size_of::<T>(),
-            geometry,
+            self.geometry(),
             prompt,
             total,
         )

@@ -133,8 +133,7 @@ pub(crate) fn capacity(
         for ((name, _), l) in variants.iter().zip(&lowered) {
             let f = footprint(Some(l), shape, a.kv_bytes, geometry, prompt, ctx);
             let ratio = dense.decode_reserve as f64 / f.decode_reserve.max(1) as f64;
-            let host =
-                f.host_pages as u64 * (l.page_size * c.kv_bytes_per_token(a.kv_bytes)) as u64;
+            let host = f.host_pages as u64 * geometry.token_bytes(l.page_size);
             print!(
                 " {:>24.1} {ratio:>6.1} {:>6}",
                 mib(f.decode_reserve),
