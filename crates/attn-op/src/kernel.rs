@@ -1,10 +1,13 @@
 //! The compute core shared by every entry point: online-softmax attention of a tile of query
 //! rows over a list of KV runs, split into fixed chunks and merged with the log-sum-exp rule.
 //!
-//! Determinism: the split of a run list depends only on its length, and partial results are
-//! merged in order, so a given list gives bit-identical results whatever the thread count. Dense
-//! attention and sparse attention with every page selected build the same list, and so agree
-//! bit for bit.
+//! Determinism: the arithmetic follows logical positions, never the physical layout. A run list
+//! is cut into chunks of [`CHUNK`] aligned logical positions (a chunk gathers the tokens of
+//! every run inside it), each chunk is one online-softmax step, and a list splits every
+//! [`SPLIT_CHUNKS`] chunks into partial results merged in order. So a given set of positions
+//! gives bit-identical results whatever the thread count, the block size, or how many runs
+//! the blocks break it into: dense attention, and sparse attention with every page selected at
+//! any page size, agree bit for bit.
 
 use rayon::prelude::*;
 
@@ -21,8 +24,10 @@ pub(crate) struct Run {
     pub(crate) len: u32,
 }
 
-/// Runs per split of a job's run list.
-const SPLIT_RUNS: usize = 64;
+/// Logical positions per online-softmax step: a chunk covers `c * CHUNK .. (c + 1) * CHUNK`.
+const CHUNK: u32 = 16;
+/// Chunks per split of a job's run list.
+const SPLIT_CHUNKS: usize = 64;
 /// Queries per job in prefill.
 pub(crate) const Q_TILE: usize = 16;
 
@@ -138,9 +143,10 @@ attend_with!(attend_avx2, "avx2,fma,f16c", simd::AVX2);
 attend_with!(attend_avx512, "avx512f,avx2,fma,f16c", simd::AVX512);
 
 /// Attention of query rows (`q`: `rows x d`, already scaled; `pos`: each row's absolute
-/// position; rows ordered (query, KV head, head in group)) over `runs` of KV heads `h0..h1`.
-/// Each run is widened once for all the job's heads; each row then sees the same operations in
-/// the same order whatever the job's head range, so results do not depend on it.
+/// position; rows ordered (query, KV head, head in group)) over `runs` of KV heads `h0..h1`
+/// (ascending, none crossing a chunk boundary). Each chunk is widened once for all the job's
+/// heads; each row then sees the same operations in the same order whatever the job's head
+/// range, so results do not depend on it.
 #[inline(always)]
 fn attend_body<T: Element, const ISA: u8>(
     kv: &PagedKv<T>,
@@ -151,48 +157,59 @@ fn attend_body<T: Element, const ISA: u8>(
     params: &AttnParams,
     runs: &[Run],
 ) -> Partial {
+    const C: usize = CHUNK as usize;
     let layout = kv.layout_ref();
     let d = layout.head_dim;
     let nh = h1 - h0;
     let rows = pos.len();
     let mut part = Partial::empty(rows, d);
-    let longest = runs.iter().map(|r| r.len as usize).max().unwrap_or(0);
-    let scratch = if ISA == simd::PORTABLE {
-        longest * nh * d
-    } else {
-        0
-    };
+    let scratch = if ISA == simd::PORTABLE { C * nh * d } else { 0 };
     let mut kbuf = vec![0.0f32; scratch];
     let mut vbuf = vec![0.0f32; scratch];
-    let mut scores = vec![0.0f32; group * longest];
+    let mut scores = vec![0.0f32; group * C];
     let mut wbuf = vec![0.0f32; group];
+    // The chunk's tokens: logical position and physical slot, in order.
+    let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
     let pmax = pos.iter().copied().max().unwrap_or(-1);
     let pmin = pos.iter().copied().min().unwrap_or(-1);
     let contiguous = nh == layout.kv_heads;
-    for run in runs {
-        let (start, len) = (i64::from(run.pos), run.len as usize);
+    for chunk in runs.chunk_by(|a, b| a.pos / CHUNK == b.pos / CHUNK) {
+        let start = i64::from(chunk[0].pos);
         if start > pmax {
             continue;
         }
-        // Every token of the run is visible to every row: no per-token mask.
-        let end = start + len as i64 - 1;
+        toks.clear();
+        for run in chunk {
+            toks.extend(
+                (0..run.len as usize)
+                    .map(|t| (i64::from(run.pos) + t as i64, run.slot as usize + t)),
+            );
+        }
+        let len = toks.len();
+        // Every token of the chunk is visible to every row: no per-token mask.
+        let end = toks[len - 1].0;
         let all_visible = end <= pmin && params.window.is_none_or(|w| start > pmax - i64::from(w));
-        // The portable build widens the run once into f32 scratch; the SIMD builds widen in
+        // The portable build widens the chunk once into f32 scratch; the SIMD builds widen in
         // registers as they go (a head's K and V stay in L1 across its group's rows).
         if ISA == simd::PORTABLE {
-            if contiguous {
-                let (k, v) = kv.run_all_heads(run.slot as usize, len);
-                T::slice_to_f32(k, &mut kbuf[..len * nh * d]);
-                T::slice_to_f32(v, &mut vbuf[..len * nh * d]);
-            } else {
-                for t in 0..len {
-                    let slot = run.slot as usize + t;
-                    for h in h0..h1 {
-                        let o = (t * nh + h - h0) * d;
-                        T::slice_to_f32(kv.k_at(slot, h), &mut kbuf[o..o + d]);
-                        T::slice_to_f32(kv.v_at(slot, h), &mut vbuf[o..o + d]);
+            let mut o = 0;
+            for run in chunk {
+                let n = run.len as usize;
+                if contiguous {
+                    let (k, v) = kv.run_all_heads(run.slot as usize, n);
+                    T::slice_to_f32(k, &mut kbuf[o * nh * d..(o + n) * nh * d]);
+                    T::slice_to_f32(v, &mut vbuf[o * nh * d..(o + n) * nh * d]);
+                } else {
+                    for t in 0..n {
+                        let slot = run.slot as usize + t;
+                        for h in h0..h1 {
+                            let at = ((o + t) * nh + h - h0) * d;
+                            T::slice_to_f32(kv.k_at(slot, h), &mut kbuf[at..at + d]);
+                            T::slice_to_f32(kv.v_at(slot, h), &mut vbuf[at..at + d]);
+                        }
                     }
                 }
+                o += n;
             }
         }
         // Rows come in blocks of `group`: one query position and KV head, so one mask and one
@@ -201,20 +218,19 @@ fn attend_body<T: Element, const ISA: u8>(
             let (p, h) = (pos[b], h0 + (b / group) % nh);
             let qb = &q[b * d..(b + group) * d];
             let mut any = false;
-            for t in 0..len {
-                let visible = all_visible || params.visible(start + t as i64, p);
+            for (t, &(tp, slot)) in toks.iter().enumerate() {
+                let visible = all_visible || params.visible(tp, p);
                 any |= visible;
                 if !visible {
-                    (0..group).for_each(|g| scores[g * longest + t] = f32::NEG_INFINITY);
+                    (0..group).for_each(|g| scores[g * C + t] = f32::NEG_INFINITY);
                 } else if ISA == simd::PORTABLE {
                     let o = (t * nh + h - h0) * d;
                     for g in 0..group {
-                        scores[g * longest + t] =
-                            simd::dot(&qb[g * d..(g + 1) * d], &kbuf[o..o + d]);
+                        scores[g * C + t] = simd::dot(&qb[g * d..(g + 1) * d], &kbuf[o..o + d]);
                     }
                 } else {
-                    simd::dot_rows::<T, ISA>(qb, d, kv.k_at(run.slot as usize + t, h), &mut wbuf);
-                    (0..group).for_each(|g| scores[g * longest + t] = wbuf[g]);
+                    simd::dot_rows::<T, ISA>(qb, d, kv.k_at(slot, h), &mut wbuf);
+                    (0..group).for_each(|g| scores[g * C + t] = wbuf[g]);
                 }
             }
             if !any {
@@ -222,7 +238,7 @@ fn attend_body<T: Element, const ISA: u8>(
             }
             for g in 0..group {
                 let r = b + g;
-                let row = &mut scores[g * longest..g * longest + len];
+                let row = &mut scores[g * C..g * C + len];
                 let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let m_new = part.m[r].max(mx);
                 if part.m[r] != m_new {
@@ -236,8 +252,8 @@ fn attend_body<T: Element, const ISA: u8>(
                 part.m[r] = m_new;
             }
             let accs = &mut part.acc[b * d..(b + group) * d];
-            for t in 0..len {
-                (0..group).for_each(|g| wbuf[g] = scores[g * longest + t]);
+            for (t, &(_, slot)) in toks.iter().enumerate() {
+                (0..group).for_each(|g| wbuf[g] = scores[g * C + t]);
                 if wbuf.iter().all(|&w| w == 0.0) {
                     continue;
                 }
@@ -247,7 +263,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         simd::axpy(acc, wbuf[g], &vbuf[o..o + d]);
                     }
                 } else {
-                    simd::axpy_rows::<T, ISA>(accs, d, &wbuf, kv.v_at(run.slot as usize + t, h));
+                    simd::axpy_rows::<T, ISA>(accs, d, &wbuf, kv.v_at(slot, h));
                 }
             }
         }
@@ -272,13 +288,14 @@ pub(crate) fn execute<T: Element>(
     let d = kv.layout_ref().head_dim;
     let hq = params.q_heads;
     let isa = simd::resolve(params.simd);
+    let lists: Vec<Vec<Run>> = lists.iter().map(|l| at_chunks(l)).collect();
+    let splits: Vec<Vec<usize>> = lists.iter().map(|l| split_points(l)).collect();
     let units: Vec<(usize, usize, usize)> = jobs
         .iter()
         .enumerate()
         .flat_map(|(j, job)| {
-            let n = lists[job.list].len();
-            let splits = n.div_ceil(SPLIT_RUNS).max(1);
-            (0..splits).map(move |s| (j, s * SPLIT_RUNS, ((s + 1) * SPLIT_RUNS).min(n)))
+            let cuts = &splits[job.list];
+            cuts.windows(2).map(move |w| (j, w[0], w[1]))
         })
         .collect();
     // Each job's query rows are widened and scaled once, then shared by its KV splits.
@@ -379,6 +396,42 @@ fn job_rows<T: Element>(
         pos.push(seq.position(qi));
     }
     (qs, pos)
+}
+
+/// `runs` (ascending) with every run cut where it crosses a multiple of [`CHUNK`].
+fn at_chunks(runs: &[Run]) -> Vec<Run> {
+    let mut out = Vec::with_capacity(runs.len());
+    for &r in runs {
+        let (mut pos, mut slot, end) = (r.pos, r.slot, r.pos + r.len);
+        while pos < end {
+            let cut = ((pos / CHUNK + 1) * CHUNK).min(end);
+            out.push(Run {
+                pos,
+                slot,
+                len: cut - pos,
+            });
+            slot += cut - pos;
+            pos = cut;
+        }
+    }
+    out
+}
+
+/// Where a chunked run list splits into units of [`SPLIT_CHUNKS`] chunks: ascending run
+/// indices from 0 to `runs.len()`, at least one unit even for an empty list.
+fn split_points(runs: &[Run]) -> Vec<usize> {
+    let mut cuts = vec![0];
+    let mut chunks = 0;
+    for (i, w) in runs.windows(2).enumerate() {
+        if w[0].pos / CHUNK != w[1].pos / CHUNK {
+            chunks += 1;
+            if chunks % SPLIT_CHUNKS == 0 {
+                cuts.push(i + 1);
+            }
+        }
+    }
+    cuts.push(runs.len());
+    cuts
 }
 
 /// Runs covering logical positions `0..len` page by page.

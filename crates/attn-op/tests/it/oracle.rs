@@ -124,6 +124,67 @@ impl<T: Element> Case<T> {
         }
     }
 
+    /// The same batch over a pool of `block_size` blocks, shuffled (unused ones hold garbage).
+    pub(crate) fn reblock(&self, block_size: usize, rng: &mut Rng) -> Self {
+        let old = self.layout();
+        let stride = old.kv_heads * old.head_dim;
+        let max_blocks = self
+            .lens
+            .iter()
+            .map(|&l| (l as usize).div_ceil(block_size))
+            .max()
+            .unwrap_or(0)
+            + 1;
+        let used: usize = self
+            .lens
+            .iter()
+            .map(|&l| (l as usize).div_ceil(block_size))
+            .sum();
+        let layout = KvLayout {
+            num_blocks: used + 2,
+            block_size,
+            ..old
+        };
+        let mut perm: Vec<i32> = (0..layout.num_blocks as i32).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.range(0, i + 1));
+        }
+        let garbage = |rng: &mut Rng| {
+            (0..layout.len())
+                .map(|_| T::from_f32(rng.unit()))
+                .collect::<Vec<T>>()
+        };
+        let (mut k, mut v) = (garbage(rng), garbage(rng));
+        let mut table = vec![-1; self.lens.len() * max_blocks];
+        let mut next = 0;
+        for (s, &l) in self.lens.iter().enumerate() {
+            for b in 0..(l as usize).div_ceil(block_size) {
+                table[s * max_blocks + b] = perm[next];
+                next += 1;
+            }
+            for p in 0..l as usize {
+                let from = self.table[s * self.max_blocks + p / old.block_size] as usize
+                    * old.block_size
+                    + p % old.block_size;
+                let to =
+                    table[s * max_blocks + p / block_size] as usize * block_size + p % block_size;
+                k[to * stride..(to + 1) * stride]
+                    .copy_from_slice(&self.kv.k()[from * stride..(from + 1) * stride]);
+                v[to * stride..(to + 1) * stride]
+                    .copy_from_slice(&self.kv.v()[from * stride..(from + 1) * stride]);
+            }
+        }
+        Case {
+            kv: PagedKv::from_tensors(layout, k, v).expect("consistent"),
+            q: self.q.clone(),
+            cu: self.cu.clone(),
+            lens: self.lens.clone(),
+            table,
+            max_blocks,
+            params: self.params.clone(),
+        }
+    }
+
     pub(crate) fn meta(&self) -> BatchMeta<'_> {
         BatchMeta {
             cu_seqlens_q: &self.cu,

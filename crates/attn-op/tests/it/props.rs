@@ -392,25 +392,62 @@ fn merge_of_chunks<T: Element>(shape: Shape, seed: u64) {
     assert_close("merged lse", &lse, &want_lse, TOL);
 }
 
-fn thread_count_does_not_change_results<T: Element>(shape: Shape, seed: u64) {
+/// Results depend on the logical KV only: neither the thread count, nor the block size of the
+/// pool, nor whether every token is attended densely or as a token-level selection changes a bit.
+fn layout_and_thread_count_do_not_change_results<T: Element>(shape: Shape, seed: u64) {
     let mut rng = Rng::new(seed);
-    let case = Case::<T>::random(shape, &mut rng);
+    let mut case = Case::<T>::random(shape, &mut rng);
+    decorate(&mut case, &mut rng, true);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
         .expect("a pool");
-    let (one, one_lse) = pool.install(|| dense(&case));
-    let (many, many_lse) = dense(&case);
-    assert!(
-        one.iter()
-            .zip(&many)
-            .all(|(a, b)| a.to_bits() == b.to_bits())
+    let want = dense(&case);
+    let check = |what: &str, got: &(Vec<f32>, Vec<f32>)| {
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&got.0, &want.0) && same(&got.1, &want.1),
+            "{what} changes the result"
+        );
+    };
+    check("one thread", &pool.install(|| dense(&case)));
+    let bs = [1, 3, 5, 16, 32][rng.range(0, 5)];
+    let other = case.reblock(bs, &mut rng);
+    check(&format!("blocks of {bs}"), &dense(&other));
+    let l = other.layout();
+    let all = |sel_bs: usize, rng: &mut Rng| {
+        let (ids, lens, max_len) = random_selection(&other.lens, l.kv_heads, sel_bs, rng, true);
+        let sel = Selection {
+            ids: &ids,
+            lens: &lens,
+            max_len,
+        };
+        gather_page_offsets(&sel, sel_bs, &other.lens, sel_bs, l.kv_heads).expect("valid")
+    };
+    let pages = all(bs, &mut rng);
+    check(
+        &format!("every page selected over blocks of {bs}"),
+        &sparse_run(&other, &pages),
     );
-    assert!(
-        one_lse
-            .iter()
-            .zip(&many_lse)
-            .all(|(a, b)| a.to_bits() == b.to_bits())
+    let tokens = all(1, &mut rng);
+    let hq = other.params.q_heads;
+    let mut out = vec![0.0; other.total_q() * hq * l.head_dim];
+    let mut lse = vec![0.0; other.total_q() * hq];
+    token_sparse_attention(
+        &other.q,
+        &other.kv,
+        &other.meta(),
+        &tokens.as_selection(),
+        &other.params,
+        AttnOut {
+            out: &mut out,
+            lse: Some(&mut lse),
+        },
+    )
+    .expect("valid selection");
+    check(
+        &format!("every token selected over blocks of {bs}"),
+        &(out, lse),
     );
 }
 
@@ -455,21 +492,21 @@ proptest! {
     }
 
     #[test]
-    fn results_do_not_depend_on_the_thread_count(shape in shape(), seed in any::<u64>()) {
-        all_dtypes!(thread_count_does_not_change_results, shape, seed);
+    fn results_depend_on_neither_the_layout_nor_the_thread_count(shape in shape(), seed in any::<u64>()) {
+        all_dtypes!(layout_and_thread_count_do_not_change_results, shape, seed);
     }
 }
 
 #[test]
 fn long_context_splits_merge_to_the_oracle() {
-    // 1000 tokens in pages of 4: 250 runs, so four KV splits are merged.
+    // Up to 3000 tokens: up to 188 chunks of 16 positions, so up to three KV splits merge.
     let shape = Shape {
         seqs: 2,
         block_size: 4,
         kv_heads: 2,
         group: 4,
         head_dim: 16,
-        max_kv: 1000,
+        max_kv: 3000,
         mode: 0,
     };
     for seed in 0..3 {

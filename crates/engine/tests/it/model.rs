@@ -10,6 +10,7 @@ use engine::{
     Batch, DenseAttention, EngineError, KvStore, Linear, Model, ModelConfig, RequestError, Sampler,
     Sampling, Tokenizer,
 };
+use sparse_algo::{AlgoConfig, QuestConfig};
 
 pub(crate) const TINY: ModelConfig = ModelConfig {
     layers: 3,
@@ -156,14 +157,34 @@ fn quest(budget: usize, dense: Vec<usize>) -> SparseConfig {
     }
 }
 
+/// Quest with pages of `page_size` tokens, one selection per KV head or shared.
+fn quest_pages(budget: usize, page_size: usize, shared_heads: bool) -> SparseConfig {
+    SparseConfig {
+        algo: AlgoConfig::Quest(QuestConfig {
+            page_size,
+            budget_tokens: budget,
+            shared_heads,
+            ..QuestConfig::default()
+        }),
+        ..quest(budget, Vec::new())
+    }
+}
+
+/// A budget that covers the context equals dense bit for bit, whatever the page size against
+/// the engine's blocks of 16 (a finer page only changes the physical layout, and attention
+/// follows logical positions); decode runs on Q4_1 weights, whose 8-bit activation rounding
+/// would turn any last-bit difference into a visible one.
 #[test]
 fn sparse_with_a_full_budget_equals_dense_and_a_small_one_differs() {
     let m = Model::load(&tiny(DType::Q4_1)).expect("a valid model");
     let tokens = text(300);
-    let variants = [
+    let full = [
         ("full".to_owned(), quest(304, Vec::new())),
-        ("small".to_owned(), quest(64, vec![0])),
+        ("full-p8-head".to_owned(), quest_pages(304, 8, false)),
+        ("full-p4".to_owned(), quest_pages(304, 4, true)),
     ];
+    let mut variants = full.to_vec();
+    variants.push(("small".to_owned(), quest(64, vec![0])));
     let opts = EvalOptions {
         prefill: 200,
         chunk: 64,
@@ -171,23 +192,28 @@ fn sparse_with_a_full_budget_equals_dense_and_a_small_one_differs() {
         recall: true,
     };
     let r = teacher_forced::<f32>(&m, &tokens, &variants, &opts, |_, _| {}).expect("a valid run");
-    assert_eq!(r.len(), 3);
+    assert_eq!(r.len(), 5);
     assert_eq!((r[0].name.as_str(), r[0].sparse), ("dense", false));
-    assert!(r[1].sparse && r[2].sparse);
-    assert_eq!(
-        r[1].max_logit_diff, 0.0,
-        "a full budget is dense, bit for bit"
-    );
-    assert_eq!(r[1].top1_agreement, 1.0);
-    assert!(r[1].recall.is_some_and(|x| (x - 1.0).abs() < 1e-9));
-    let small = r[2].recall.expect("measured");
-    assert!(
-        small > 0.0 && small < 1.0,
-        "a small budget loses some mass: {small}"
-    );
-    assert!(r[2].max_logit_diff > 0.0);
-    assert!(r[2].stats.steps > 0 && r[2].device_bytes < r[0].device_bytes);
     assert_eq!(r[0].positions, 99);
+    for (run, (name, _)) in r[1..4].iter().zip(&full) {
+        assert_eq!(&run.name, name);
+        assert!(run.sparse);
+        assert_eq!(
+            run.max_logit_diff, 0.0,
+            "{name}: a full budget is dense, bit for bit"
+        );
+        assert_eq!(run.top1_agreement, 1.0);
+        assert!(run.recall.is_some_and(|x| (x - 1.0).abs() < 1e-9));
+    }
+    let small = &r[4];
+    assert!(small.sparse);
+    let recall = small.recall.expect("measured");
+    assert!(
+        recall > 0.0 && recall < 1.0,
+        "a small budget loses some mass: {recall}"
+    );
+    assert!(small.max_logit_diff > 0.0);
+    assert!(small.stats.steps > 0 && small.device_bytes < r[0].device_bytes);
 }
 
 #[test]
