@@ -8,6 +8,7 @@
 //!   batching, chunked prefill, kv-blocks prefix reuse, admission by a device budget).
 //! - [`eval`]: fidelity of sparse variants against dense (perplexity, top-1 agreement,
 //!   recall, passkey retrieval).
+//! - `gpu` (feature `cuda`): the same forward on the GPU, weights in bf16, GEMMs in cuBLAS.
 //! - the `hsa` binary: the command line over all of it.
 #![deny(missing_docs)]
 
@@ -16,6 +17,8 @@ mod error;
 pub mod eval;
 mod generate;
 pub mod gguf;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod hf;
 mod kv;
 mod linear;

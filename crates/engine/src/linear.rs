@@ -86,6 +86,19 @@ impl Linear {
         dequantize(self.dtype, b, &mut out[..self.cols]);
     }
 
+    /// The whole matrix dequantized, `[rows, cols]` row-major (the GPU path's upload).
+    #[cfg_attr(
+        not(feature = "cuda"),
+        allow(dead_code, reason = "only the GPU path uploads")
+    )]
+    pub(crate) fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        out.par_chunks_mut(self.cols)
+            .enumerate()
+            .for_each(|(r, row)| self.row(r, row));
+        out
+    }
+
     /// `out [n, rows] = x [n, cols] · Wᵀ` (nothing when `n` is 0).
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert!(

@@ -172,29 +172,29 @@ impl Weights for Gguf {
 }
 
 /// One transformer block's weights.
-struct Block {
-    attn_norm: Vec<f32>,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
-    wo: Linear,
-    ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Block {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) wq: Linear,
+    pub(crate) wk: Linear,
+    pub(crate) wv: Linear,
+    pub(crate) wo: Linear,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 /// A loaded model.
 pub struct Model {
     /// Its shape.
     pub config: ModelConfig,
-    embed: Linear,
+    pub(crate) embed: Linear,
     /// `None`: tied to the embedding.
-    output: Option<Linear>,
-    output_norm: Vec<f32>,
-    blocks: Vec<Block>,
+    pub(crate) output: Option<Linear>,
+    pub(crate) output_norm: Vec<f32>,
+    pub(crate) blocks: Vec<Block>,
     /// Per pair `i` of a head, `rope_base^(-2i / head_dim)`.
-    freqs: Vec<f32>,
+    pub(crate) freqs: Vec<f32>,
 }
 
 impl Model {
@@ -251,22 +251,8 @@ impl Model {
         logits_for: &[usize],
     ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
+        check_forward(c, tokens, positions, logits_for)?;
         let n = tokens.len();
-        if positions.len() != n {
-            return Err(EngineError::Invalid(format!(
-                "{n} tokens but {} positions",
-                positions.len()
-            )));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(EngineError::Invalid(format!(
-                "token {t} outside the vocabulary of {}",
-                c.vocab
-            )));
-        }
-        if let Some(&r) = logits_for.iter().find(|&&r| r >= n) {
-            return Err(EngineError::Invalid(format!("logits of row {r} of {n}")));
-        }
         let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
         let mut x = vec![0.0f32; n * c.embed];
         x.par_chunks_mut(c.embed)
@@ -337,6 +323,33 @@ impl Model {
                 }
             });
     }
+}
+
+/// Checks a forward's inputs: a position per token, tokens inside the vocabulary, and logits
+/// asked of existing rows.
+pub(crate) fn check_forward(
+    c: &ModelConfig,
+    tokens: &[u32],
+    positions: &[usize],
+    logits_for: &[usize],
+) -> Result<(), EngineError> {
+    let n = tokens.len();
+    if positions.len() != n {
+        return Err(EngineError::Invalid(format!(
+            "{n} tokens but {} positions",
+            positions.len()
+        )));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+        return Err(EngineError::Invalid(format!(
+            "token {t} outside the vocabulary of {}",
+            c.vocab
+        )));
+    }
+    if let Some(&r) = logits_for.iter().find(|&&r| r >= n) {
+        return Err(EngineError::Invalid(format!("logits of row {r} of {n}")));
+    }
+    Ok(())
 }
 
 /// `out = x / rms(x) * w`, row by row.

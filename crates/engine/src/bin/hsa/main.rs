@@ -21,6 +21,7 @@ use engine::gguf::Gguf;
 use engine::{EngineError, Model, ModelConfig, Sampling, SchedulerConfig, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
+use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 /// Where `cargo xtask fetch-model` puts the model.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -350,11 +351,27 @@ fn hit_rate(s: &offload::StepStats) -> f64 {
 }
 
 /// The variants `eval` runs without a config: the acceptance figures of the engine issue.
+/// Quest at a 1024-token budget with layers 0 and 1 dense, as pages of 16 with one selection
+/// shared by the KV heads (the cheapest), and as pages of 4 selected per KV head with the first
+/// 16 and last 256 tokens always kept (the most faithful); then a budget covering the context,
+/// which must equal dense.
 fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
     let quest = |budget: usize, dense: Vec<usize>, min_prompt: Option<usize>| SparseConfig {
         dense_layers: dense,
         min_prompt_tokens: min_prompt,
         ..SparseConfig::quest(budget)
+    };
+    let faithful = SparseConfig {
+        algo: AlgoConfig::Quest(QuestConfig {
+            page_size: 4,
+            budget_tokens: 1024,
+            shared_heads: false,
+            always: AlwaysInclude {
+                sink_tokens: 16,
+                recent_tokens: 256,
+            },
+        }),
+        ..quest(1024, vec![0, 1], Some(1))
     };
     let full = context.div_ceil(16) * 16;
     vec![
@@ -362,6 +379,7 @@ fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
             "quest-1024+2dense".to_owned(),
             quest(1024, vec![0, 1], Some(1)),
         ),
+        ("quest-1024-p4-head-sr+2dense".to_owned(), faithful),
         (
             format!("quest-full-{full}"),
             quest(full, Vec::new(), Some(1)),
@@ -487,8 +505,15 @@ fn report_json(r: &VariantReport) -> serde_json::Value {
 }
 
 fn print_table(reports: &[VariantReport]) {
+    // The name column fits the longest name (a config's variants may be long).
+    let w = reports
+        .iter()
+        .map(|r| r.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(7);
     println!(
-        "{:<24} {:>6} {:>9} {:>7} {:>9} {:>7} {:>10} {:>10} {:>11} {:>6} {:>7}",
+        "{:<w$} {:>6} {:>9} {:>7} {:>9} {:>7} {:>10} {:>10} {:>11} {:>6} {:>7}",
         "variant",
         "mode",
         "ppl",
@@ -504,7 +529,7 @@ fn print_table(reports: &[VariantReport]) {
     let mib = |b: usize| b as f64 / 1_048_576.0;
     for r in reports {
         println!(
-            "{:<24} {:>6} {:>9.4} {:>7.4} {:>9.4} {:>7} {:>10.1} {:>10.1} {:>11.1} {:>6} {:>7.1}",
+            "{:<w$} {:>6} {:>9.4} {:>7.4} {:>9.4} {:>7} {:>10.1} {:>10.1} {:>11.1} {:>6} {:>7.1}",
             r.name,
             if r.sparse { "sparse" } else { "dense" },
             r.perplexity(),
