@@ -1,13 +1,15 @@
 //! The compute core shared by every entry point: online-softmax attention of a tile of query
 //! rows over a list of KV runs, split into fixed chunks and merged with the log-sum-exp rule.
 //!
-//! Determinism: the arithmetic follows logical positions, never the physical layout. A run list
-//! is cut into chunks of [`CHUNK`] aligned logical positions (a chunk gathers the tokens of
-//! every run inside it), each chunk is one online-softmax step, and a list splits every
-//! [`SPLIT_CHUNKS`] chunks into partial results merged in order. So a given set of positions
-//! gives bit-identical results whatever the thread count, the block size, or how many runs
-//! the blocks break it into: dense attention, and sparse attention with every page selected at
-//! any page size, agree bit for bit.
+//! Determinism: the arithmetic follows the list's tokens in order, never the physical layout.
+//! A run list is cut into chunks of [`CHUNK`] consecutive tokens of the list (a chunk gathers
+//! the tokens of every run inside it), each chunk is one online-softmax step, and a list splits
+//! every [`SPLIT_CHUNKS`] chunks into partial results merged in order. So the same tokens in
+//! the same order give bit-identical results whatever the thread count, the block size, or how
+//! many runs the blocks break them into: dense attention, sparse attention with every page
+//! selected at any page size, and token-level attention over every token agree bit for bit,
+//! and so do a selection attended in place and the same selection gathered into a compact
+//! buffer.
 
 use rayon::prelude::*;
 
@@ -16,15 +18,18 @@ use crate::simd;
 use crate::{AttnParams, Element, PagedKv};
 
 /// Consecutive tokens that are consecutive in one block: logical positions `pos..pos + len` at
-/// physical slots `slot..slot + len`.
+/// physical slots `slot..slot + len`, inside chunk `chunk` of their list (set by
+/// [`at_chunks`]; 0 until then).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Run {
     pub(crate) pos: u32,
     pub(crate) slot: u32,
     pub(crate) len: u32,
+    pub(crate) chunk: u32,
 }
 
-/// Logical positions per online-softmax step: a chunk covers `c * CHUNK .. (c + 1) * CHUNK`.
+/// Tokens per online-softmax step: chunk `c` of a list holds its tokens `c * CHUNK .. (c + 1) *
+/// CHUNK`, counted in list order.
 const CHUNK: u32 = 16;
 /// Chunks per split of a job's run list.
 const SPLIT_CHUNKS: usize = 64;
@@ -144,7 +149,7 @@ attend_with!(attend_avx512, "avx512f,avx2,fma,f16c", simd::AVX512);
 
 /// Attention of query rows (`q`: `rows x d`, already scaled; `pos`: each row's absolute
 /// position; rows ordered (query, KV head, head in group)) over `runs` of KV heads `h0..h1`
-/// (ascending, none crossing a chunk boundary). Each chunk is widened once for all the job's
+/// (ascending, cut and numbered by [`at_chunks`]). Each chunk is widened once for all the job's
 /// heads; each row then sees the same operations in the same order whatever the job's head
 /// range, so results do not depend on it.
 #[inline(always)]
@@ -173,7 +178,7 @@ fn attend_body<T: Element, const ISA: u8>(
     let pmax = pos.iter().copied().max().unwrap_or(-1);
     let pmin = pos.iter().copied().min().unwrap_or(-1);
     let contiguous = nh == layout.kv_heads;
-    for chunk in runs.chunk_by(|a, b| a.pos / CHUNK == b.pos / CHUNK) {
+    for chunk in runs.chunk_by(|a, b| a.chunk == b.chunk) {
         let start = i64::from(chunk[0].pos);
         if start > pmax {
             continue;
@@ -398,20 +403,25 @@ fn job_rows<T: Element>(
     (qs, pos)
 }
 
-/// `runs` (ascending) with every run cut where it crosses a multiple of [`CHUNK`].
+/// `runs` cut into chunks of [`CHUNK`] consecutive tokens of the list, each run numbered with
+/// its chunk (a run that straddles two chunks is cut in two).
 fn at_chunks(runs: &[Run]) -> Vec<Run> {
     let mut out = Vec::with_capacity(runs.len());
+    let mut seen = 0u32;
     for &r in runs {
         let (mut pos, mut slot, end) = (r.pos, r.slot, r.pos + r.len);
         while pos < end {
-            let cut = ((pos / CHUNK + 1) * CHUNK).min(end);
+            let room = CHUNK - seen % CHUNK;
+            let len = room.min(end - pos);
             out.push(Run {
                 pos,
                 slot,
-                len: cut - pos,
+                len,
+                chunk: seen / CHUNK,
             });
-            slot += cut - pos;
-            pos = cut;
+            seen += len;
+            slot += len;
+            pos += len;
         }
     }
     out
@@ -421,13 +431,9 @@ fn at_chunks(runs: &[Run]) -> Vec<Run> {
 /// indices from 0 to `runs.len()`, at least one unit even for an empty list.
 fn split_points(runs: &[Run]) -> Vec<usize> {
     let mut cuts = vec![0];
-    let mut chunks = 0;
     for (i, w) in runs.windows(2).enumerate() {
-        if w[0].pos / CHUNK != w[1].pos / CHUNK {
-            chunks += 1;
-            if chunks % SPLIT_CHUNKS == 0 {
-                cuts.push(i + 1);
-            }
+        if w[0].chunk != w[1].chunk && (w[1].chunk as usize).is_multiple_of(SPLIT_CHUNKS) {
+            cuts.push(i + 1);
         }
     }
     cuts.push(runs.len());
@@ -448,6 +454,7 @@ pub(crate) fn page_run(seq: &Seq<'_>, page: usize, len: usize, block_size: usize
         pos: pos as u32,
         slot: (seq.blocks[page] as usize * block_size) as u32,
         len: (len - pos).min(block_size) as u32,
+        chunk: 0,
     }
 }
 

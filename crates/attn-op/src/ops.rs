@@ -257,6 +257,7 @@ fn token_runs(seq: &Seq<'_>, sorted: &[i32], bs: usize) -> Vec<Run> {
             pos: pos as u32,
             slot: seq.slot(pos, bs) as u32,
             len: 1,
+            chunk: 0,
         });
     }
     runs
