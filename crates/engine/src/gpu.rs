@@ -9,6 +9,7 @@
 //! only the logits come back.
 
 use std::ffi::c_void;
+use std::sync::Mutex;
 
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, compile_source};
 use attn_op::{AttnParams, BatchMeta, KvCache, KvLayout};
@@ -53,6 +54,45 @@ pub struct GpuModel {
     output_norm: CudaSlice<f32>,
     blocks: Vec<DeviceBlock>,
     freqs: CudaSlice<f32>,
+    /// The intermediate buffers of the last forward's batch size, reused while it repeats
+    /// (every decode step of a fixed batch).
+    buffers: Mutex<Option<Buffers>>,
+}
+
+/// A forward's intermediate buffers for `n` token rows: the residual stream, the normalized
+/// rows, the fused projections' outputs, the rotated Q/K/V, attention's output and SwiGLU's.
+/// Every launch writes its buffer whole before it is read, so reuse needs no clearing.
+struct Buffers {
+    n: usize,
+    x: CudaSlice<f32>,
+    h: CudaSlice<bf16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    att: CudaSlice<f32>,
+    att16: CudaSlice<bf16>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<bf16>,
+}
+
+impl Buffers {
+    fn new(g: &Gpu, c: &ModelConfig, n: usize) -> Result<Self, EngineError> {
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        Ok(Buffers {
+            n,
+            x: g.zeros(n * c.embed)?,
+            h: g.zeros(n * c.embed)?,
+            qkv: g.zeros(n * (qd + 2 * kvd))?,
+            q: g.zeros(n * qd)?,
+            k: g.zeros(n * kvd)?,
+            v: g.zeros(n * kvd)?,
+            att: g.zeros(n * qd)?,
+            att16: g.zeros(n * qd)?,
+            gu: g.zeros(n * 2 * c.ffn)?,
+            act: g.zeros(n * c.ffn)?,
+        })
+    }
 }
 
 /// One transformer block's weights on the device.
@@ -149,6 +189,7 @@ impl GpuModel {
             kernels,
             blas,
             gpu,
+            buffers: Mutex::new(None),
         })
     }
 
@@ -200,36 +241,43 @@ impl GpuModel {
             .map(|&r| int(r))
             .collect::<Result<Vec<i32>, _>>()?;
         let (ids, pos, all) = (g.upload(&ids)?, g.upload(&pos)?, g.upload(&all)?);
-        let mut x = g.zeros::<f32>(n * c.embed)?;
-        let mut h = g.zeros::<bf16>(n * c.embed)?;
-        let mut qkv = g.zeros::<f32>(n * (qd + 2 * kvd))?;
-        let (mut q, mut k, mut v) = (
-            g.zeros::<bf16>(n * qd)?,
-            g.zeros::<bf16>(n * kvd)?,
-            g.zeros::<bf16>(n * kvd)?,
-        );
-        let mut att = g.zeros::<f32>(n * qd)?;
-        let mut att16 = g.zeros::<bf16>(n * qd)?;
-        let mut gu = g.zeros::<f32>(n * 2 * c.ffn)?;
-        let mut act = g.zeros::<bf16>(n * c.ffn)?;
+        let mut held = self.buffers.lock().map_err(|_| {
+            EngineError::Invalid("a forward panicked while holding its buffers".into())
+        })?;
+        if held.as_ref().is_none_or(|b| b.n != n) {
+            *held = Some(Buffers::new(g, c, n)?);
+        }
+        let Buffers {
+            x,
+            h,
+            qkv,
+            q,
+            k,
+            v,
+            att,
+            att16,
+            gu,
+            act,
+            ..
+        } = held.as_mut().expect("invariant: filled just above");
         let embed = int(c.embed)?;
         let s = g.stream();
         let mut b = s.launch_builder(&self.kernels.embed_rows);
-        b.arg(&self.embed).arg(&ids).arg(&mut x).arg(&embed);
+        b.arg(&self.embed).arg(&ids).arg(&mut *x).arg(&embed);
         // SAFETY: embed_rows(table bf16 [vocab, embed], tokens [n], x f32 [n, embed], embed):
         // one block per row of `ids`, whose ids check_forward bounded by the vocabulary.
         unsafe { b.launch(per_row(n)?) }.map_err(device)?;
         for (l, w) in self.blocks.iter().enumerate() {
-            self.norm(&x, &all, &w.attn_norm, &mut h)?;
-            self.gemm(&w.qkv, qd + 2 * kvd, c.embed, &h, n, &mut qkv, false)?;
+            self.norm(x, &all, &w.attn_norm, h)?;
+            self.gemm(&w.qkv, qd + 2 * kvd, c.embed, h, n, qkv, false)?;
             let (nn, qh, kvh, d) = (int(n)?, int(c.q_heads)?, int(c.kv_heads)?, int(c.head_dim)?);
             let mut b = s.launch_builder(&self.kernels.rope_split);
-            b.arg(&qkv)
+            b.arg(&*qkv)
                 .arg(&pos)
                 .arg(&self.freqs)
-                .arg(&mut q)
-                .arg(&mut k)
-                .arg(&mut v)
+                .arg(&mut *q)
+                .arg(&mut *k)
+                .arg(&mut *v)
                 .arg(&nn)
                 .arg(&qh)
                 .arg(&kvh)
@@ -237,17 +285,17 @@ impl GpuModel {
             // SAFETY: rope_split(qkv [n, qd + 2 kvd], pos [n], freqs [d / 2], q [n, qd],
             // k and v [n, kvd], n, qh, kvh, d): one thread per pair, bounded by n.
             unsafe { b.launch(flat(n * (qd + 2 * kvd) / 2)?) }.map_err(device)?;
-            attn.attend(g, l, &q, &k, &v, &mut att)?;
-            self.convert(&att, &mut att16)?;
-            self.gemm(&w.wo, c.embed, qd, &att16, n, &mut x, true)?;
-            self.norm(&x, &all, &w.ffn_norm, &mut h)?;
-            self.gemm(&w.gate_up, 2 * c.ffn, c.embed, &h, n, &mut gu, false)?;
+            attn.attend(g, l, q, k, v, att)?;
+            self.convert(att, att16)?;
+            self.gemm(&w.wo, c.embed, qd, att16, n, x, true)?;
+            self.norm(x, &all, &w.ffn_norm, h)?;
+            self.gemm(&w.gate_up, 2 * c.ffn, c.embed, h, n, gu, false)?;
             let ffn = int(c.ffn)?;
             let mut b = s.launch_builder(&self.kernels.swiglu);
-            b.arg(&gu).arg(&mut act).arg(&nn).arg(&ffn);
+            b.arg(&*gu).arg(&mut *act).arg(&nn).arg(&ffn);
             // SAFETY: swiglu(gu [n, 2 ffn], out [n, ffn], n, ffn): one thread per output.
             unsafe { b.launch(flat(n * c.ffn)?) }.map_err(device)?;
-            self.gemm(&w.down, c.embed, c.ffn, &act, n, &mut x, true)?;
+            self.gemm(&w.down, c.embed, c.ffn, act, n, x, true)?;
         }
         let m = logits_for.len();
         if m == 0 {
@@ -255,7 +303,7 @@ impl GpuModel {
         }
         let picked = g.upload(&picked)?;
         let mut normed = g.zeros::<bf16>(m * c.embed)?;
-        self.norm(&x, &picked, &self.output_norm, &mut normed)?;
+        self.norm(x, &picked, &self.output_norm, &mut normed)?;
         let mut logits = g.zeros::<f32>(m * c.vocab)?;
         let head = self.output.as_ref().unwrap_or(&self.embed);
         self.gemm(head, c.vocab, c.embed, &normed, m, &mut logits, false)?;
