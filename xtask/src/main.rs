@@ -340,7 +340,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # The GPU checks and benchmarks of attn-op (gpu), offload (gpu_io), sparse-algo (gpu_select) and
 # the full step of the coordinator's layers (gpu_step).
 # Usage: bash run.sh OUTDIR. Writes check.log, bench.log/json, io.log/json, select.log/json,
-# step.json, peers.log/json, tools.log (sanitizers, ncu), table.txt (the step's table last), and
+# step.json, synth.json, peers.log/json, tools.log (sanitizers, ncu), table.txt (the step's and the
+# synthetic model's tables last), and
 # the GPU report: report.md with gpu_speedup.png.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -415,6 +416,8 @@ fi
 grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:|gpu_engine check)" "$out/check.log"
 python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" "$out/select.json" | tee "$out/table.txt"
 "$here/bin/gpu_step" bench --json "$out/step.json" 2>&1 | tee -a "$out/table.txt"
+# The synthetic 8B-class model: capacity and decode throughput, dense against sparse.
+"$here/bin/gpu_engine" bench --json "$out/synth.json" 2>&1 | tee -a "$out/table.txt"
 "$here/bin/xtask" gpu-report "$out" || echo "the GPU report failed"
 exit $check
 "#;

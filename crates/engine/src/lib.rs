@@ -8,7 +8,10 @@
 //!   batching, chunked prefill, kv-blocks prefix reuse, admission by a device budget).
 //! - [`eval`]: fidelity of sparse variants against dense (perplexity, top-1 agreement,
 //!   recall, passkey retrieval).
-//! - `gpu` (feature `cuda`): the same forward on the GPU, weights in bf16, GEMMs in cuBLAS.
+//! - `gpu` (feature `cuda`): the same forward on the GPU, weights in f16 or bf16, GEMMs in
+//!   cuBLAS; a synthetic model's random weights made on the device.
+//! - `gpu_sparse` (feature `cuda`): a GPU forward's attention through the coordinator's device
+//!   hooks (sparse-mode decode batches).
 //! - the `hsa` binary: the command line over all of it.
 #![deny(missing_docs)]
 
@@ -19,6 +22,8 @@ mod generate;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+#[cfg(feature = "cuda")]
+pub mod gpu_sparse;
 pub mod hf;
 mod kv;
 mod linear;

@@ -95,6 +95,15 @@ impl ModelConfig {
 
     /// The config itself if its shape is consistent: KV heads divide the query heads, the
     /// head dimension is even (RoPE rotates pairs), and no size is 0.
+    /// Per pair `i` of a head, RoPE's frequency `rope_base^(-2i / head_dim)`.
+    pub(crate) fn rope_freqs(&self) -> Vec<f32> {
+        (0..self.head_dim / 2)
+            .map(|i| {
+                (f64::from(self.rope_base).powf(-2.0 * i as f64 / self.head_dim as f64)) as f32
+            })
+            .collect()
+    }
+
     pub(crate) fn checked(self) -> Result<ModelConfig, EngineError> {
         let c = self;
         let sizes = [
@@ -226,10 +235,7 @@ impl Model {
             true => Some(w.linear("output.weight", c.vocab, c.embed)?),
             false => None,
         };
-        let half = c.head_dim / 2;
-        let freqs = (0..half)
-            .map(|i| (f64::from(c.rope_base).powf(-2.0 * i as f64 / c.head_dim as f64)) as f32)
-            .collect();
+        let freqs = c.rope_freqs();
         Ok(Model {
             embed: w.linear("token_embd.weight", c.vocab, c.embed)?,
             output,
