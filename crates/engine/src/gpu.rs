@@ -254,10 +254,10 @@ impl<T: GpuFloat> GpuModel<T> {
         })
     }
 
-    /// A model of shape `config` with random weights made on `gpu` from `seed`: every matrix
-    /// uniform with the variance `1 / cols` (activations keep their scale through the layers),
-    /// the embedding uniform in `[-1, 1)`, norms 1 and a separate output head. For capacity and
-    /// throughput runs at shapes no real model here has; its text is noise.
+    /// A model of shape `config` with random weights made on `gpu` from `seed`: every block's
+    /// matrix uniform with the variance `1 / cols` (activations keep their scale through the
+    /// layers), the embedding and a separate output head uniform in `[-1, 1)`, norms 1. For
+    /// capacity and throughput runs at shapes no real model here has; its text is noise.
     pub fn synthetic(config: ModelConfig, gpu: Gpu, seed: u64) -> Result<GpuModel<T>, EngineError> {
         let c = config.checked()?;
         let kernels = Kernels::load::<T>(&gpu)?;
