@@ -85,6 +85,8 @@ pub struct GpuModel<T: GpuFloat> {
 /// Every launch writes its buffer whole before it is read, so reuse needs no clearing.
 struct Buffers<T> {
     n: usize,
+    /// The row indices `0..n` (RMSNorm over every row).
+    all: CudaSlice<i32>,
     x: CudaSlice<f32>,
     h: CudaSlice<T>,
     qkv: CudaSlice<f32>,
@@ -100,8 +102,12 @@ struct Buffers<T> {
 impl<T: GpuFloat> Buffers<T> {
     fn new(g: &Gpu, c: &ModelConfig, n: usize) -> Result<Self, EngineError> {
         let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let all = (0..n)
+            .map(|r| i32::try_from(r).map_err(device))
+            .collect::<Result<Vec<i32>, _>>()?;
         Ok(Buffers {
             n,
+            all: g.upload(&all)?,
             x: g.zeros(n * c.embed)?,
             h: g.zeros(n * c.embed)?,
             qkv: g.zeros(n * (qd + 2 * kvd))?,
@@ -263,33 +269,30 @@ impl<T: GpuFloat> GpuModel<T> {
         let kernels = Kernels::load::<T>(&gpu)?;
         let blas = CudaBlas::new(gpu.stream().clone()).map_err(device)?;
         let mut next = seed;
-        let mut matrix = |rows: usize, cols: usize| -> Result<CudaSlice<T>, EngineError> {
+        // Uniform in [-a, a) has the variance a² / 3: a = sqrt(3 / cols) gives 1 / cols.
+        let mut matrix = |rows: usize, cols: usize, a: f32| -> Result<CudaSlice<T>, EngineError> {
             let mut m = gpu.zeros::<T>(rows * cols)?;
             next = next.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let scale = if cols == c.embed && rows == c.vocab {
-                1.0
-            } else {
-                (3.0 / cols as f32).sqrt()
-            };
-            fill(&gpu, &kernels, &mut m, next, scale)?;
+            fill(&gpu, &kernels, &mut m, next, a)?;
             Ok(m)
         };
+        let unit = |cols: usize| (3.0 / cols as f32).sqrt();
         let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
         let ones = vec![1.0f32; c.embed];
         let mut blocks = Vec::with_capacity(c.layers);
         for _ in 0..c.layers {
             blocks.push(DeviceBlock {
                 attn_norm: gpu.upload(&ones)?,
-                qkv: matrix(qd + 2 * kvd, c.embed)?,
-                wo: matrix(c.embed, qd)?,
+                qkv: matrix(qd + 2 * kvd, c.embed, unit(c.embed))?,
+                wo: matrix(c.embed, qd, unit(qd))?,
                 ffn_norm: gpu.upload(&ones)?,
-                gate_up: matrix(2 * c.ffn, c.embed)?,
-                down: matrix(c.embed, c.ffn)?,
+                gate_up: matrix(2 * c.ffn, c.embed, unit(c.embed))?,
+                down: matrix(c.embed, c.ffn, unit(c.ffn))?,
             });
         }
         Ok(GpuModel {
-            embed: matrix(c.vocab, c.embed)?,
-            output: Some(matrix(c.vocab, c.embed)?),
+            embed: matrix(c.vocab, c.embed, 1.0)?,
+            output: Some(matrix(c.vocab, c.embed, 1.0)?),
             output_norm: gpu.upload(&ones)?,
             freqs: gpu.upload(&c.rope_freqs())?,
             config: c,
@@ -392,12 +395,11 @@ impl<T: GpuFloat> GpuModel<T> {
             .iter()
             .map(|&p| int(p))
             .collect::<Result<Vec<i32>, _>>()?;
-        let all: Vec<i32> = (0..int(n)?).collect();
         let picked = logits_for
             .iter()
             .map(|&r| int(r))
             .collect::<Result<Vec<i32>, _>>()?;
-        let (ids, pos, all) = (g.upload(&ids)?, g.upload(&pos)?, g.upload(&all)?);
+        let (ids, pos) = (g.upload(&ids)?, g.upload(&pos)?);
         let mut held = self.buffers.lock().map_err(|_| {
             EngineError::Invalid("a forward panicked while holding its buffers".into())
         })?;
@@ -405,6 +407,7 @@ impl<T: GpuFloat> GpuModel<T> {
             *held = Some(Buffers::new(g, c, n)?);
         }
         let Buffers {
+            all,
             x,
             h,
             qkv,
@@ -425,7 +428,7 @@ impl<T: GpuFloat> GpuModel<T> {
         // one block per row of `ids`, whose ids check_forward bounded by the vocabulary.
         unsafe { b.launch(per_row(n)?) }.map_err(device)?;
         for (l, w) in self.blocks.iter().enumerate() {
-            self.norm(x, &all, &w.attn_norm, h)?;
+            self.norm(x, all, &w.attn_norm, h)?;
             self.gemm(&w.qkv, qd + 2 * kvd, c.embed, h, n, qkv, false)?;
             let (nn, qh, kvh, d) = (int(n)?, int(c.q_heads)?, int(c.kv_heads)?, int(c.head_dim)?);
             let mut b = s.launch_builder(&self.kernels.rope_split);
@@ -445,7 +448,7 @@ impl<T: GpuFloat> GpuModel<T> {
             attn.attend(g, l, q, k, v, att)?;
             self.convert(att, att16)?;
             self.gemm(&w.wo, c.embed, qd, att16, n, x, true)?;
-            self.norm(x, &all, &w.ffn_norm, h)?;
+            self.norm(x, all, &w.ffn_norm, h)?;
             self.gemm(&w.gate_up, 2 * c.ffn, c.embed, h, n, gu, false)?;
             let ffn = int(c.ffn)?;
             let mut b = s.launch_builder(&self.kernels.swiglu);

@@ -188,7 +188,7 @@ fn table(device: &str, rows: &[Row]) -> String {
 /// Device bytes of one dense request's KV at `context` tokens (and the steps decoded).
 fn dense_bytes(gm: &GpuModel<bf16>, context: usize) -> usize {
     let c = gm.config;
-    (context + WARM + STEPS).div_ceil(PAGE) * PAGE * c.layers * 2 * c.kv_heads * c.head_dim * 2
+    (context + WARM + STEPS).div_ceil(PAGE) * PAGE * c.kv_bytes_per_token(size_of::<bf16>())
 }
 
 /// The median step of `batch` requests decoding at `context` tokens over a random dense cache.
