@@ -28,7 +28,7 @@ pub struct SparseCoordinator<T: Element> {
     /// Per representation slot, how many requests have taken it (a device mirror compares
     /// them to see a new request in a slot).
     pub(crate) slot_epochs: Vec<u64>,
-    trackers: FxHashMap<RequestId, RequestTracker>,
+    pub(crate) trackers: FxHashMap<RequestId, RequestTracker>,
     adaptor: Box<dyn BackendAdaptor>,
     pub(crate) forward: Option<Forward>,
 }
@@ -82,12 +82,15 @@ pub(crate) struct DecodeRow {
     pub(crate) slot: usize,
 }
 
+/// A sparse-mode request and its representation slot.
+pub(crate) type SlotOf = (RequestId, usize);
+
 /// The batch of the forward in progress.
 pub(crate) struct Forward {
     pub(crate) batch: Vec<(RequestId, usize)>,
     /// First token row of each request in the batch's q/k/v.
-    offsets: Vec<usize>,
-    tokens: usize,
+    pub(crate) offsets: Vec<usize>,
+    pub(crate) tokens: usize,
     ended: Vec<bool>,
 }
 
@@ -392,7 +395,7 @@ impl<T: Element> SparseCoordinator<T> {
         k: &[T],
         v: &[T],
     ) -> Result<LayerPlan, CoordError> {
-        self.check_layer_io(layer, Some(q), k, v)?;
+        self.check_layer_io(layer, Some(q.len()), k.len(), v.len())?;
         let f = self.forward.as_ref().expect("checked by check_layer_io");
         let mut routes = vec![Route::Dense; f.batch.len()];
         let Some(sl) = self.sparse_of[layer] else {
@@ -483,50 +486,48 @@ impl<T: Element> SparseCoordinator<T> {
     /// request's new tokens up to the host pool, updates the representations of decode
     /// requests, and builds them for requests whose prompt this forward completes.
     pub fn attention_end(&mut self, layer: usize, k: &[T], v: &[T]) -> Result<(), CoordError> {
-        self.end_layer(layer, k, v, true)
-    }
-
-    /// [`attention_end`](Self::attention_end), updating decode requests' representations here
-    /// (`decode_reps`) or leaving them to a device mirror that keeps its own.
-    pub(crate) fn end_layer(
-        &mut self,
-        layer: usize,
-        k: &[T],
-        v: &[T],
-        decode_reps: bool,
-    ) -> Result<(), CoordError> {
-        self.check_layer_io(layer, None, k, v)?;
+        self.check_layer_io(layer, None, k.len(), v.len())?;
         let kvs = self.model.kv_heads * self.model.head_dim;
         if let Some(sl) = self.sparse_of[layer] {
             let f = self.forward.as_ref().expect("checked by check_layer_io");
             self.check_host_room(sl, &f.batch)?;
-            let mut decode = Vec::new();
-            let mut complete = Vec::new();
             let manager = self.manager.as_mut().expect("sparse layers have a manager");
             for (&(id, n), &off) in f.batch.iter().zip(&f.offsets) {
-                let t = &self.trackers[&id];
-                if t.mode != Mode::Sparse {
-                    continue;
-                }
-                let range = off * kvs..(off + n) * kvs;
-                manager.append(id, sl, &k[range.clone()], &v[range])?;
-                let slot = t.slot.expect("a sparse-mode request holds a slot");
-                match t.phase {
-                    Phase::Decode => decode.push((id, slot)),
-                    Phase::Prefill if t.len + n == t.prompt_len => complete.push((id, slot)),
-                    Phase::Prefill => {}
+                if self.trackers[&id].mode == Mode::Sparse {
+                    let range = off * kvs..(off + n) * kvs;
+                    manager.append(id, sl, &k[range.clone()], &v[range])?;
                 }
             }
-            if decode_reps {
-                self.build_reps(sl, &decode, true)?;
-            }
+            let (decode, complete) = self.ending();
+            self.build_reps(sl, &decode, true)?;
             self.build_reps(sl, &complete, false)?;
         }
+        self.mark_ended(layer);
+        Ok(())
+    }
+
+    /// The sparse-mode requests of the forward in progress as (id, slot): those decoding, and
+    /// those whose prompt the forward completes.
+    pub(crate) fn ending(&self) -> (Vec<SlotOf>, Vec<SlotOf>) {
+        let (mut decode, mut complete) = (Vec::new(), Vec::new());
+        for &(id, n) in self.forward.iter().flat_map(|f| &f.batch) {
+            let t = &self.trackers[&id];
+            let Some(slot) = t.slot else { continue };
+            match t.phase {
+                Phase::Decode => decode.push((id, slot)),
+                Phase::Prefill if t.len + n == t.prompt_len => complete.push((id, slot)),
+                Phase::Prefill => {}
+            }
+        }
+        (decode, complete)
+    }
+
+    /// Records that `layer` of the forward in progress has ended its attention.
+    pub(crate) fn mark_ended(&mut self, layer: usize) {
         self.forward
             .as_mut()
             .expect("checked by check_layer_io")
             .ended[layer] = true;
-        Ok(())
     }
 
     /// Ends the forward: every layer must have ended; lengths advance, and sparse-mode
@@ -581,7 +582,7 @@ impl<T: Element> SparseCoordinator<T> {
 
     /// Builds (`update` false) or extends the representations of `reqs` in sparse layer `sl`
     /// from the host pool.
-    fn build_reps(
+    pub(crate) fn build_reps(
         &mut self,
         sl: usize,
         reqs: &[(RequestId, usize)],
@@ -619,7 +620,11 @@ impl<T: Element> SparseCoordinator<T> {
 
     /// Checks that the host pool can take the new tokens of every sparse-mode request of
     /// `batch` in sparse layer `sl`, so that no request is backed up while another fails.
-    fn check_host_room(&self, sl: usize, batch: &[(RequestId, usize)]) -> Result<(), CoordError> {
+    pub(crate) fn check_host_room(
+        &self,
+        sl: usize,
+        batch: &[(RequestId, usize)],
+    ) -> Result<(), CoordError> {
         let manager = self.manager.as_ref().expect("sparse layers have a manager");
         let mut need = 0;
         for &(id, n) in batch {
@@ -701,9 +706,9 @@ impl<T: Element> SparseCoordinator<T> {
     pub(crate) fn check_layer_io(
         &self,
         layer: usize,
-        q: Option<&[f32]>,
-        k: &[T],
-        v: &[T],
+        q: Option<usize>,
+        k: usize,
+        v: usize,
     ) -> Result<(), CoordError> {
         let f = self
             .forward
@@ -726,9 +731,9 @@ impl<T: Element> SparseCoordinator<T> {
             }
         };
         if let Some(q) = q {
-            want("q", q.len(), m.q_heads)?;
+            want("q", q, m.q_heads)?;
         }
-        want("k", k.len(), m.kv_heads)?;
-        want("v", v.len(), m.kv_heads)
+        want("k", k, m.kv_heads)?;
+        want("v", v, m.kv_heads)
     }
 }

@@ -1,9 +1,9 @@
 //! Attention of a GPU forward through the sparse coordinator's device hooks (feature `cuda`):
-//! per layer, the new tokens' keys and values go to the host (the coordinator appends them to
-//! the host pool the device loads from), the coordinator enqueues selection, diff and loads
-//! ([`SparseCoordinator::attention_begin_device`]), attention runs over the hot buffers
-//! ([`DeviceSparse::attend`]), and the coordinator ends the layer
-//! ([`SparseCoordinator::attention_end_device`]).
+//! per layer, the coordinator enqueues the new tokens' backup to its host pool, selection,
+//! diff and loads ([`SparseCoordinator::attention_begin_device`]), attention runs over the hot
+//! buffers ([`DeviceSparse::attend`]), and the coordinator ends the layer
+//! ([`SparseCoordinator::attention_end_device`]). Queries, keys and values stay on the
+//! device, and nothing waits for the stream.
 //!
 //! It runs decode batches whose every request is in sparse mode and every layer sparse (the
 //! capacity and throughput runs); a dense route (a dense layer, a dense-mode request or a
@@ -40,10 +40,9 @@ impl<T: GpuFloat> GpuAttention<T> for GpuSparseAttention<'_, T> {
         v: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError> {
-        let (k, v) = (gpu.download(k)?, gpu.download(v)?);
         let plan = self
             .coord
-            .attention_begin_device(gpu, self.dev, layer, q, &k, &v)?;
+            .attention_begin_device(gpu, self.dev, layer, q, k, v)?;
         if let Some(i) = plan
             .routes
             .iter()
@@ -58,7 +57,7 @@ impl<T: GpuFloat> GpuAttention<T> for GpuSparseAttention<'_, T> {
         }
         self.dev
             .attend(gpu, self.coord, layer, q, &self.params, out)?;
-        self.coord.attention_end_device(self.dev, layer, &k, &v)?;
+        self.coord.attention_end_device(gpu, self.dev, layer)?;
         Ok(())
     }
 }

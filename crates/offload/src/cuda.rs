@@ -16,7 +16,8 @@ use attn_op::cuda::{CudaElement, DevicePagedKv, DeviceSelection, Gpu, compile_so
 use attn_op::{AttnError, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 
 use crate::{HostLayout, HostPool, HostShape, HostStore, HotBuffer, Load, OffloadError};
@@ -688,6 +689,101 @@ impl IoKernels {
             // range-checked above.
             unsafe {
                 self.copy_rows(from, src_rows, to, dst_rows, &src_idx, &dst_idx, row_bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The device-to-host backup of new tokens: token row `src_idx[i]` of `k` and `v` (`[tokens,
+    /// kv_heads, head_dim]` on the device) goes to row `dst_idx[i]` (`host_page * page_size +
+    /// offset`) of `layer` in the pinned pool, K and V in one launch each. Indices out of
+    /// range are skipped; the rows are written when the stream reaches the copy.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "both tensors, both index lists and where they go"
+    )]
+    pub fn backup_tokens<T: CudaElement>(
+        &self,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        src_idx: &CudaSlice<i32>,
+        host: &PinnedHostPool<T>,
+        layer: usize,
+        dst_idx: &CudaSlice<i32>,
+    ) -> Result<(), OffloadError> {
+        let shape = host.shape;
+        let row = shape.kv_heads * shape.head_dim;
+        if layer >= shape.layers || k.len() != v.len() || !k.len().is_multiple_of(row) {
+            return Err(OffloadError::Invalid(format!(
+                "a backup of K and V of {} and {} elements into layer {layer} of {shape:?}",
+                k.len(),
+                v.len()
+            )));
+        }
+        let layer_rows = shape.pages * shape.page_size;
+        let row_bytes = row * size_of::<T>();
+        let offset = (layer * layer_rows * row_bytes) as u64;
+        let (hk, hv) = host.ptrs;
+        for (from, to) in [(k, hk), (v, hv)] {
+            let (from, _guard) = from.device_ptr(&self.stream);
+            // SAFETY: `from` is a device tensor of `k.len() / row` rows, kept borrowed (its use
+            // recorded by the guard) until the launch is enqueued; `to + offset` is layer
+            // `layer` of the pinned pool (`layer_rows` rows, inside the allocation as `layer <
+            // layers`), which outlives the launch as it drains its stream before it is freed.
+            unsafe {
+                self.copy_rows(
+                    from,
+                    k.len() / row,
+                    to + offset,
+                    layer_rows,
+                    src_idx,
+                    dst_idx,
+                    row_bytes,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes token rows of `k` and `v` (`[tokens, kv_heads, head_dim]` on the device) into
+    /// slots of a device pool: row `src_idx[i]` goes to flat slot `dst_slots[i]` (`block *
+    /// block_size + offset`), K and V in one launch each, without the host. Indices out of
+    /// range are skipped.
+    pub fn scatter_tokens<T: CudaElement>(
+        &self,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        src_idx: &CudaSlice<i32>,
+        device: &mut DevicePagedKv<T>,
+        dst_slots: &CudaSlice<i32>,
+    ) -> Result<(), OffloadError> {
+        let layout = device.layout();
+        let row = layout.kv_heads * layout.head_dim;
+        if k.len() != v.len() || !k.len().is_multiple_of(row) {
+            return Err(OffloadError::Invalid(format!(
+                "K and V of {} and {} elements for a pool of {layout:?}",
+                k.len(),
+                v.len()
+            )));
+        }
+        let slots = layout.num_blocks * layout.block_size;
+        let (dk, dv) = device.tensors_mut();
+        for (from, to) in [(k, dk), (v, dv)] {
+            let (from, _g1) = from.device_ptr(&self.stream);
+            let (to, _g2) = to.device_ptr_mut(&self.stream);
+            // SAFETY: both are device tensors (`k.len() / row` and `slots` rows of `row`
+            // elements), kept borrowed with their use recorded by the guards until the launch
+            // is enqueued; they are distinct allocations (one borrowed shared, one mutably).
+            unsafe {
+                self.copy_rows(
+                    from,
+                    k.len() / row,
+                    to,
+                    slots,
+                    src_idx,
+                    dst_slots,
+                    row * size_of::<T>(),
+                )?;
             }
         }
         Ok(())

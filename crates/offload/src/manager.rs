@@ -342,30 +342,11 @@ impl<T: Element> SparseKvCacheManager<T> {
             )));
         }
         let n = k.len() / stride;
-        let r = self
-            .requests
-            .get(&id)
-            .ok_or(OffloadError::UnknownRequest(id))?;
-        let start = r.lens[layer];
-        let need = (start + n)
-            .div_ceil(c.page_size)
-            .saturating_sub(r.host_pages.len());
-        if need > 0 && c.host_alloc == HostAlloc::External {
-            return Err(OffloadError::MissingHostPages { needed: need });
-        }
-        if need > self.free_host.len() {
-            return Err(OffloadError::HostExhausted {
-                needed: need,
-                free: self.free_host.len(),
-            });
-        }
-        let at = self.free_host.len() - need;
-        let taken: Vec<u32> = self.free_host.drain(at..).rev().collect();
+        let start = self.take_host_pages(id, layer, n)?;
         let r = self
             .requests
             .get_mut(&id)
-            .expect("looked up above, and nothing removed it since");
-        r.host_pages.extend(taken);
+            .expect("take_host_pages found it, and nothing removed it since");
         let mut host = self.host.write();
         let mut device = self.device[layer].write();
         let hb = &mut r.hot[layer];
@@ -392,6 +373,63 @@ impl<T: Element> SparseKvCacheManager<T> {
         }
         r.lens[layer] = start + n;
         Ok(())
+    }
+
+    /// Takes the host positions of the next `n` tokens of (request, `layer`) without writing
+    /// them: host pages as [`append`](Self::append) takes them, the length advanced, and the
+    /// tokens' rows within the layer's host tensor (`host_page * page_size + offset`)
+    /// answered for the caller to fill (a device kernel writing the page-locked pool, say)
+    /// before anything reads them. The reserved slot of the request's hot buffer is not
+    /// written: a caller that reserves keeps its own device copy. If the pool cannot hold the
+    /// tokens, nothing changes.
+    pub fn reserve_tokens(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        n: usize,
+    ) -> Result<Vec<usize>, OffloadError> {
+        let layer = self.check_layer(layer)?;
+        let start = self.take_host_pages(id, layer, n)?;
+        let ps = self.config.page_size;
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("take_host_pages found it, and nothing removed it since");
+        r.lens[layer] = start + n;
+        Ok((start..start + n)
+            .map(|pos| r.host_pages[pos / ps] as usize * ps + pos % ps)
+            .collect())
+    }
+
+    /// Gives (request, `layer`) the host pages `n` more tokens need and answers its length
+    /// before them; nothing changes when the pool cannot hold them.
+    fn take_host_pages(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        n: usize,
+    ) -> Result<usize, OffloadError> {
+        let c = self.config;
+        let r = self
+            .requests
+            .get_mut(&id)
+            .ok_or(OffloadError::UnknownRequest(id))?;
+        let start = r.lens[layer];
+        let need = (start + n)
+            .div_ceil(c.page_size)
+            .saturating_sub(r.host_pages.len());
+        if need > 0 && c.host_alloc == HostAlloc::External {
+            return Err(OffloadError::MissingHostPages { needed: need });
+        }
+        if need > self.free_host.len() {
+            return Err(OffloadError::HostExhausted {
+                needed: need,
+                free: self.free_host.len(),
+            });
+        }
+        let at = self.free_host.len() - need;
+        r.host_pages.extend(self.free_host.drain(at..).rev());
+        Ok(start)
     }
 
     /// One decode step of (request, layer) after the step's tokens were appended: see

@@ -30,7 +30,7 @@ use crate::kv::Memory;
 use crate::{AttnError, DType, Element, KvCache, KvLayout};
 
 pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection};
-pub use timing::Timing;
+pub use timing::{StageClock, Timing};
 
 /// The CUDA C source of every kernel, embedded at build time.
 pub const KERNEL_SOURCE: &str = include_str!("../../../../kernels/attn.cu");

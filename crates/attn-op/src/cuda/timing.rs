@@ -1,6 +1,9 @@
 //! Timing device work with CUDA events, the way every GPU benchmark of the workspace does.
 
+use std::sync::Arc;
+
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::Gpu;
 use crate::AttnError;
@@ -34,9 +37,8 @@ impl Gpu {
             ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(AttnError::from)
         };
-        let elapsed = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
-            a.elapsed_ms(b).map(f64::from).map_err(AttnError::from)
-        };
+        let elapsed =
+            |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(f64::from).map_err(AttnError::from);
         let mut synced = Vec::with_capacity(runs);
         for _ in 0..runs {
             let (a, b) = (event()?, event()?);
@@ -61,6 +63,68 @@ impl Gpu {
             synced: median(&mut synced),
             queued: median(&mut queued),
         })
+    }
+}
+
+/// Device time of a sequence of stages on one stream, split by label with CUDA events: each
+/// [`mark`](Self::mark) closes the stage that began at the previous mark and gives its time to
+/// a label, so a forward marked at every stage boundary sums, per label, to the device time
+/// between its first and last mark. Events are reused from one [`take`](Self::take) to the next.
+pub struct StageClock {
+    stream: Arc<CudaStream>,
+    /// Events recorded so far (the first `used`) and spare ones.
+    events: Vec<CudaEvent>,
+    used: usize,
+    /// Per recorded event after the first, the label of the stage it closes.
+    labels: Vec<&'static str>,
+}
+
+impl StageClock {
+    /// A clock on `gpu`'s stream.
+    pub fn new(gpu: &Gpu) -> Self {
+        StageClock {
+            stream: gpu.stream().clone(),
+            events: Vec::new(),
+            used: 0,
+            labels: Vec::new(),
+        }
+    }
+
+    /// Ends the stage in progress and gives its device time to `label`; the first mark after
+    /// [`new`](Self::new) or [`take`](Self::take) only starts the clock.
+    pub fn mark(&mut self, label: &'static str) -> Result<(), AttnError> {
+        if self.used == self.events.len() {
+            let e = self
+                .stream
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            self.events.push(e);
+        }
+        self.events[self.used].record(&self.stream)?;
+        if self.used > 0 {
+            self.labels.push(label);
+        }
+        self.used += 1;
+        Ok(())
+    }
+
+    /// Waits for the stream and answers the milliseconds of each label, in the order labels
+    /// first closed a stage; the clock starts over.
+    pub fn take(&mut self) -> Result<Vec<(&'static str, f64)>, AttnError> {
+        let mut sums: Vec<(&'static str, f64)> = Vec::new();
+        if self.used > 1 {
+            self.events[self.used - 1].synchronize()?;
+        }
+        for (i, &label) in self.labels.iter().enumerate() {
+            let ms = f64::from(self.events[i].elapsed_ms(&self.events[i + 1])?);
+            match sums.iter_mut().find(|(l, _)| *l == label) {
+                Some((_, t)) => *t += ms,
+                None => sums.push((label, ms)),
+            }
+        }
+        self.used = 0;
+        self.labels.clear();
+        Ok(sums)
     }
 }
 

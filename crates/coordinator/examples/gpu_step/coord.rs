@@ -144,9 +144,10 @@ impl Pair {
                 .collect();
             let want = self.cpu.attention_begin(layer, &qf, &k, &v).map_err(err)?;
             let q_dev = gpu.upload(&qb).map_err(err)?;
+            let (k_dev, v_dev) = (gpu.upload(&k).map_err(err)?, gpu.upload(&v).map_err(err)?);
             let got = self
                 .gco
-                .attention_begin_device(gpu, &mut self.dev, layer, &q_dev, &k, &v)
+                .attention_begin_device(gpu, &mut self.dev, layer, &q_dev, &k_dev, &v_dev)
                 .map_err(err)?;
             if let Some(meta) = &want.meta {
                 let n = meta.num_seqs();
@@ -220,7 +221,7 @@ impl Pair {
             }
             self.cpu.attention_end(layer, &k, &v).map_err(err)?;
             self.gco
-                .attention_end_device(&mut self.dev, layer, &k, &v)
+                .attention_end_device(gpu, &mut self.dev, layer)
                 .map_err(err)?;
         }
         self.cpu.forward_end().map_err(err)?;

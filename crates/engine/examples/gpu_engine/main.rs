@@ -28,6 +28,7 @@
 mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
 mod rng;
+mod sparse;
 mod synth;
 
 use std::path::Path;

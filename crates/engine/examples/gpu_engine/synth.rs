@@ -3,60 +3,61 @@
 //! against hierarchical sparse, at 32K and 128K tokens of context per request.
 //!
 //! The context is synthetic too: dense requests' KV cache is filled with random values on the
-//! device, sparse requests' prompts (random keys and values) go through the coordinator's CPU
-//! prefill hooks into its host pool, which builds their Quest pages. Every decode step is then
-//! a real forward of the whole model (greedy, the next token the model's own) with attention
-//! dense over the device cache or through the coordinator's device hooks (Quest scores and
-//! top-k, hot-buffer diff, zero-copy loads of the misses, attention over the hot buffer).
-//! Sparse: every layer sparse, head-shared Quest, pages of 16, a 2048-token budget (16 sink
-//! and 64 recent tokens always in), a hot buffer of 4096 tokens.
+//! device, sparse requests' prompts (random keys and values, see [`Context`]) go through the
+//! coordinator's CPU prefill hooks into its host pool, which builds their Quest pages. Every
+//! decode step is then a real forward of the whole model (greedy, the next token the model's
+//! own) with attention dense over the device cache or through the coordinator's device hooks
+//! (module `sparse`). Sparse: every layer sparse, head-shared Quest, pages of 16, a
+//! 2048-token budget (16 sink and 64 recent tokens always in), a hot buffer of 4096 tokens.
 //!
 //! Device bytes per request are measured (dense: its blocks of every layer; sparse: the
 //! device mirror's representations and hot buffers over its requests); the largest batch each
 //! fits is the device's free memory after the weights, less a reserve, over those bytes.
 //! Sparse requests also hold their whole KV cache in host memory, which bounds their batch on
-//! the lent machine: the sparse runs use the batch stated in the table.
+//! the lent machine: the largest sparse batch run is the smaller of the device's and the
+//! host's (available memory less a margin, over a request's host bytes).
 
 use std::time::Instant;
 
+use attn_op::BatchMeta;
 use attn_op::cuda::Gpu;
-use attn_op::{AttnParams, BatchMeta};
-use coordinator::cuda::DeviceSparse;
-use coordinator::{Capacity, SparseConfig, SparseCoordinator};
 use engine::gpu::{GpuDenseAttention, GpuModel};
-use engine::gpu_sparse::GpuSparseAttention;
 use engine::synthetic::LLAMA3_8B;
 use half::bf16;
-use kv_blocks::RequestId;
-use offload::{HostAlloc, HostLayout, HostStore};
-use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 use crate::Res;
 use crate::report;
+use crate::sparse::{self, Context};
 
 /// Decode steps timed, after the warm-up steps.
-const STEPS: usize = 8;
-const WARM: usize = 2;
+pub(crate) const STEPS: usize = 16;
+pub(crate) const WARM: usize = 4;
 /// Tokens per block (dense) and per Quest page (sparse).
-const PAGE: usize = 16;
+pub(crate) const PAGE: usize = 16;
 /// Device memory kept free of KV for the forward's buffers, cuBLAS and the allocator.
 const RESERVE: usize = 4 << 30;
+/// Host memory kept free of sparse requests.
+const HOST_MARGIN: usize = 16 << 30;
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// One measured configuration.
-struct Row {
-    context: usize,
-    mode: &'static str,
-    batch: usize,
+pub(crate) struct Row {
+    pub(crate) context: usize,
+    pub(crate) mode: &'static str,
+    /// The synthetic prompts' keys (sparse; see [`Context`]).
+    pub(crate) keys: &'static str,
+    pub(crate) batch: usize,
     /// Device bytes per request (KV, or representations and hot buffers).
-    device: usize,
-    /// Host bytes per request (the sparse requests' host KV).
-    host: usize,
+    pub(crate) device: usize,
+    /// Host bytes per request (the sparse requests' host KV and CPU-side state).
+    pub(crate) host: usize,
     /// Largest batch the device memory left after the weights holds.
-    device_max: usize,
-    step_ms: f64,
+    pub(crate) device_max: usize,
+    pub(crate) step_ms: f64,
     /// Fraction of the selected pages that missed the hot buffer (sparse).
-    miss: Option<f64>,
+    pub(crate) miss: Option<f64>,
+    /// Device milliseconds per step by stage (sparse, profiled steps).
+    pub(crate) stages: Vec<(&'static str, f64)>,
 }
 
 pub(crate) fn bench(args: &[String]) -> Res<i32> {
@@ -71,9 +72,8 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
         gm.weight_bytes() as f64 / GIB,
         t0.elapsed().as_secs_f64()
     );
-    let plans: &[(usize, usize, usize)] = &[(32 * 1024, 16, 16), (128 * 1024, 4, 4)];
     let mut rows = Vec::new();
-    for &(context, equal, sparse_batch) in plans {
+    for (context, equal) in [(32 * 1024, 16), (128 * 1024, 4)] {
         let (free, _) = gm
             .gpu()
             .context()
@@ -92,22 +92,29 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             rows.push(Row {
                 context,
                 mode: "dense",
+                keys: "-",
                 batch,
                 device: per,
                 host: 0,
                 device_max,
                 step_ms: ms,
                 miss: None,
+                stages: Vec::new(),
             });
         }
-        let r = sparse(&gm, context, sparse_batch, room)?;
+        rows.extend(sparse::runs(&gm, context, Context::Random, &[equal], room)?);
+        // Two runs of decode steps: at the equal batch and at the largest.
+        let per_host = sparse::host_bytes(&gm, context, 2);
+        let host_max = available_host()?.saturating_sub(HOST_MARGIN) / per_host;
         println!(
-            "sparse {context:>6} tokens, batch {:>3}: {:.2} ms per step, miss rate {:.3}",
-            r.batch,
-            r.step_ms,
-            r.miss.unwrap_or(0.0)
+            "sparse {context:>6} tokens: {host_max} requests fit the host ({:.2} GiB each)",
+            per_host as f64 / GIB
         );
-        rows.push(r);
+        let mut heavy = vec![equal.min(host_max)];
+        if host_max > equal {
+            heavy.push(host_max);
+        }
+        rows.extend(sparse::runs(&gm, context, Context::Heavy, &heavy, room)?);
     }
     let table = table(&name, &rows);
     print!("{table}");
@@ -116,16 +123,22 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"context\":{},\"mode\":{:?},\"batch\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{}}}",
+                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"stages_ms\":{{{}}}}}",
                     r.context,
                     r.mode,
+                    r.keys,
                     r.batch,
                     r.device,
                     r.host,
                     r.device_max,
                     r.step_ms,
                     r.batch as f64 / r.step_ms * 1e3,
-                    r.miss.map_or("null".to_owned(), |m| m.to_string())
+                    r.miss.map_or("null".to_owned(), |m| m.to_string()),
+                    r.stages
+                        .iter()
+                        .map(|(l, t)| format!("{l:?}:{t}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
                 )
             })
             .collect();
@@ -139,32 +152,41 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
     Ok(0)
 }
 
-/// The table of the runs: per context, dense and sparse side by side.
+/// The table of the runs: per context, dense and sparse side by side, then the sparse
+/// runs' device time by stage.
 fn table(device: &str, rows: &[Row]) -> String {
     let mut out = format!(
-        "synthetic 8B-class decode on {device} (weights and KV bf16; {STEPS} steps after {WARM})\n\
-         {:>7} {:>6} {:>5} {:>14} {:>12} {:>10} {:>9} {:>10} {:>6}\n",
+        "synthetic 8B-class decode on {device} (weights and KV bf16; median of {STEPS} steps \
+         after {WARM})\n{:>7} {:>6} {:>6} {:>5} {:>14} {:>12} {:>10} {:>9} {:>10} {:>8} {:>6}\n",
         "context",
         "mode",
+        "keys",
         "batch",
         "device/req MiB",
         "host/req GiB",
         "device max",
         "ms/step",
         "tokens/s",
+        "vs dense",
         "miss"
     );
+    let tps = |r: &Row| r.batch as f64 / r.step_ms * 1e3;
     for r in rows {
+        let dense = rows
+            .iter()
+            .find(|d| d.mode == "dense" && d.context == r.context && d.batch == r.batch);
         out += &format!(
-            "{:>7} {:>6} {:>5} {:>14.1} {:>12.2} {:>10} {:>9.2} {:>10.1} {:>6}\n",
+            "{:>7} {:>6} {:>6} {:>5} {:>14.1} {:>12.2} {:>10} {:>9.2} {:>10.1} {:>8} {:>6}\n",
             r.context,
             r.mode,
+            r.keys,
             r.batch,
             r.device as f64 / f64::from(1u32 << 20),
             r.host as f64 / GIB,
             r.device_max,
             r.step_ms,
-            r.batch as f64 / r.step_ms * 1e3,
+            tps(r),
+            dense.map_or("-".to_owned(), |d| format!("{:.2}x", tps(r) / tps(d))),
             r.miss.map_or("-".to_owned(), |m| format!("{m:.3}"))
         );
     }
@@ -181,6 +203,22 @@ fn table(device: &str, rows: &[Row]) -> String {
                 d.device as f64 / sp.device.max(1) as f64
             );
         }
+    }
+    out += "sparse decode step by stage, device ms per step (share of the sum):\n";
+    for r in rows.iter().filter(|r| !r.stages.is_empty()) {
+        let sum: f64 = r.stages.iter().map(|s| s.1).sum();
+        let parts: Vec<String> = r
+            .stages
+            .iter()
+            .map(|(l, t)| format!("{l} {t:.2} ({:.0} %)", 100.0 * t / sum.max(1e-9)))
+            .collect();
+        out += &format!(
+            "  {} {} keys batch {}: {sum:.2} ms = {}\n",
+            r.context,
+            r.keys,
+            r.batch,
+            parts.join(", ")
+        );
     }
     out
 }
@@ -225,114 +263,19 @@ fn dense(gm: &GpuModel<bf16>, context: usize, batch: usize) -> Result<f64, engin
     Ok(median(&mut times[WARM..]))
 }
 
-/// Prefills `batch` sparse requests of `context` random tokens through the coordinator's CPU
-/// hooks, then times decode steps through its device hooks.
-fn sparse(gm: &GpuModel<bf16>, context: usize, batch: usize, room: usize) -> Res<Row> {
-    let e = |e: coordinator::CoordError| e.to_string();
-    let s = |e: engine::EngineError| e.to_string();
-    let c = gm.config;
-    let config = SparseConfig {
-        algo: AlgoConfig::Quest(QuestConfig {
-            page_size: PAGE,
-            budget_tokens: 2048,
-            always: AlwaysInclude {
-                sink_tokens: 16,
-                recent_tokens: 64,
-            },
-            shared_heads: true,
-        }),
-        hot_tokens: Some(4096),
-        min_prompt_tokens: Some(1),
-        dense_layers: Vec::new(),
-        layer: Vec::new(),
-        host_layout: HostLayout::LayerFirst,
-    };
-    let pages = (context + WARM + STEPS).div_ceil(PAGE);
-    let cap = Capacity {
-        max_requests: batch,
-        max_tokens: pages * PAGE,
-        host_pages: batch * pages,
-        host_alloc: HostAlloc::Own,
-    };
-    let mut coord = SparseCoordinator::<bf16>::from_config(c.shape(), &config, cap).map_err(e)?;
-    let kvs = c.kv_heads * c.head_dim;
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut random = |n: usize| -> Vec<bf16> {
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                bf16::from_f32((state >> 40) as f32 / 8_388_608.0 - 1.0)
-            })
-            .collect()
-    };
-    let (k, v) = (random(context * kvs), random(context * kvs));
-    // Prefill rows are only counted by the coordinator (Quest scores no prompt), so the
-    // queries are zeros the allocator need not touch.
-    let q = vec![0f32; context * c.q_heads * c.head_dim];
-    let t0 = Instant::now();
-    let ids: Vec<RequestId> = (0..batch).map(|r| RequestId(r as u64 + 1)).collect();
-    for &id in &ids {
-        coord.on_request_begin(id, context).map_err(e)?;
-        coord.forward_begin(&[(id, context)]).map_err(e)?;
-        for l in 0..c.layers {
-            coord.attention_begin(l, &q, &k, &v).map_err(e)?;
-            coord.attention_end(l, &k, &v).map_err(e)?;
-        }
-        coord.forward_end().map_err(e)?;
-    }
-    drop(q);
-    println!(
-        "sparse {context:>6} tokens: {batch} prompts into the host pool in {:.1} s",
-        t0.elapsed().as_secs_f64()
-    );
-    let mut dev = DeviceSparse::new(gm.gpu(), &coord).map_err(e)?;
-    let device = dev.device_bytes() / batch;
-    let host = coord.manager().map_or(0, |m| {
-        m.host().read().shape().pages * PAGE * c.layers * kvs * 2 * 2
-    }) / batch;
-    let all: Vec<usize> = (0..batch).collect();
-    let mut tokens: Vec<u32> = (0..batch).map(|i| (i * 7919 % c.vocab) as u32).collect();
-    let params = AttnParams::new(c.q_heads, c.head_dim);
-    let mut times = Vec::new();
-    let (mut hits, mut misses) = (0u64, 0u64);
-    for step in 0..WARM + STEPS {
-        let pos = context + step;
-        let reqs: Vec<(RequestId, usize)> = ids.iter().map(|&id| (id, 1)).collect();
-        let t = Instant::now();
-        coord.forward_begin(&reqs).map_err(e)?;
-        let mut att = GpuSparseAttention {
-            coord: &mut coord,
-            dev: &mut dev,
-            params: params.clone(),
-        };
-        tokens = gm
-            .forward_greedy(&tokens, &vec![pos; batch], &mut att, &all)
-            .map_err(s)?;
-        coord.forward_end().map_err(e)?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-        if step >= WARM {
-            for l in 0..c.layers {
-                let st = dev.stats(gm.gpu(), &coord, l).map_err(e)?;
-                hits += st.hits;
-                misses += st.misses;
-            }
-        }
-    }
-    Ok(Row {
-        context,
-        mode: "sparse",
-        batch,
-        device,
-        host,
-        device_max: room / device.max(1),
-        step_ms: median(&mut times[WARM..]),
-        miss: Some(misses as f64 / (hits + misses).max(1) as f64),
-    })
+/// The host's available memory (`MemAvailable` of /proc/meminfo), in bytes.
+fn available_host() -> Res<usize> {
+    let info =
+        std::fs::read_to_string("/proc/meminfo").map_err(|e| format!("/proc/meminfo: {e}"))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map(|kb| kb << 10)
+        .ok_or_else(|| "no MemAvailable in /proc/meminfo".to_owned())
 }
 
-fn median(x: &mut [f64]) -> f64 {
+pub(crate) fn median(x: &mut [f64]) -> f64 {
     x.sort_by(f64::total_cmp);
     x.get(x.len() / 2).copied().unwrap_or(f64::NAN)
 }

@@ -101,3 +101,48 @@ fn bad_input_is_rejected_and_nothing_is_lost() {
     m.end_request(b).expect("live");
     assert_eq!(m.free_host_pages(), 4);
 }
+
+#[test]
+fn reserving_tokens_takes_the_positions_appending_writes() {
+    let cfg = config(2, 6, HostLayout::LayerFirst);
+    let stride = cfg.kv_heads * cfg.head_dim;
+    let mut appended = SparseKvCacheManager::<f32>::new(cfg).expect("valid");
+    let mut reserved = SparseKvCacheManager::<f32>::new(cfg).expect("valid");
+    let (a, b) = (RequestId(1), RequestId(2));
+    for m in [&mut appended, &mut reserved] {
+        m.begin_request(a).expect("free");
+        m.begin_request(b).expect("free");
+    }
+    // Interleaved requests, so their pages are not consecutive.
+    for (id, layer, start, n) in [(a, 0, 0, 6), (b, 0, 0, 3), (a, 0, 6, 5), (a, 1, 0, 2)] {
+        let (k, v) = (
+            tokens(id.0, layer, start, n, 0, stride),
+            tokens(id.0, layer, start, n, 1, stride),
+        );
+        appended.append(id, layer, &k, &v).expect("host room");
+        let rows = reserved.reserve_tokens(id, layer, n).expect("host room");
+        assert_eq!(rows.len(), n);
+        let host = appended.host();
+        let host = host.read();
+        let layer_rows = cfg.host_pages * cfg.page_size;
+        for (i, row) in rows.into_iter().enumerate() {
+            let at = (layer * layer_rows + row) * stride;
+            assert_eq!(
+                host.tensors().0[at..at + stride],
+                k[i * stride..(i + 1) * stride]
+            );
+        }
+    }
+    for id in [a, b] {
+        assert_eq!(reserved.host_pages(id), appended.host_pages(id));
+        for layer in 0..2 {
+            assert_eq!(reserved.len(id, layer), appended.len(id, layer));
+        }
+    }
+    // 14 more tokens of b need 4 more pages; 2 are free: nothing changes.
+    assert_eq!(
+        reserved.reserve_tokens(b, 0, 14),
+        Err(OffloadError::HostExhausted { needed: 4, free: 2 })
+    );
+    assert_eq!((reserved.len(b, 0), reserved.free_host_pages()), (Ok(3), 2));
+}

@@ -4,36 +4,43 @@
 //! A [`DeviceSparse`] mirrors, per sparse layer, what the device needs: the representations
 //! (Quest's min/max pages), the hot buffers' KV and LRU state, and the reserved slot of each
 //! request's current page. The host pool stays the offload manager's; it is page-locked in
-//! place ([`PinnedHostPool::register`]), so the tokens the coordinator appends on the CPU are
-//! the bytes the load kernels read. Per layer,
-//! [`SparseCoordinator::attention_begin_device`] refreshes reserved slots, writes the new
-//! tokens into them, scores and selects (Quest), diffs against the hot buffers, and loads the
-//! misses, all enqueued on the GPU's stream without a round trip; [`DeviceSparse::attend`]
-//! runs attention over the result, and [`SparseCoordinator::attention_end_device`] backs the
-//! tokens up to the host and brings the current pages' min/max up to date on the device. The
-//! request lifecycle, host pages and prompt representations stay the CPU coordinator's (they
-//! change once per request or page, not per step); a request's representations are uploaded
-//! when it first decodes on the device.
+//! place ([`PinnedHostPool::register`]), so what the device writes there is what the CPU
+//! coordinator reads and the other way round. The batch's queries, keys and values stay on
+//! the device. Per layer, [`SparseCoordinator::attention_begin_device`] takes host positions
+//! for the new tokens (CPU bookkeeping only) and enqueues their backup to the host pool, then
+//! for decode rows refreshes reserved slots, writes the new tokens into them, scores and
+//! selects (Quest), diffs against the hot buffers and loads the misses;
+//! [`DeviceSparse::attend`] runs attention over the result, and
+//! [`SparseCoordinator::attention_end_device`] brings the current pages' min/max up to date.
+//! Nothing waits for the stream, except the end of a layer in a forward that completes a
+//! prompt: its representations are built on the CPU from the host pool (they change once
+//! per request or page, not per step) and uploaded when the request first decodes.
 //!
 //! The device path runs head-shared Quest (one selection per request, as the device diff
 //! takes); other algorithms get [`CoordError::Config`]. A coordinator driven through these
 //! hooks must use them for every forward: its CPU copies of decode-time representations and
-//! hot buffers are not kept.
+//! hot buffers are not kept. Host pool bytes the device writes are complete once the stream
+//! has drained ([`Gpu::synchronize`]); read them through the offload manager only then.
+//!
+//! A [`StageClock`] given to [`DeviceSparse::set_clock`] splits the device time of the hooks
+//! into stages: `write` (host backup, reserved slots, new tokens), `selection`, `diff`,
+//! `loads`, `attention`, `update` (min/max), and `model`, the time between hooks.
+
+mod hooks;
 
 use std::sync::Arc;
 
-use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, DevicePagedKv, Gpu};
-use attn_op::{AttnParams, BatchMeta, Element, KvCache, KvLayout};
+use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu, StageClock};
+use attn_op::{AttnParams, Element, KvCache, KvLayout};
 use cudarc::driver::CudaSlice;
 use kv_blocks::RequestId;
 use offload::cuda::{
     BufRows, DeviceDiff, DeviceHotBuffers, IoKernels, MAX_DIFF_SELECTION, PinnedHostPool,
 };
-use offload::{HotBuffer, Load, StepStats};
+use offload::{HotBuffer, StepStats};
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{AlgoConfig, Quest};
 
-use crate::coord::DecodeRow;
 use crate::{CoordError, Route, SparseCoordinator};
 
 /// The device half of a [`SparseCoordinator`]'s sparse layers: see the module documentation.
@@ -53,6 +60,18 @@ pub struct DeviceSparse<T: CudaElement> {
     max_pages: usize,
     /// The decode-row arrays of the last forward with sparse rows.
     rows: Option<Arc<RowsArrays>>,
+    /// The token and host rows of the last host backup.
+    backup: Option<Backup>,
+    /// Where stage boundaries are marked, if anywhere.
+    clock: Option<StageClock>,
+}
+
+/// The index lists of a host backup: batch token rows and the host rows they go to.
+struct Backup {
+    src: Vec<i32>,
+    dst: Vec<i32>,
+    src_dev: CudaSlice<i32>,
+    dst_dev: CudaSlice<i32>,
 }
 
 /// One sparse layer on the device.
@@ -92,8 +111,9 @@ struct LayerStep<T: CudaElement> {
 /// layer, so the forward's first sparse layer builds and uploads them and the others reuse
 /// them.
 struct RowsArrays {
-    /// What they were built for: per row (request, length, slot, the slot's epoch).
-    key: Vec<(RequestId, usize, usize, u64)>,
+    /// What they were built for: per row (request, token row, length, slot, the slot's
+    /// epoch).
+    key: Vec<(RequestId, usize, usize, usize, u64)>,
     /// Per row, the host page of its current page (`None`: not on the host yet).
     current_host: Vec<Option<u32>>,
     /// The decode batch over the hot buffers' KV: one query per row, lengths after the new
@@ -108,6 +128,8 @@ struct RowsArrays {
     blocks: CudaSlice<i32>,
     /// `[rows, max_pages]`: each row's host pages, -1 padded.
     host_table: CudaSlice<i32>,
+    /// `[rows]`: each row's token row in the batch's K and V.
+    token_rows: CudaSlice<i32>,
     /// `[rows]`: the device slot of each row's new token.
     new_slots: CudaSlice<i32>,
 }
@@ -192,7 +214,24 @@ impl<T: CudaElement> DeviceSparse<T> {
             hot: c.hot_pages,
             max_pages,
             rows: None,
+            backup: None,
+            clock: None,
         })
+    }
+
+    /// Sets (or, with `None`, removes) the clock the hooks mark their stages on, and answers
+    /// the one set before.
+    pub fn set_clock(&mut self, clock: Option<StageClock>) -> Option<StageClock> {
+        std::mem::replace(&mut self.clock, clock)
+    }
+
+    /// The clock the hooks mark their stages on.
+    pub fn clock_mut(&mut self) -> Option<&mut StageClock> {
+        self.clock.as_mut()
+    }
+
+    fn mark(&mut self, label: &'static str) -> Result<(), CoordError> {
+        hooks::mark(&mut self.clock, label)
     }
 
     /// Attention of the sparse rows of `layer`'s last
@@ -207,7 +246,9 @@ impl<T: CudaElement> DeviceSparse<T> {
         params: &AttnParams,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CoordError> {
-        let l = self.layer_mut(coord, layer)?;
+        let sl = sparse_index(coord, layer)?;
+        self.mark("model")?;
+        let l = &mut self.layers[sl];
         let step = l
             .step
             .as_mut()
@@ -224,7 +265,8 @@ impl<T: CudaElement> DeviceSparse<T> {
         let (lens, table) = unsafe { step.attn.arrays_mut() };
         std::mem::swap(lens, &mut step.top.covered);
         std::mem::swap(table, &mut step.diff.table);
-        Ok(res?)
+        res?;
+        self.mark("attention")
     }
 
     /// The selected pages of `layer`'s last step, one row per sparse row (waits for the
@@ -288,15 +330,6 @@ impl<T: CudaElement> DeviceSparse<T> {
             .sum()
     }
 
-    fn layer_mut(
-        &mut self,
-        coord: &SparseCoordinator<T>,
-        layer: usize,
-    ) -> Result<&mut DeviceLayer<T>, CoordError> {
-        let sl = sparse_index(coord, layer)?;
-        Ok(&mut self.layers[sl])
-    }
-
     fn step(
         &self,
         coord: &SparseCoordinator<T>,
@@ -353,307 +386,6 @@ fn sparse_index<T: Element>(
         .copied()
         .flatten()
         .ok_or_else(|| CoordError::Invalid(format!("layer {layer} is not a sparse layer")))
-}
-
-impl<T: CudaElement> SparseCoordinator<T> {
-    /// [`attention_begin`](Self::attention_begin) with the sparse layers' decode step on the
-    /// GPU: `q` is the batch's queries `[tokens, q_heads, head_dim]` on the device, `k` and
-    /// `v` the new tokens' keys and values on the host. Sparse rows are enqueued on `gpu`'s
-    /// stream (reserved-slot refresh, new tokens, Quest scores and top-k, diff, loads); run
-    /// [`DeviceSparse::attend`] for their attention.
-    pub fn attention_begin_device(
-        &mut self,
-        gpu: &Gpu,
-        dev: &mut DeviceSparse<T>,
-        layer: usize,
-        q: &CudaSlice<T>,
-        k: &[T],
-        v: &[T],
-    ) -> Result<DeviceLayerPlan, CoordError> {
-        self.check_layer_io(layer, None, k, v)?;
-        let m = self.model;
-        let tokens = k.len() / (m.kv_heads * m.head_dim);
-        let qs = m.q_heads * m.head_dim;
-        if q.len() != tokens * qs {
-            return Err(CoordError::Invalid(format!(
-                "q of {} elements for {tokens} tokens of {} heads of {}",
-                q.len(),
-                m.q_heads,
-                m.head_dim
-            )));
-        }
-        if dev.layers.len() != self.sparse_layers.len()
-            || dev.epochs.len() != self.slot_epochs.len()
-            || (dev.q_heads, dev.kv_heads, dev.head_dim) != (m.q_heads, m.kv_heads, m.head_dim)
-        {
-            return Err(CoordError::Invalid(
-                "a device mirror made for another coordinator".to_owned(),
-            ));
-        }
-        let batch = self.forward.as_ref().map_or(0, |f| f.batch.len());
-        let mut routes = vec![Route::Dense; batch];
-        let Some(sl) = self.sparse_of[layer] else {
-            return Ok(DeviceLayerPlan { routes, rows: 0 });
-        };
-        let rows = self.decode_rows();
-        dev.layers[sl].step = None;
-        if rows.is_empty() {
-            return Ok(DeviceLayerPlan { routes, rows: 0 });
-        }
-        for r in &rows {
-            if dev.epochs[r.slot] != self.slot_epochs[r.slot] {
-                dev.adopt(gpu, self, r.slot)?;
-            }
-        }
-        let manager = self.manager.as_ref().expect("sparse layers have a manager");
-        let arrays = dev.rows_arrays(gpu, &rows, &self.slot_epochs, |id| {
-            manager.host_pages(id).map(<[u32]>::to_vec)
-        })?;
-        let step = dev.begin_layer(gpu, sl, &rows, arrays, q, k, v)?;
-        dev.layers[sl].step = Some(step);
-        for (j, r) in rows.iter().enumerate() {
-            routes[r.index] = Route::Sparse(j);
-        }
-        Ok(DeviceLayerPlan {
-            routes,
-            rows: rows.len(),
-        })
-    }
-
-    /// [`attention_end`](Self::attention_end) for a forward whose sparse layers run on the
-    /// device: the new tokens go to the host pool (the bytes the device loads from), prompts
-    /// completed by this forward get their representations (uploaded when they first decode),
-    /// and the device updates the current pages' min/max from the reserved slots.
-    pub fn attention_end_device(
-        &mut self,
-        dev: &mut DeviceSparse<T>,
-        layer: usize,
-        k: &[T],
-        v: &[T],
-    ) -> Result<(), CoordError> {
-        self.end_layer(layer, k, v, false)?;
-        if let Some(sl) = self.sparse_of[layer] {
-            let DeviceLayer {
-                quest,
-                reps,
-                kv,
-                step,
-                ..
-            } = &mut dev.layers[sl];
-            if let Some(step) = step.as_ref() {
-                let a = &step.arrays;
-                dev.select
-                    .update_minmax(quest, kv, &a.meta, 0, &a.slots, reps)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl<T: CudaElement> DeviceSparse<T> {
-    /// The device arrays of this forward's decode rows, built by its first sparse layer and
-    /// reused by the others; `host_pages` answers a request's host pages in logical order.
-    fn rows_arrays(
-        &mut self,
-        gpu: &Gpu,
-        rows: &[DecodeRow],
-        epochs: &[u64],
-        host_pages: impl Fn(RequestId) -> Result<Vec<u32>, offload::OffloadError>,
-    ) -> Result<Arc<RowsArrays>, CoordError> {
-        let key: Vec<_> = rows
-            .iter()
-            .map(|r| (r.id, r.len, r.slot, epochs[r.slot]))
-            .collect();
-        if let Some(a) = self.rows.as_ref().filter(|a| a.key == key) {
-            return Ok(a.clone());
-        }
-        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
-        let n = rows.len();
-        let mut current_host = Vec::with_capacity(n);
-        let mut new_slots = Vec::with_capacity(n);
-        let mut lens = Vec::with_capacity(n);
-        let mut current = Vec::with_capacity(n);
-        let mut table = Vec::with_capacity(n * mp);
-        let mut host_table = Vec::with_capacity(n * mp);
-        let mut blocks = Vec::with_capacity(n * (hot + 1));
-        for r in rows {
-            let total = r.len + 1;
-            if total > mp * ps {
-                return Err(CoordError::Invalid(format!(
-                    "{:?}: {total} tokens exceed the device's {} per request",
-                    r.id,
-                    mp * ps
-                )));
-            }
-            let cur = r.len / ps;
-            let pages = host_pages(r.id)?;
-            let base = r.slot * (hot + 1);
-            current_host.push(pages.get(cur).copied());
-            new_slots.push(to_i32((base + hot) * ps + total - cur * ps - 1)?);
-            lens.push(to_i32(total)?);
-            current.push(to_i32(cur)?);
-            table.extend(std::iter::repeat_n(to_i32(base + hot)?, mp));
-            host_table.extend((0..mp).map(|i| pages.get(i).map_or(-1, |&p| p as i32)));
-            for b in base..=base + hot {
-                blocks.push(to_i32(b)?);
-            }
-        }
-        let layout = self.layers[0].kv.layout();
-        let cu: Vec<i32> = (0..=n).map(to_i32).collect::<Result<_, _>>()?;
-        let slots: Vec<i32> = rows
-            .iter()
-            .map(|r| to_i32(r.slot))
-            .collect::<Result<_, _>>()?;
-        let buf_rows: Vec<usize> = rows.iter().map(|r| r.slot).collect();
-        let arrays = Arc::new(RowsArrays {
-            key,
-            current_host,
-            meta: DeviceBatch::upload(
-                gpu,
-                &BatchMeta {
-                    cu_seqlens_q: &cu,
-                    seq_lens_kv: &lens,
-                    block_table: &table,
-                    max_blocks: mp,
-                },
-                &layout,
-            )?,
-            slots: gpu.upload(&slots)?,
-            current: gpu.upload(&current)?,
-            blocks: gpu.upload(&blocks)?,
-            host_table: gpu.upload(&host_table)?,
-            buf_rows: BufRows::upload(gpu, &buf_rows, self.layers[0].bufs.rows)?,
-            new_slots: gpu.upload(&new_slots)?,
-        });
-        self.rows = Some(arrays.clone());
-        Ok(arrays)
-    }
-
-    /// Enqueues sparse layer `sl`'s step for `rows` over the forward's `arrays`.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the hook's inputs plus the rows and their arrays"
-    )]
-    fn begin_layer(
-        &mut self,
-        gpu: &Gpu,
-        sl: usize,
-        rows: &[DecodeRow],
-        arrays: Arc<RowsArrays>,
-        q: &CudaSlice<T>,
-        k: &[T],
-        v: &[T],
-    ) -> Result<LayerStep<T>, CoordError> {
-        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
-        let kvs = self.kv_heads * self.head_dim;
-        let qs = self.q_heads * self.head_dim;
-        let n = rows.len();
-        let l = &mut self.layers[sl];
-        // The reserved slots of this layer: what each lacks of its current page comes from the
-        // host, then the new tokens are written into them.
-        let mut loads = Vec::new();
-        let (mut new_k, mut new_v) = (Vec::with_capacity(n * kvs), Vec::with_capacity(n * kvs));
-        let mut reserved_tokens = 0u64;
-        for (r, &host_page) in rows.iter().zip(&arrays.current_host) {
-            let cur = r.len / ps;
-            let (valid, on_host) = (r.len + 1 - cur * ps, r.len - cur * ps);
-            let res = &mut l.reserved[r.slot];
-            if res.0 != cur as i32 {
-                *res = (cur as i32, 0);
-            }
-            if res.1 < on_host {
-                let page = host_page.ok_or_else(|| {
-                    CoordError::Invalid(format!("{:?} has no host page {cur}", r.id))
-                })?;
-                loads.push(Load {
-                    layer: sl,
-                    host_page: page,
-                    first: res.1 as u32,
-                    tokens: (on_host - res.1) as u32,
-                    device_block: (r.slot * (hot + 1) + hot) as u32,
-                });
-                reserved_tokens += (on_host - res.1) as u64;
-            }
-            res.1 = valid;
-            new_k.extend_from_slice(&k[r.row * kvs..(r.row + 1) * kvs]);
-            new_v.extend_from_slice(&v[r.row * kvs..(r.row + 1) * kvs]);
-        }
-        self.io.execute_loads(gpu, &self.host, &loads, &mut l.kv)?;
-        l.kv.set_kv(
-            &arrays.new_slots,
-            &gpu.upload(&new_k)?,
-            &gpu.upload(&new_v)?,
-        )?;
-        // The rows' queries, gathered unless the batch is exactly them.
-        let direct = q.len() == n * qs && rows.iter().enumerate().all(|(j, r)| r.row == j);
-        let q_rows = if direct {
-            None
-        } else {
-            let mut g = gpu.zeros::<T>(n * qs)?;
-            for (j, r) in rows.iter().enumerate() {
-                gpu.stream()
-                    .memcpy_dtod(
-                        &q.slice(r.row * qs..(r.row + 1) * qs),
-                        &mut g.slice_mut(j * qs..(j + 1) * qs),
-                    )
-                    .map_err(|e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))?;
-            }
-            Some(g)
-        };
-        // Quest: scores and top-k, one selection per request.
-        let mut top = DeviceTopK::new(gpu, &l.quest, n, self.kv_heads, mp * ps, true)?;
-        self.select.quest_topk(
-            &l.quest,
-            q_rows.as_ref().unwrap_or(q),
-            self.q_heads,
-            &arrays.meta,
-            0,
-            &arrays.slots,
-            &l.reps,
-            &mut top,
-        )?;
-        // The diff against each request's hot buffer, then the loads of its misses.
-        let width = l.quest.row_width();
-        let mut diff = DeviceDiff::new(gpu, n, width)?;
-        self.io.diff_rows(
-            &mut l.bufs,
-            &arrays.buf_rows,
-            &top.sel,
-            &arrays.current,
-            &arrays.blocks,
-            &mut diff,
-        )?;
-        self.io.load_misses(
-            &self.host,
-            sl,
-            &arrays.host_table,
-            mp,
-            &arrays.blocks,
-            hot,
-            &diff,
-            &mut l.kv,
-        )?;
-        let dev_arrays = DeviceArrays {
-            seq_lens_kv: gpu.zeros(n)?,
-            block_table: gpu.zeros(n * width)?,
-            max_blocks: width,
-        };
-        // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at most
-        // `width` pages of `ps` tokens, the bound given here (zeros until then).
-        let attn = unsafe {
-            DeviceBatch::from_device(gpu, dev_arrays, vec![1; n], width * ps, &l.kv.layout())
-        }?;
-        Ok(LayerStep {
-            rows: n,
-            q: q_rows,
-            top,
-            diff,
-            arrays,
-            attn,
-            reserved_loads: loads.len() as u64,
-            reserved_tokens,
-        })
-    }
 }
 
 fn to_i32(x: usize) -> Result<i32, CoordError> {

@@ -1,0 +1,384 @@
+//! The coordinator's layer hooks with the batch's queries, keys and values on the device, and
+//! the per-layer work they enqueue.
+
+use std::sync::Arc;
+
+use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, Gpu};
+use attn_op::{BatchMeta, KvCache};
+use cudarc::driver::CudaSlice;
+use kv_blocks::RequestId;
+use offload::Load;
+use offload::cuda::{BufRows, DeviceDiff};
+use sparse_algo::cuda::DeviceTopK;
+
+use super::{Backup, DeviceLayer, DeviceLayerPlan, DeviceSparse, LayerStep, RowsArrays, to_i32};
+use crate::coord::DecodeRow;
+use crate::{CoordError, Mode, Route, SparseCoordinator};
+
+impl<T: CudaElement> SparseCoordinator<T> {
+    /// [`attention_begin`](Self::attention_begin) with the sparse layers' decode step on the
+    /// GPU: `q` is the batch's queries `[tokens, q_heads, head_dim]`, `k` and `v` the new
+    /// tokens' keys and values `[tokens, kv_heads, head_dim]`, all on the device. In a sparse
+    /// layer this enqueues on `gpu`'s stream, without waiting for it: the backup of every
+    /// sparse-mode request's new tokens to the host pool, and for decode rows the
+    /// reserved-slot refresh, the new token, Quest scores and top-k, the diff and the loads.
+    /// Run [`DeviceSparse::attend`] for their attention.
+    pub fn attention_begin_device(
+        &mut self,
+        gpu: &Gpu,
+        dev: &mut DeviceSparse<T>,
+        layer: usize,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+    ) -> Result<DeviceLayerPlan, CoordError> {
+        self.check_layer_io(layer, Some(q.len()), k.len(), v.len())?;
+        let m = self.model;
+        if dev.layers.len() != self.sparse_layers.len()
+            || dev.epochs.len() != self.slot_epochs.len()
+            || (dev.q_heads, dev.kv_heads, dev.head_dim) != (m.q_heads, m.kv_heads, m.head_dim)
+        {
+            return Err(CoordError::Invalid(
+                "a device mirror made for another coordinator".to_owned(),
+            ));
+        }
+        let f = self.forward.as_ref().expect("checked by check_layer_io");
+        let mut routes = vec![Route::Dense; f.batch.len()];
+        let Some(sl) = self.sparse_of[layer] else {
+            return Ok(DeviceLayerPlan { routes, rows: 0 });
+        };
+        dev.layers[sl].step = None;
+        dev.mark("model")?;
+        self.backup_device(gpu, dev, sl, k, v)?;
+        let rows = self.decode_rows();
+        if rows.is_empty() {
+            dev.mark("write")?;
+            return Ok(DeviceLayerPlan { routes, rows: 0 });
+        }
+        for r in &rows {
+            if dev.epochs[r.slot] != self.slot_epochs[r.slot] {
+                dev.adopt(gpu, self, r.slot)?;
+            }
+        }
+        let manager = self.manager.as_ref().expect("sparse layers have a manager");
+        let arrays = dev.rows_arrays(gpu, &rows, &self.slot_epochs, |id| {
+            manager.host_pages(id).map(<[u32]>::to_vec)
+        })?;
+        let step = dev.begin_layer(gpu, sl, &rows, arrays, q, k, v)?;
+        dev.layers[sl].step = Some(step);
+        for (j, r) in rows.iter().enumerate() {
+            routes[r.index] = Route::Sparse(j);
+        }
+        Ok(DeviceLayerPlan {
+            routes,
+            rows: rows.len(),
+        })
+    }
+
+    /// [`attention_end`](Self::attention_end) for a forward whose sparse layers run on the
+    /// device: the device brings the current pages' min/max up to date from the reserved
+    /// slots, and prompts completed by this forward get their representations on the CPU
+    /// (which waits for `gpu`'s stream to have written their last tokens to the host pool;
+    /// they are uploaded when the request first decodes).
+    pub fn attention_end_device(
+        &mut self,
+        gpu: &Gpu,
+        dev: &mut DeviceSparse<T>,
+        layer: usize,
+    ) -> Result<(), CoordError> {
+        let kv = self.forward.as_ref().map_or(0, |f| f.tokens) * self.model.kv_heads;
+        self.check_layer_io(
+            layer,
+            None,
+            kv * self.model.head_dim,
+            kv * self.model.head_dim,
+        )?;
+        if let Some(sl) = self.sparse_of[layer] {
+            dev.mark("model")?;
+            let DeviceLayer {
+                quest,
+                reps,
+                kv,
+                step,
+                ..
+            } = &mut dev.layers[sl];
+            if let Some(step) = step.as_ref() {
+                let a = &step.arrays;
+                dev.select
+                    .update_minmax(quest, kv, &a.meta, 0, &a.slots, reps)?;
+            }
+            dev.mark("update")?;
+            let (_, complete) = self.ending();
+            if !complete.is_empty() {
+                gpu.synchronize()?;
+                self.build_reps(sl, &complete, false)?;
+            }
+        }
+        self.mark_ended(layer);
+        Ok(())
+    }
+
+    /// Takes host positions for the new tokens of every sparse-mode request of the forward in
+    /// sparse layer `sl` and enqueues their copy from `k` and `v` to the host pool; nothing is
+    /// taken when the pool cannot hold them all.
+    fn backup_device(
+        &mut self,
+        gpu: &Gpu,
+        dev: &mut DeviceSparse<T>,
+        sl: usize,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+    ) -> Result<(), CoordError> {
+        let f = self.forward.as_ref().expect("a forward is in progress");
+        self.check_host_room(sl, &f.batch)?;
+        let manager = self.manager.as_mut().expect("sparse layers have a manager");
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        for (&(id, n), &off) in f.batch.iter().zip(&f.offsets) {
+            if self.trackers[&id].mode == Mode::Sparse {
+                for (i, row) in manager.reserve_tokens(id, sl, n)?.into_iter().enumerate() {
+                    src.push(to_i32(off + i)?);
+                    dst.push(to_i32(row)?);
+                }
+            }
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let reuse = dev
+            .backup
+            .as_ref()
+            .is_some_and(|b| b.src == src && b.dst == dst);
+        if !reuse {
+            dev.backup = Some(Backup {
+                src_dev: gpu.upload(&src)?,
+                dst_dev: gpu.upload(&dst)?,
+                src,
+                dst,
+            });
+        }
+        let b = dev.backup.as_ref().expect("set just above");
+        dev.io
+            .backup_tokens(k, v, &b.src_dev, &dev.host, sl, &b.dst_dev)?;
+        Ok(())
+    }
+}
+
+impl<T: CudaElement> DeviceSparse<T> {
+    /// The device arrays of this forward's decode rows, built by its first sparse layer and
+    /// reused by the others; `host_pages` answers a request's host pages in logical order
+    /// (the new tokens' pages included).
+    pub(super) fn rows_arrays(
+        &mut self,
+        gpu: &Gpu,
+        rows: &[DecodeRow],
+        epochs: &[u64],
+        host_pages: impl Fn(RequestId) -> Result<Vec<u32>, offload::OffloadError>,
+    ) -> Result<Arc<RowsArrays>, CoordError> {
+        let key: Vec<_> = rows
+            .iter()
+            .map(|r| (r.id, r.row, r.len, r.slot, epochs[r.slot]))
+            .collect();
+        if let Some(a) = self.rows.as_ref().filter(|a| a.key == key) {
+            return Ok(a.clone());
+        }
+        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
+        let n = rows.len();
+        let mut current_host = Vec::with_capacity(n);
+        let mut new_slots = Vec::with_capacity(n);
+        let mut lens = Vec::with_capacity(n);
+        let mut current = Vec::with_capacity(n);
+        let mut table = Vec::with_capacity(n * mp);
+        let mut host_table = Vec::with_capacity(n * mp);
+        let mut blocks = Vec::with_capacity(n * (hot + 1));
+        for r in rows {
+            let total = r.len + 1;
+            if total > mp * ps {
+                return Err(CoordError::Invalid(format!(
+                    "{:?}: {total} tokens exceed the device's {} per request",
+                    r.id,
+                    mp * ps
+                )));
+            }
+            let cur = r.len / ps;
+            let pages = host_pages(r.id)?;
+            let base = r.slot * (hot + 1);
+            current_host.push(pages.get(cur).copied());
+            new_slots.push(to_i32((base + hot) * ps + total - cur * ps - 1)?);
+            lens.push(to_i32(total)?);
+            current.push(to_i32(cur)?);
+            table.extend(std::iter::repeat_n(to_i32(base + hot)?, mp));
+            host_table.extend((0..mp).map(|i| pages.get(i).map_or(-1, |&p| p as i32)));
+            for b in base..=base + hot {
+                blocks.push(to_i32(b)?);
+            }
+        }
+        let layout = self.layers[0].kv.layout();
+        let cu: Vec<i32> = (0..=n).map(to_i32).collect::<Result<_, _>>()?;
+        let slots: Vec<i32> = rows
+            .iter()
+            .map(|r| to_i32(r.slot))
+            .collect::<Result<_, _>>()?;
+        let token_rows: Vec<i32> = rows
+            .iter()
+            .map(|r| to_i32(r.row))
+            .collect::<Result<_, _>>()?;
+        let buf_rows: Vec<usize> = rows.iter().map(|r| r.slot).collect();
+        let arrays = Arc::new(RowsArrays {
+            key,
+            current_host,
+            meta: DeviceBatch::upload(
+                gpu,
+                &BatchMeta {
+                    cu_seqlens_q: &cu,
+                    seq_lens_kv: &lens,
+                    block_table: &table,
+                    max_blocks: mp,
+                },
+                &layout,
+            )?,
+            slots: gpu.upload(&slots)?,
+            current: gpu.upload(&current)?,
+            blocks: gpu.upload(&blocks)?,
+            host_table: gpu.upload(&host_table)?,
+            buf_rows: BufRows::upload(gpu, &buf_rows, self.layers[0].bufs.rows)?,
+            token_rows: gpu.upload(&token_rows)?,
+            new_slots: gpu.upload(&new_slots)?,
+        });
+        self.rows = Some(arrays.clone());
+        Ok(arrays)
+    }
+
+    /// Enqueues sparse layer `sl`'s step for `rows` over the forward's `arrays`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the hook's inputs plus the rows and their arrays"
+    )]
+    pub(super) fn begin_layer(
+        &mut self,
+        gpu: &Gpu,
+        sl: usize,
+        rows: &[DecodeRow],
+        arrays: Arc<RowsArrays>,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+    ) -> Result<LayerStep<T>, CoordError> {
+        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
+        let qs = self.q_heads * self.head_dim;
+        let n = rows.len();
+        let l = &mut self.layers[sl];
+        // The reserved slots of this layer: what each lacks of its current page comes from the
+        // host, then the new tokens are written into them.
+        let mut loads = Vec::new();
+        let mut reserved_tokens = 0u64;
+        for (r, &host_page) in rows.iter().zip(&arrays.current_host) {
+            let cur = r.len / ps;
+            let (valid, on_host) = (r.len + 1 - cur * ps, r.len - cur * ps);
+            let res = &mut l.reserved[r.slot];
+            if res.0 != cur as i32 {
+                *res = (cur as i32, 0);
+            }
+            if res.1 < on_host {
+                let page = host_page.ok_or_else(|| {
+                    CoordError::Invalid(format!("{:?} has no host page {cur}", r.id))
+                })?;
+                loads.push(Load {
+                    layer: sl,
+                    host_page: page,
+                    first: res.1 as u32,
+                    tokens: (on_host - res.1) as u32,
+                    device_block: (r.slot * (hot + 1) + hot) as u32,
+                });
+                reserved_tokens += (on_host - res.1) as u64;
+            }
+            res.1 = valid;
+        }
+        self.io.execute_loads(gpu, &self.host, &loads, &mut l.kv)?;
+        self.io
+            .scatter_tokens(k, v, &arrays.token_rows, &mut l.kv, &arrays.new_slots)?;
+        mark(&mut self.clock, "write")?;
+        // The rows' queries, gathered unless the batch is exactly them.
+        let direct = q.len() == n * qs && rows.iter().enumerate().all(|(j, r)| r.row == j);
+        let q_rows = if direct {
+            None
+        } else {
+            let mut g = gpu.zeros::<T>(n * qs)?;
+            for (j, r) in rows.iter().enumerate() {
+                gpu.stream()
+                    .memcpy_dtod(
+                        &q.slice(r.row * qs..(r.row + 1) * qs),
+                        &mut g.slice_mut(j * qs..(j + 1) * qs),
+                    )
+                    .map_err(|e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))?;
+            }
+            Some(g)
+        };
+        // Quest: scores and top-k, one selection per request.
+        let mut top = DeviceTopK::new(gpu, &l.quest, n, self.kv_heads, mp * ps, true)?;
+        self.select.quest_topk(
+            &l.quest,
+            q_rows.as_ref().unwrap_or(q),
+            self.q_heads,
+            &arrays.meta,
+            0,
+            &arrays.slots,
+            &l.reps,
+            &mut top,
+        )?;
+        mark(&mut self.clock, "selection")?;
+        // The diff against each request's hot buffer, then the loads of its misses.
+        let width = l.quest.row_width();
+        let mut diff = DeviceDiff::new(gpu, n, width)?;
+        self.io.diff_rows(
+            &mut l.bufs,
+            &arrays.buf_rows,
+            &top.sel,
+            &arrays.current,
+            &arrays.blocks,
+            &mut diff,
+        )?;
+        mark(&mut self.clock, "diff")?;
+        self.io.load_misses(
+            &self.host,
+            sl,
+            &arrays.host_table,
+            mp,
+            &arrays.blocks,
+            hot,
+            &diff,
+            &mut l.kv,
+        )?;
+        mark(&mut self.clock, "loads")?;
+        let dev_arrays = DeviceArrays {
+            seq_lens_kv: gpu.zeros(n)?,
+            block_table: gpu.zeros(n * width)?,
+            max_blocks: width,
+        };
+        // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at most
+        // `width` pages of `ps` tokens, the bound given here (zeros until then).
+        let attn = unsafe {
+            DeviceBatch::from_device(gpu, dev_arrays, vec![1; n], width * ps, &l.kv.layout())
+        }?;
+        Ok(LayerStep {
+            rows: n,
+            q: q_rows,
+            top,
+            diff,
+            arrays,
+            attn,
+            reserved_loads: loads.len() as u64,
+            reserved_tokens,
+        })
+    }
+}
+
+/// Marks the end of a stage on `clock`, if one is set.
+pub(super) fn mark(
+    clock: &mut Option<attn_op::cuda::StageClock>,
+    label: &'static str,
+) -> Result<(), CoordError> {
+    if let Some(c) = clock {
+        c.mark(label)?;
+    }
+    Ok(())
+}
