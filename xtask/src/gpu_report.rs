@@ -1,8 +1,8 @@
 //! The GPU half of the bench report, written on the GPU machine by the device bundle's
 //! `run.sh` (`xtask gpu-report OUTDIR`) from the JSON its checks and benches left in OUTDIR:
 //! `report.md` with the sparse/dense speedup against context (ours and torch SDPA's dense, in
-//! the same run), the hierarchical step's stage shares, the bundle's table, and
-//! `gpu_speedup.png`.
+//! the same run), the hierarchical step's stage shares, the synthetic 8B-class model's
+//! capacity, throughput and stages, the bundle's table, and `gpu_speedup.png`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -38,6 +38,10 @@ pub(crate) fn write(dir: &Path) -> Result<String, String> {
         stages(&step, &mut md);
     } else {
         md.push_str("## The hierarchical step\n\nNot measured: no step.json.\n\n");
+    }
+    match read("synth.json") {
+        Some(synth) => synthetic(&synth, &mut md),
+        None => md.push_str("## The synthetic 8B-class model\n\nNot measured: no synth.json.\n\n"),
     }
     if let Ok(table) = std::fs::read_to_string(dir.join("table.txt")) {
         let _ = write!(
@@ -167,6 +171,70 @@ fn stages(step: &Value, md: &mut String) {
     );
 }
 
+/// The synthetic 8B-class model from `gpu_engine bench --json`: one row per run, then the
+/// sparse runs' device time by stage.
+fn synthetic(synth: &Value, md: &mut String) {
+    md.push_str(
+        "## The synthetic 8B-class model, dense against sparse\n\n\
+         Whole-model decode steps (`gpu_engine bench`); keys: the synthetic prompts' (random, or \
+         heavy-hitter pages every query selects).\n\n\
+         | context | mode | keys | batch | device MiB/request | host GiB/request | device max | \
+         ms/step | tokens/s | miss rate |\n| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | \
+         ---: | ---: |\n",
+    );
+    let rows = synth["rows"].as_array().cloned().unwrap_or_default();
+    let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    for r in &rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.1} | {:.2} | {} | {:.2} | {:.1} | {} |",
+            r["context"].as_u64().unwrap_or(0),
+            r["mode"].as_str().unwrap_or("?"),
+            r["keys"].as_str().unwrap_or("-"),
+            r["batch"].as_u64().unwrap_or(0),
+            num(r, "device_bytes") / f64::from(1u32 << 20),
+            num(r, "host_bytes") / f64::from(1u32 << 30),
+            r["device_max"].as_u64().unwrap_or(0),
+            num(r, "step_ms"),
+            num(r, "tokens_per_s"),
+            r["miss_rate"]
+                .as_f64()
+                .map_or("-".to_owned(), |m| format!("{m:.3}"))
+        );
+    }
+    md.push_str("\nSparse step, device ms by stage (share):\n\n");
+    for r in &rows {
+        let stages: Vec<(&str, f64)> = r["stages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| {
+                (
+                    s["stage"].as_str().unwrap_or("?"),
+                    s["ms"].as_f64().unwrap_or(f64::NAN),
+                )
+            })
+            .collect();
+        if stages.is_empty() {
+            continue;
+        }
+        let sum: f64 = stages.iter().map(|s| s.1).sum();
+        let parts: Vec<String> = stages
+            .iter()
+            .map(|(l, t)| format!("{l} {t:.2} ({:.0} %)", 100.0 * t / sum))
+            .collect();
+        let _ = writeln!(
+            md,
+            "- {} {} B{}: {sum:.2} ms = {}",
+            r["context"].as_u64().unwrap_or(0),
+            r["keys"].as_str().unwrap_or("-"),
+            r["batch"].as_u64().unwrap_or(0),
+            parts.join(", ")
+        );
+    }
+    md.push('\n');
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,10 +253,16 @@ mod tests {
         let step = serde_json::json!({ "shape": "B8 L32K", "miss_rate": 0.05, "whole_ms": 0.1,
             "serial_ms_per_layer": 0.2, "pipelined_ms_per_layer": 0.15,
             "stages": [{ "stage": "hot-buffer diff", "ms": 0.01, "share": 0.1 }] });
+        let synth = serde_json::json!({ "device": "NVIDIA H200", "rows": [
+            { "context": 32768, "mode": "sparse", "keys": "heavy", "batch": 16,
+              "device_bytes": 807_600_000u64, "host_bytes": 5_379_000_000u64, "device_max": 159,
+              "step_ms": 20.0, "tokens_per_s": 800.0, "miss_rate": 0.1,
+              "stages": [{ "stage": "model", "ms": 5.0 }, { "stage": "loads", "ms": 15.0 }] }] });
         for (name, v) in [
             ("bench.json", bench),
             ("peers.json", peers),
             ("step.json", step),
+            ("synth.json", synth),
         ] {
             std::fs::write(dir.join(name), v.to_string()).expect("writable");
         }
@@ -200,6 +274,8 @@ mod tests {
             "| 128K | 0.2000 ms | 0.0200 ms | 0.3000 ms | 10.0× | 15.0× |",
             "| hot-buffer diff | 0.0100 | 10.0 % |",
             "miss rate of 5.0 %",
+            "| 32768 | sparse | heavy | 16 | 770.2 | 5.01 | 159 | 20.00 | 800.0 | 0.100 |",
+            "- 32768 heavy B16: 20.00 ms = model 5.00 (25 %), loads 15.00 (75 %)",
             "```text\ndevice: NVIDIA H200\n```",
         ] {
             assert!(md.contains(want), "{want:?} missing from\n{md}");

@@ -123,7 +123,7 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"stages_ms\":{{{}}}}}",
+                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"stages\":[{}]}}",
                     r.context,
                     r.mode,
                     r.keys,
@@ -136,7 +136,7 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
                     r.miss.map_or("null".to_owned(), |m| m.to_string()),
                     r.stages
                         .iter()
-                        .map(|(l, t)| format!("{l:?}:{t}"))
+                        .map(|(l, t)| format!("{{\"stage\":{l:?},\"ms\":{t}}}"))
                         .collect::<Vec<_>>()
                         .join(",")
                 )
