@@ -39,6 +39,13 @@ pub(crate) fn write(dir: &Path) -> Result<String, String> {
     } else {
         md.push_str("## The hierarchical step\n\nNot measured: no step.json.\n\n");
     }
+    match read("fidelity.json") {
+        Some(f) => fidelity(&f, &mut md),
+        None => md.push_str(
+            "## Sparse fidelity on the GPU\n\nNot measured: no fidelity.json (the real model \
+             travels in two parts; see run.sh).\n\n",
+        ),
+    }
     match read("synth.json") {
         Some(synth) => synthetic(&synth, &mut md),
         None => md.push_str("## The synthetic 8B-class model\n\nNot measured: no synth.json.\n\n"),
@@ -171,6 +178,35 @@ fn stages(step: &Value, md: &mut String) {
     );
 }
 
+/// The real model's sparse fidelity on the CPU and the GPU, from `gpu_engine fidelity --json`.
+fn fidelity(f: &Value, md: &mut String) {
+    let _ = write!(
+        md,
+        "## Sparse fidelity on the GPU\n\nThe real model, {} prefill + {} teacher-forced tokens, \
+         {} against dense; each side against its own dense.\n\n\
+         | side | ppl dense | ppl sparse | ratio | top-1 agreement |\n| --- | ---: | ---: | ---: | ---: |\n",
+        f["prefill"].as_u64().unwrap_or(0),
+        f["decode"].as_u64().unwrap_or(0),
+        f["variant"].as_str().unwrap_or("?")
+    );
+    for side in ["cpu", "gpu"] {
+        let g = |k: &str| f[side][k].as_f64().unwrap_or(f64::NAN);
+        let _ = writeln!(
+            md,
+            "| {side} | {:.4} | {:.4} | {:.4} | {:.4} |",
+            g("ppl_dense"),
+            g("ppl_sparse"),
+            g("ppl_ratio"),
+            g("top1")
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nGPU sparse decode miss rate {:.3}.\n",
+        f["gpu_miss_rate"].as_f64().unwrap_or(f64::NAN)
+    );
+}
+
 /// The synthetic 8B-class model from `gpu_engine bench --json`: one row per run, then the
 /// sparse runs' device time by stage.
 fn synthetic(synth: &Value, md: &mut String) {
@@ -258,11 +294,15 @@ mod tests {
               "device_bytes": 807_600_000u64, "host_bytes": 5_379_000_000u64, "device_max": 159,
               "step_ms": 20.0, "tokens_per_s": 800.0, "miss_rate": 0.1,
               "stages": [{ "stage": "model", "ms": 5.0 }, { "stage": "loads", "ms": 15.0 }] }] });
+        let side = |d: f64, sp: f64, t: f64| serde_json::json!({ "ppl_dense": d, "ppl_sparse": sp, "ppl_ratio": sp / d, "top1": t });
+        let fidelity = serde_json::json!({ "prefill": 3584, "decode": 256, "variant": "quest-1024+2dense",
+            "cpu": side(17.0, 18.0, 0.85), "gpu": side(16.0, 17.0, 0.8), "gpu_miss_rate": 0.043 });
         for (name, v) in [
             ("bench.json", bench),
             ("peers.json", peers),
             ("step.json", step),
             ("synth.json", synth),
+            ("fidelity.json", fidelity),
         ] {
             std::fs::write(dir.join(name), v.to_string()).expect("writable");
         }
@@ -274,6 +314,8 @@ mod tests {
             "| 128K | 0.2000 ms | 0.0200 ms | 0.3000 ms | 10.0× | 15.0× |",
             "| hot-buffer diff | 0.0100 | 10.0 % |",
             "miss rate of 5.0 %",
+            "| gpu | 16.0000 | 17.0000 | 1.0625 | 0.8000 |",
+            "GPU sparse decode miss rate 0.043.",
             "| 32768 | sparse | heavy | 16 | 770.2 | 5.01 | 159 | 20.00 | 800.0 | 0.100 |",
             "- 32768 heavy B16: 20.00 ms = model 5.00 (25 %), loads 15.00 (75 %)",
             "```text\ndevice: NVIDIA H200\n```",

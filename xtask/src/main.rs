@@ -367,6 +367,8 @@ if [ -f "$model_a" ] && [ -f "$here/model.part-b" ]; then
   if [ "$(sha256sum /tmp/hsa-model.gguf | cut -d' ' -f1)" = "$(cat "$here/model.sha256")" ]; then
     "$here/bin/gpu_engine" check /tmp/hsa-model.gguf "$here/text.txt" --json "$out/engine.json" 2>&1 | tee -a "$out/check.log"
     [ "${PIPESTATUS[0]}" = 0 ] || check=1
+    "$here/bin/gpu_engine" fidelity /tmp/hsa-model.gguf "$here/text.txt" --json "$out/fidelity.json" 2>&1 | tee -a "$out/check.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || check=1
   else
     echo "gpu_engine check: FAILED (the reassembled model's sha256 differs)" | tee -a "$out/check.log"
     check=1
@@ -413,7 +415,7 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
     --section MemoryWorkloadAnalysis "$here/bin/gpu_select" bench >> "$out/tools.log" 2>&1
   echo "ncu exit $?" >> "$out/tools.log"
 fi
-grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:|gpu_engine check)" "$out/check.log"
+grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:|gpu_engine check|gpu_engine fidelity)" "$out/check.log"
 python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" "$out/select.json" | tee "$out/table.txt"
 "$here/bin/gpu_step" bench --json "$out/step.json" 2>&1 | tee -a "$out/table.txt"
 # The synthetic 8B-class model: capacity and decode throughput, dense against sparse.

@@ -1,33 +1,38 @@
 //! Attention of a GPU forward through the sparse coordinator's device hooks (feature `cuda`):
 //! per layer, the coordinator enqueues the new tokens' backup to its host pool, selection,
 //! diff and loads ([`SparseCoordinator::attention_begin_device`]), attention runs over the hot
-//! buffers ([`DeviceSparse::attend`]), and the coordinator ends the layer
+//! buffers ([`DeviceSparse::attend`]) or densely over the engine's device cache
+//! ([`GpuDenseAttention`]), and the coordinator ends the layer
 //! ([`SparseCoordinator::attention_end_device`]). Queries, keys and values stay on the
-//! device, and nothing waits for the stream.
+//! device, and nothing waits for the stream except the end of a prompt (the coordinator
+//! builds its representations from the host pool).
 //!
-//! It runs decode batches whose every request is in sparse mode and every layer sparse (the
-//! capacity and throughput runs); a dense route (a dense layer, a dense-mode request or a
-//! prefill) needs the engine's device cache beside it and is answered with
+//! A layer's batch runs one way: every request sparse (sparse-mode decode requests in a
+//! sparse layer), or every request dense (a prefill, a dense layer, dense-mode requests),
+//! which needs the dense backend. A batch that mixes the two is answered with
 //! [`EngineError::Invalid`].
 
 use attn_op::AttnParams;
+use attn_op::cuda::Gpu;
 use coordinator::cuda::DeviceSparse;
 use coordinator::{Route, SparseCoordinator};
 use cudarc::driver::CudaSlice;
 
 use crate::EngineError;
-use crate::gpu::{GpuAttention, GpuFloat};
-use attn_op::cuda::Gpu;
+use crate::gpu::{GpuAttention, GpuDenseAttention, GpuFloat};
 
 /// One forward's attention through a [`SparseCoordinator`] and its device mirror, between
 /// the coordinator's `forward_begin` and `forward_end` (the caller's).
 pub struct GpuSparseAttention<'a, T: GpuFloat> {
-    /// The coordinator, inside a forward of sparse-mode decode requests.
+    /// The coordinator, inside a forward.
     pub coord: &'a mut SparseCoordinator<T>,
     /// Its device mirror.
     pub dev: &'a mut DeviceSparse<T>,
     /// Heads and softmax scale.
     pub params: AttnParams,
+    /// Dense attention over the engine's device cache, for the layers the coordinator routes
+    /// densely; `None` where every route must be sparse.
+    pub dense: Option<GpuDenseAttention<T>>,
 }
 
 impl<T: GpuFloat> GpuAttention<T> for GpuSparseAttention<'_, T> {
@@ -43,20 +48,29 @@ impl<T: GpuFloat> GpuAttention<T> for GpuSparseAttention<'_, T> {
         let plan = self
             .coord
             .attention_begin_device(gpu, self.dev, layer, q, k, v)?;
-        if let Some(i) = plan
+        let sparse = plan
             .routes
             .iter()
-            .enumerate()
-            .position(|(i, r)| *r != Route::Sparse(i))
-        {
+            .filter(|r| matches!(r, Route::Sparse(_)))
+            .count();
+        if sparse == plan.routes.len() {
+            self.dev
+                .attend(gpu, self.coord, layer, q, &self.params, out)?;
+        } else if sparse == 0 {
+            let dense = self.dense.as_mut().ok_or_else(|| {
+                EngineError::Invalid(format!(
+                    "layer {layer} routes the batch densely, and this forward has no dense \
+                     attention"
+                ))
+            })?;
+            dense.attend(gpu, layer, q, k, v, out)?;
+        } else {
             return Err(EngineError::Invalid(format!(
-                "layer {layer}: request {i} of the batch is routed {:?}; GPU sparse attention \
-                 runs batches of sparse-mode decode requests in sparse layers only",
-                plan.routes[i]
+                "layer {layer}: {sparse} of {} requests are routed sparse; GPU attention runs a \
+                 batch all sparse or all dense",
+                plan.routes.len()
             )));
         }
-        self.dev
-            .attend(gpu, self.coord, layer, q, &self.params, out)?;
         self.coord.attention_end_device(gpu, self.dev, layer)?;
         Ok(())
     }

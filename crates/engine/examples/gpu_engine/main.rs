@@ -14,6 +14,10 @@
 //! weights alone keep 8 significant bits of the Q4_1 values, which moves this model's logits
 //! by about 2e-2). It also reports the weights' device bytes and the decode step time.
 //!
+//! `gpu_engine fidelity MODEL TEXT [--json FILE]`: dense against hierarchical sparse decode
+//! of the real model on the CPU and on the GPU, each side's perplexity ratio and top-1
+//! agreement (module `fidelity`).
+//!
 //! `gpu_engine bench [--json FILE]`: the synthetic 8B-class model's capacity and decode
 //! throughput, dense against hierarchical sparse (module `synth`).
 //!
@@ -24,6 +28,7 @@
     reason = "a command-line tool"
 )]
 
+mod fidelity;
 #[path = "../../../attn-op/examples/gpu/report.rs"]
 mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
@@ -60,7 +65,10 @@ fn run(cmd: &str, args: &[String]) -> Res<i32> {
     match cmd {
         "check" => check(args),
         "bench" => synth::bench(args),
-        other => Err(format!("unknown command {other:?} (check or bench)")),
+        "fidelity" => fidelity::fidelity(args),
+        other => Err(format!(
+            "unknown command {other:?} (check, fidelity or bench)"
+        )),
     }
 }
 

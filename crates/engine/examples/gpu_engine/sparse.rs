@@ -174,6 +174,7 @@ pub(crate) fn runs(
                 coord: &mut coord,
                 dev: &mut dev,
                 params: params.clone(),
+                dense: None,
             };
             let next = gm
                 .forward_greedy(&tokens[..batch], &pos[..batch], &mut att, &all)
