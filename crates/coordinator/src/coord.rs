@@ -702,14 +702,8 @@ impl<T: Element> SparseCoordinator<T> {
         self.trackers.get(&id).ok_or(CoordError::UnknownRequest(id))
     }
 
-    /// Checks a layer hook: a forward in progress, the layer not ended, and the batch's shapes.
-    pub(crate) fn check_layer_io(
-        &self,
-        layer: usize,
-        q: Option<usize>,
-        k: usize,
-        v: usize,
-    ) -> Result<(), CoordError> {
+    /// Checks a layer hook: a forward in progress and the layer not ended; answers the forward.
+    pub(crate) fn check_layer(&self, layer: usize) -> Result<&Forward, CoordError> {
         let f = self
             .forward
             .as_ref()
@@ -719,6 +713,18 @@ impl<T: Element> SparseCoordinator<T> {
                 "layer {layer} is out of range or has ended"
             )));
         }
+        Ok(f)
+    }
+
+    /// [`check_layer`](Self::check_layer), and the batch's shapes: `q`, `k` and `v` elements.
+    pub(crate) fn check_layer_io(
+        &self,
+        layer: usize,
+        q: Option<usize>,
+        k: usize,
+        v: usize,
+    ) -> Result<(), CoordError> {
+        let f = self.check_layer(layer)?;
         let m = self.model;
         let want = |what: &str, got: usize, heads: usize| {
             if got == f.tokens * heads * m.head_dim {

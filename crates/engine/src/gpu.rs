@@ -46,7 +46,9 @@ impl GpuFloat for bf16 {
     const BLAS: blas_sys::cudaDataType_t = blas_sys::cudaDataType_t::CUDA_R_16BF;
 }
 
-/// Where a GPU forward's attention runs: dense over the engine's device cache, or a test's.
+/// Where a GPU forward's attention runs: dense over the engine's device cache
+/// ([`GpuDenseAttention`]), through the sparse coordinator
+/// ([`GpuSparseAttention`](crate::gpu_sparse::GpuSparseAttention)), or a test's.
 pub trait GpuAttention<T: GpuFloat> {
     /// Layer `layer`'s attention for the batch's new tokens: `q` is `[tokens, q_heads,
     /// head_dim]`, `k` and `v` `[tokens, kv_heads, head_dim]` (RoPE applied), the result goes

@@ -86,13 +86,7 @@ impl<T: CudaElement> SparseCoordinator<T> {
         dev: &mut DeviceSparse<T>,
         layer: usize,
     ) -> Result<(), CoordError> {
-        let kv = self.forward.as_ref().map_or(0, |f| f.tokens) * self.model.kv_heads;
-        self.check_layer_io(
-            layer,
-            None,
-            kv * self.model.head_dim,
-            kv * self.model.head_dim,
-        )?;
+        self.check_layer(layer)?;
         if let Some(sl) = self.sparse_of[layer] {
             dev.mark("model")?;
             let DeviceLayer {

@@ -7,7 +7,6 @@
 //! prompt up to the host pool, then every decode step through them). Each side's sparse run
 //! is compared with its own dense run: perplexity ratio and top-1 agreement.
 
-use std::path::Path;
 use std::time::Instant;
 
 use attn_op::AttnParams;
@@ -15,15 +14,14 @@ use attn_op::cuda::Gpu;
 use coordinator::cuda::DeviceSparse;
 use coordinator::{Capacity, SparseConfig, SparseCoordinator};
 use engine::eval::{EvalOptions, argmax, nll, teacher_forced};
-use engine::gguf::Gguf;
 use engine::gpu::{GpuDenseAttention, GpuModel};
 use engine::gpu_sparse::GpuSparseAttention;
-use engine::{Batch, Model, Tokenizer};
+use engine::{Batch, Model};
 use half::f16;
 use kv_blocks::RequestId;
 use offload::{HostAlloc, HostLayout};
 
-use crate::{BLOCK, Res, report};
+use crate::{BLOCK, Inputs, Res, inputs, report};
 
 /// Tokens prefilled, then positions teacher-forced.
 const PREFILL: usize = 3584;
@@ -47,22 +45,16 @@ impl Figures {
 }
 
 pub(crate) fn fidelity(args: &[String]) -> Res<i32> {
-    let usage = "usage: gpu_engine fidelity MODEL TEXT [--json FILE]";
-    let model_path = args.first().ok_or(usage)?;
-    let text_path = args.get(1).ok_or(usage)?;
     let s = |e: engine::EngineError| e.to_string();
     let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
     let device = gpu.name().map_err(|e| e.to_string())?;
-    let file = Gguf::open(Path::new(model_path)).map_err(s)?;
-    let model = Model::load(&file).map_err(s)?;
-    let tok = Tokenizer::from_gguf(&file).map_err(s)?;
-    let text = std::fs::read_to_string(text_path).map_err(|e| format!("{text_path}: {e}"))?;
-    let ids = tok.encode(&text).map_err(s)?;
-    let n = PREFILL + DECODE + 1;
-    if ids.len() < n {
-        return Err(format!("{text_path} has {} tokens; {n} needed", ids.len()));
-    }
-    let ids = &ids[..n];
+    let Inputs {
+        model,
+        ids,
+        model_path,
+        text_path,
+    } = inputs("fidelity", args, PREFILL + DECODE + 1)?;
+    let ids = &ids[..];
     let config = SparseConfig {
         dense_layers: vec![0, 1],
         min_prompt_tokens: Some(1),

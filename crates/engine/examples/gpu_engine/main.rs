@@ -177,24 +177,52 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
     })
 }
 
-fn check(args: &[String]) -> Res<i32> {
-    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
-    let device = gpu.name().map_err(|e| e.to_string())?;
-    let model_path = args.first().ok_or("usage: gpu_engine check MODEL TEXT")?;
-    let text_path = args.get(1).ok_or("usage: gpu_engine check MODEL TEXT")?;
+/// What `check` and `fidelity` run on: the real model and the first tokens of a text.
+struct Inputs<'a> {
+    model: Model,
+    ids: Vec<u32>,
+    model_path: &'a str,
+    text_path: &'a str,
+}
+
+/// Loads `MODEL TEXT` (the first two of `args`) for command `cmd`: the GGUF model and the
+/// text's first `tokens` tokens (an error where it has fewer).
+fn inputs<'a>(cmd: &str, args: &'a [String], tokens: usize) -> Res<Inputs<'a>> {
+    let usage = || format!("usage: gpu_engine {cmd} MODEL TEXT [--json FILE]");
+    let model_path = args.first().ok_or_else(usage)?;
+    let text_path = args.get(1).ok_or_else(usage)?;
     let s = |e: engine::EngineError| e.to_string();
     let file = Gguf::open(Path::new(model_path)).map_err(s)?;
     let model = Model::load(&file).map_err(s)?;
     let tok = Tokenizer::from_gguf(&file).map_err(s)?;
     let text = std::fs::read_to_string(text_path).map_err(|e| format!("{text_path}: {e}"))?;
-    let ids = tok.encode(&text).map_err(s)?;
-    let total = PREFILL + DECODE + 1;
-    if ids.len() < total {
+    let mut ids = tok.encode(&text).map_err(s)?;
+    if ids.len() < tokens {
         return Err(format!(
-            "{text_path} has {} tokens; {total} needed",
+            "{text_path} has {} tokens; {tokens} needed",
             ids.len()
         ));
     }
+    ids.truncate(tokens);
+    Ok(Inputs {
+        model,
+        ids,
+        model_path,
+        text_path,
+    })
+}
+
+fn check(args: &[String]) -> Res<i32> {
+    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    let device = gpu.name().map_err(|e| e.to_string())?;
+    let s = |e: engine::EngineError| e.to_string();
+    let total = PREFILL + DECODE + 1;
+    let Inputs {
+        model,
+        ids,
+        model_path,
+        text_path,
+    } = inputs("check", args, total)?;
     let c = model.config;
     let blocks = total.div_ceil(BLOCK);
     let n = PREFILL + DECODE;

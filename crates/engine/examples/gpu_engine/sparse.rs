@@ -65,15 +65,18 @@ pub(crate) fn host_bytes(gm: &GpuModel<bf16>, context: usize, runs: usize) -> us
 
 /// The process's resident memory (`VmRSS` of /proc/self/status), in bytes; 0 where unknown.
 fn resident() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().strip_suffix("kB"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-        })
-        .map_or(0, |kb| kb << 10)
+    proc_bytes("/proc/self/status", "VmRSS:").unwrap_or(0)
+}
+
+/// The value of line `key` (a count of kB) of a /proc file such as /proc/meminfo, in bytes.
+pub(crate) fn proc_bytes(path: &str, key: &str) -> Option<usize> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map(|kb| kb << 10)
 }
 
 /// Prefills `max(batches)` requests of `context` tokens through the coordinator's CPU hooks,

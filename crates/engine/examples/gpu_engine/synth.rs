@@ -265,13 +265,7 @@ fn dense(gm: &GpuModel<bf16>, context: usize, batch: usize) -> Result<f64, engin
 
 /// The host's available memory (`MemAvailable` of /proc/meminfo), in bytes.
 fn available_host() -> Res<usize> {
-    let info =
-        std::fs::read_to_string("/proc/meminfo").map_err(|e| format!("/proc/meminfo: {e}"))?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .map(|kb| kb << 10)
+    sparse::proc_bytes("/proc/meminfo", "MemAvailable:")
         .ok_or_else(|| "no MemAvailable in /proc/meminfo".to_owned())
 }
 
