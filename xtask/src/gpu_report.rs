@@ -213,21 +213,23 @@ fn synthetic(synth: &Value, md: &mut String) {
     md.push_str(
         "## The synthetic 8B-class model, dense against sparse\n\n\
          Whole-model decode steps (`gpu_engine bench`); keys: the synthetic prompts' (random, or \
-         heavy-hitter pages every query selects).\n\n\
-         | context | mode | keys | batch | device MiB/request | host GiB/request | device max | \
-         ms/step | tokens/s | miss rate |\n| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | \
-         ---: | ---: |\n",
+         heavy-hitter pages every query selects); lanes: the batch split over that many forks \
+         of the model, each decoded by its own thread and stream.\n\n\
+         | context | mode | keys | batch | lanes | device MiB/request | host GiB/request | \
+         device max | ms/step | tokens/s | miss rate |\n| ---: | --- | --- | ---: | ---: | ---: | \
+         ---: | ---: | ---: | ---: | ---: |\n",
     );
     let rows = synth["rows"].as_array().cloned().unwrap_or_default();
     let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
     for r in &rows {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {:.1} | {:.2} | {} | {:.2} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.2} | {} | {:.2} | {:.1} | {} |",
             r["context"].as_u64().unwrap_or(0),
             r["mode"].as_str().unwrap_or("?"),
             r["keys"].as_str().unwrap_or("-"),
             r["batch"].as_u64().unwrap_or(0),
+            r["lanes"].as_u64().unwrap_or(1),
             num(r, "device_bytes") / f64::from(1u32 << 20),
             num(r, "host_bytes") / f64::from(1u32 << 30),
             r["device_max"].as_u64().unwrap_or(0),
@@ -290,7 +292,7 @@ mod tests {
             "serial_ms_per_layer": 0.2, "pipelined_ms_per_layer": 0.15,
             "stages": [{ "stage": "hot-buffer diff", "ms": 0.01, "share": 0.1 }] });
         let synth = serde_json::json!({ "device": "NVIDIA H200", "rows": [
-            { "context": 32768, "mode": "sparse", "keys": "heavy", "batch": 16,
+            { "context": 32768, "mode": "sparse", "keys": "heavy", "batch": 16, "lanes": 2,
               "device_bytes": 807_600_000u64, "host_bytes": 5_379_000_000u64, "device_max": 159,
               "step_ms": 20.0, "tokens_per_s": 800.0, "miss_rate": 0.1,
               "stages": [{ "stage": "model", "ms": 5.0 }, { "stage": "loads", "ms": 15.0 }] }] });
@@ -316,7 +318,7 @@ mod tests {
             "miss rate of 5.0 %",
             "| gpu | 16.0000 | 17.0000 | 1.0625 | 0.8000 |",
             "GPU sparse decode miss rate 0.043.",
-            "| 32768 | sparse | heavy | 16 | 770.2 | 5.01 | 159 | 20.00 | 800.0 | 0.100 |",
+            "| 32768 | sparse | heavy | 16 | 2 | 770.2 | 5.01 | 159 | 20.00 | 800.0 | 0.100 |",
             "- 32768 heavy B16: 20.00 ms = model 5.00 (25 %), loads 15.00 (75 %)",
             "```text\ndevice: NVIDIA H200\n```",
         ] {

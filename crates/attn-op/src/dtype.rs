@@ -1,6 +1,7 @@
 //! Element types of the KV cache and queries: f32, f16 and bf16, all computed in f32.
 
 use half::slice::HalfFloatSliceExt;
+use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 
 /// The element types attention reads. Arithmetic always happens in f32; an element only says
@@ -16,6 +17,9 @@ pub trait Element:
     fn from_f32(x: f32) -> Self;
     /// Widens a slice into `dst` (same length); uses SIMD conversions where the CPU has them.
     fn slice_to_f32(src: &[Self], dst: &mut [f32]);
+    /// `n` zeros, from zeroed memory: the allocator's fresh pages stay unmapped (not resident)
+    /// until written, so capacity that is never used costs no memory.
+    fn zeros(n: usize) -> Vec<Self>;
 }
 
 /// A runtime tag for an [`Element`] type.
@@ -60,6 +64,9 @@ impl Element for f32 {
     fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
+    fn zeros(n: usize) -> Vec<Self> {
+        vec![0.0; n]
+    }
 }
 
 impl Element for f16 {
@@ -73,6 +80,10 @@ impl Element for f16 {
     #[inline(always)]
     fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst);
+    }
+    fn zeros(n: usize) -> Vec<Self> {
+        // The all-zero bits are +0.0; a Vec<u16> of zeros comes from zeroed memory.
+        vec![0u16; n].reinterpret_into()
     }
 }
 
@@ -90,6 +101,9 @@ impl Element for bf16 {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = f32::from_bits(u32::from(s.to_bits()) << 16);
         }
+    }
+    fn zeros(n: usize) -> Vec<Self> {
+        vec![0u16; n].reinterpret_into()
     }
 }
 

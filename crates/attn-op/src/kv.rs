@@ -102,8 +102,8 @@ impl<T: Element> PagedKv<T> {
         layout.validate()?;
         Ok(PagedKv {
             layout,
-            k: vec![T::default(); layout.len()],
-            v: vec![T::default(); layout.len()],
+            k: T::zeros(layout.len()),
+            v: T::zeros(layout.len()),
         })
     }
 

@@ -15,7 +15,7 @@
 //! only the logits come back.
 
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use attn_op::cuda::CudaElement;
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, compile_source};
@@ -71,12 +71,8 @@ pub struct GpuModel<T: GpuFloat> {
     gpu: Gpu,
     blas: CudaBlas,
     kernels: Kernels,
-    embed: CudaSlice<T>,
-    /// `None`: tied to the embedding.
-    output: Option<CudaSlice<T>>,
-    output_norm: CudaSlice<f32>,
-    blocks: Vec<DeviceBlock<T>>,
-    freqs: CudaSlice<f32>,
+    /// Shared by the model's forks ([`GpuModel::fork`]), never written after they are made.
+    w: Arc<Weights<T>>,
     /// The intermediate buffers of the last forward's batch size, reused while it repeats
     /// (every decode step of a fixed batch).
     buffers: Mutex<Option<Buffers<T>>>,
@@ -124,6 +120,16 @@ impl<T: GpuFloat> Buffers<T> {
     }
 }
 
+/// A model's weights on the device.
+struct Weights<T> {
+    embed: CudaSlice<T>,
+    /// `None`: tied to the embedding.
+    output: Option<CudaSlice<T>>,
+    output_norm: CudaSlice<f32>,
+    blocks: Vec<DeviceBlock<T>>,
+    freqs: CudaSlice<f32>,
+}
+
 /// One transformer block's weights on the device.
 struct DeviceBlock<T> {
     attn_norm: CudaSlice<f32>,
@@ -137,6 +143,7 @@ struct DeviceBlock<T> {
 }
 
 /// The kernels of [`MODEL_KERNELS`] for one element type.
+#[derive(Clone)]
 struct Kernels {
     embed_rows: CudaFunction,
     rms_norm_rows: CudaFunction,
@@ -250,11 +257,13 @@ impl<T: GpuFloat> GpuModel<T> {
         }
         Ok(GpuModel {
             config: model.config,
-            embed: up(&[&model.embed])?,
-            output: model.output.as_ref().map(|o| up(&[o])).transpose()?,
-            output_norm: gpu.upload(&model.output_norm)?,
-            freqs: gpu.upload(&model.freqs)?,
-            blocks,
+            w: Arc::new(Weights {
+                embed: up(&[&model.embed])?,
+                output: model.output.as_ref().map(|o| up(&[o])).transpose()?,
+                output_norm: gpu.upload(&model.output_norm)?,
+                freqs: gpu.upload(&model.freqs)?,
+                blocks,
+            }),
             kernels,
             blas,
             gpu,
@@ -293,16 +302,40 @@ impl<T: GpuFloat> GpuModel<T> {
             });
         }
         Ok(GpuModel {
-            embed: matrix(c.vocab, c.embed, 1.0)?,
-            output: Some(matrix(c.vocab, c.embed, 1.0)?),
-            output_norm: gpu.upload(&ones)?,
-            freqs: gpu.upload(&c.rope_freqs())?,
+            w: Arc::new(Weights {
+                embed: matrix(c.vocab, c.embed, 1.0)?,
+                output: Some(matrix(c.vocab, c.embed, 1.0)?),
+                output_norm: gpu.upload(&ones)?,
+                freqs: gpu.upload(&c.rope_freqs())?,
+                blocks,
+            }),
             config: c,
-            blocks,
             kernels,
             blas,
             gpu,
             buffers: Mutex::new(None),
+        })
+    }
+
+    /// Another handle on the same weights whose forwards run on `gpu`, a
+    /// [`fork`](Gpu::fork) of this model's device: two threads can run forwards on the two
+    /// at once (each with its own buffers and cuBLAS handle), and the device overlaps them,
+    /// for example one's host loads with the other's GEMMs. Waits for this model's stream
+    /// first, so the weights are complete before another stream reads them.
+    pub fn fork(&self, gpu: Gpu) -> Result<GpuModel<T>, EngineError> {
+        if !Arc::ptr_eq(gpu.context(), self.gpu.context()) {
+            return Err(EngineError::Invalid(
+                "a model forked onto another device context".into(),
+            ));
+        }
+        self.gpu.synchronize()?;
+        Ok(GpuModel {
+            config: self.config,
+            blas: CudaBlas::new(gpu.stream().clone()).map_err(device)?,
+            kernels: self.kernels.clone(),
+            w: Arc::clone(&self.w),
+            buffers: Mutex::new(None),
+            gpu,
         })
     }
 
@@ -316,13 +349,14 @@ impl<T: GpuFloat> GpuModel<T> {
         let b = |s: &CudaSlice<T>| s.len() * size_of::<T>();
         let f = |s: &CudaSlice<f32>| s.len() * 4;
         let blocks: usize = self
+            .w
             .blocks
             .iter()
             .map(|d| {
                 f(&d.attn_norm) + b(&d.qkv) + b(&d.wo) + f(&d.ffn_norm) + b(&d.gate_up) + b(&d.down)
             })
             .sum();
-        blocks + b(&self.embed) + self.output.as_ref().map_or(0, b) + f(&self.output_norm)
+        blocks + b(&self.w.embed) + self.w.output.as_ref().map_or(0, b) + f(&self.w.output_norm)
     }
 
     /// [`Model::forward`] on the device: one forward over a batch's new tokens at their
@@ -425,18 +459,18 @@ impl<T: GpuFloat> GpuModel<T> {
         let embed = int(c.embed)?;
         let s = g.stream();
         let mut b = s.launch_builder(&self.kernels.embed_rows);
-        b.arg(&self.embed).arg(&ids).arg(&mut *x).arg(&embed);
+        b.arg(&self.w.embed).arg(&ids).arg(&mut *x).arg(&embed);
         // SAFETY: embed_rows(table bf16 [vocab, embed], tokens [n], x f32 [n, embed], embed):
         // one block per row of `ids`, whose ids check_forward bounded by the vocabulary.
         unsafe { b.launch(per_row(n)?) }.map_err(device)?;
-        for (l, w) in self.blocks.iter().enumerate() {
+        for (l, w) in self.w.blocks.iter().enumerate() {
             self.norm(x, all, &w.attn_norm, h)?;
             self.gemm(&w.qkv, qd + 2 * kvd, c.embed, h, n, qkv, false)?;
             let (nn, qh, kvh, d) = (int(n)?, int(c.q_heads)?, int(c.kv_heads)?, int(c.head_dim)?);
             let mut b = s.launch_builder(&self.kernels.rope_split);
             b.arg(&*qkv)
                 .arg(&pos)
-                .arg(&self.freqs)
+                .arg(&self.w.freqs)
                 .arg(&mut *q)
                 .arg(&mut *k)
                 .arg(&mut *v)
@@ -465,9 +499,9 @@ impl<T: GpuFloat> GpuModel<T> {
         }
         let picked = g.upload(&picked)?;
         let mut normed = g.zeros::<T>(m * c.embed)?;
-        self.norm(x, &picked, &self.output_norm, &mut normed)?;
+        self.norm(x, &picked, &self.w.output_norm, &mut normed)?;
         let mut logits = g.zeros::<f32>(m * c.vocab)?;
-        let head = self.output.as_ref().unwrap_or(&self.embed);
+        let head = self.w.output.as_ref().unwrap_or(&self.w.embed);
         self.gemm(head, c.vocab, c.embed, &normed, m, &mut logits, false)?;
         Ok(Some(logits))
     }

@@ -72,8 +72,8 @@ impl<T: Element> HostPool<T> {
         Some(HostPool {
             shape,
             layout,
-            k: vec![T::default(); len],
-            v: vec![T::default(); len],
+            k: T::zeros(len),
+            v: T::zeros(len),
         })
     }
 

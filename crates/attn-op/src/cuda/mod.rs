@@ -201,6 +201,7 @@ type AttnKey = (DType, usize, &'static str);
 
 /// A loaded attention kernel, its CTA shape and how many of its CTAs one multiprocessor holds
 /// at once.
+#[derive(Clone)]
 pub(crate) struct AttnKernel {
     pub(crate) func: CudaFunction,
     pub(crate) rows: usize,
@@ -352,6 +353,29 @@ impl Gpu {
         }
         self.variant = variant;
         Ok(())
+    }
+
+    /// Another handle on the same device and loaded kernels, with a stream of its own (a
+    /// non-blocking one): work enqueued on the two runs concurrently. Each handle keeps its
+    /// own scratch, so two threads may run attention on two forks at once. Buffers that both
+    /// streams touch need ordering: cudarc's event tracking does it unless the caller turned
+    /// it off, in which case the caller orders them (for example by synchronizing the
+    /// stream that wrote them before the other reads them).
+    pub fn fork(&self) -> Result<Gpu, AttnError> {
+        let stream = self.ctx.new_stream()?;
+        Ok(Gpu {
+            dummy_f32: stream.alloc_zeros(1)?,
+            dummy_i32: stream.alloc_zeros(1)?,
+            ctx: Arc::clone(&self.ctx),
+            stream,
+            funcs: self.funcs.clone(),
+            attn: self.attn.clone(),
+            sms: self.sms,
+            scratch: Mutex::new(None),
+            waves: self.waves,
+            variant: self.variant,
+            arch: self.arch,
+        })
     }
 
     /// The context.

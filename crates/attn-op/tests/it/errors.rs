@@ -308,6 +308,24 @@ fn compaction_rejects_unsorted_or_uneven_keep_lists_without_touching_the_cache()
 }
 
 #[test]
+fn a_new_cache_holds_positive_zeros_in_every_type() {
+    fn check<T: attn_op::Element>() {
+        let cache = PagedKv::<T>::new(LAYOUT).expect("valid");
+        for t in [cache.k(), cache.v()] {
+            assert_eq!(t.len(), LAYOUT.len());
+            assert!(
+                t.iter().all(|x| x.to_f32().to_bits() == 0),
+                "{:?}: every element +0.0",
+                T::DTYPE
+            );
+        }
+    }
+    check::<f32>();
+    check::<half::f16>();
+    check::<half::bf16>();
+}
+
+#[test]
 fn set_kv_writes_through_the_flat_slot_view_and_checks_slots() {
     let mut cache = PagedKv::<f32>::new(LAYOUT).expect("valid");
     let stride = LAYOUT.token_stride();

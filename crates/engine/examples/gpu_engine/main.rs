@@ -18,8 +18,9 @@
 //! of the real model on the CPU and on the GPU, each side's perplexity ratio and top-1
 //! agreement (module `fidelity`).
 //!
-//! `gpu_engine bench [--json FILE]`: the synthetic 8B-class model's capacity and decode
-//! throughput, dense against hierarchical sparse (module `synth`).
+//! `gpu_engine bench [--lanes] [--json FILE]`: the synthetic 8B-class model's capacity and
+//! decode throughput, dense against hierarchical sparse (module `synth`). `--lanes` adds runs
+//! of each batch split over two forks of the model on two streams (module `lanes`).
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -29,6 +30,7 @@
 )]
 
 mod fidelity;
+mod lanes;
 #[path = "../../../attn-op/examples/gpu/report.rs"]
 mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]

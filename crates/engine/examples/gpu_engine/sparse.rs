@@ -15,6 +15,7 @@ use offload::{HostAlloc, HostLayout};
 use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 use crate::Res;
+use crate::lanes;
 use crate::report::random_bf16;
 use crate::synth::{PAGE, Row, STEPS, WARM, median};
 
@@ -53,14 +54,15 @@ impl Context {
 }
 
 /// Host bytes a sparse request of `context` tokens holds for `runs` runs of decode steps:
-/// its KV in the host pool (bf16), its Quest pages on the CPU (f32 min and max), and the CPU
-/// offload manager's hot-buffer pool, which the device path leaves unused.
+/// its KV in the host pool (bf16) and its Quest pages on the CPU (f32 min and max). The CPU
+/// offload manager's hot-buffer pool, which the device path leaves unused, is never written,
+/// so its zeroed pages never become resident.
 pub(crate) fn host_bytes(gm: &GpuModel<bf16>, context: usize, runs: usize) -> usize {
     let c = gm.config;
     let pages = (context + runs * (WARM + STEPS + PROFILED)).div_ceil(PAGE);
     let kvs = c.kv_heads * c.head_dim;
     let page_kv = PAGE * kvs * 2 * size_of::<bf16>();
-    c.layers * (pages * (page_kv + 2 * kvs * size_of::<f32>()) + (HOT / PAGE + 1) * page_kv)
+    c.layers * pages * (page_kv + 2 * kvs * size_of::<f32>())
 }
 
 /// The process's resident memory (`VmRSS` of /proc/self/status), in bytes; 0 where unknown.
@@ -79,21 +81,9 @@ pub(crate) fn proc_bytes(path: &str, key: &str) -> Option<usize> {
         .map(|kb| kb << 10)
 }
 
-/// Prefills `max(batches)` requests of `context` tokens through the coordinator's CPU hooks,
-/// then, for each batch size, times decode steps of the first requests through its device
-/// hooks and profiles a few more by stage.
-pub(crate) fn runs(
-    gm: &GpuModel<bf16>,
-    context: usize,
-    ctx: Context,
-    batches: &[usize],
-    room: usize,
-) -> Res<Vec<Row>> {
-    let e = |e: coordinator::CoordError| e.to_string();
-    let s = |e: engine::EngineError| e.to_string();
-    let c = gm.config;
-    let most = batches.iter().copied().max().unwrap_or(0);
-    let config = SparseConfig {
+/// The sparse configuration of every run: head-shared Quest over every layer.
+fn config() -> SparseConfig {
+    SparseConfig {
         algo: AlgoConfig::Quest(QuestConfig {
             page_size: PAGE,
             budget_tokens: BUDGET,
@@ -108,85 +98,149 @@ pub(crate) fn runs(
         dense_layers: Vec::new(),
         layer: Vec::new(),
         host_layout: HostLayout::LayerFirst,
-    };
-    let pages = (context + batches.len() * (WARM + STEPS + PROFILED)).div_ceil(PAGE);
-    let cap = Capacity {
-        max_requests: most,
-        max_tokens: pages * PAGE,
-        host_pages: most * pages,
-        host_alloc: HostAlloc::Own,
-    };
-    let rss0 = resident();
-    let mut coord = SparseCoordinator::<bf16>::from_config(c.shape(), &config, cap).map_err(e)?;
-    let kvs = c.kv_heads * c.head_dim;
-    let mut k = random_bf16(context * kvs, 11);
-    let v = random_bf16(context * kvs, 12);
-    if ctx == Context::Heavy {
-        for page in heavy_pages(context) {
-            for x in &mut k[page * PAGE * kvs..(page + 1) * PAGE * kvs] {
-                *x = bf16::from_f32(x.to_f32() * HEAVY_SCALE);
+    }
+}
+
+/// Requests being decoded through the coordinator's device hooks, and their next tokens and
+/// positions.
+struct Decoding {
+    coord: SparseCoordinator<bf16>,
+    dev: DeviceSparse<bf16>,
+    ids: Vec<RequestId>,
+    tokens: Vec<u32>,
+    pos: Vec<usize>,
+}
+
+impl Decoding {
+    /// Prefills `n` requests of `context` tokens of `ctx` keys through a new coordinator's CPU
+    /// hooks (its host pool sized for `runs` runs of decode steps), then mirrors it on `gm`'s
+    /// device.
+    fn prefill(
+        gm: &GpuModel<bf16>,
+        context: usize,
+        ctx: Context,
+        n: usize,
+        runs: usize,
+    ) -> Res<Decoding> {
+        let e = |e: coordinator::CoordError| e.to_string();
+        let c = gm.config;
+        let pages = (context + runs * (WARM + STEPS + PROFILED)).div_ceil(PAGE);
+        let cap = Capacity {
+            max_requests: n,
+            max_tokens: pages * PAGE,
+            host_pages: n * pages,
+            host_alloc: HostAlloc::Own,
+        };
+        let mut coord =
+            SparseCoordinator::<bf16>::from_config(c.shape(), &config(), cap).map_err(e)?;
+        let kvs = c.kv_heads * c.head_dim;
+        let mut k = random_bf16(context * kvs, 11);
+        let v = random_bf16(context * kvs, 12);
+        if ctx == Context::Heavy {
+            for page in heavy_pages(context) {
+                for x in &mut k[page * PAGE * kvs..(page + 1) * PAGE * kvs] {
+                    *x = bf16::from_f32(x.to_f32() * HEAVY_SCALE);
+                }
             }
         }
-    }
-    // Prefill rows are only counted by the coordinator (Quest scores no prompt), so the
-    // queries are zeros the allocator need not touch.
-    let q = vec![0f32; context * c.q_heads * c.head_dim];
-    let t0 = Instant::now();
-    let ids: Vec<RequestId> = (0..most).map(|r| RequestId(r as u64 + 1)).collect();
-    for &id in &ids {
-        coord.on_request_begin(id, context).map_err(e)?;
-        coord.forward_begin(&[(id, context)]).map_err(e)?;
-        for l in 0..c.layers {
-            coord.attention_begin(l, &q, &k, &v).map_err(e)?;
-            coord.attention_end(l, &k, &v).map_err(e)?;
+        // Prefill rows are only counted by the coordinator (Quest scores no prompt), so the
+        // queries are zeros the allocator need not touch.
+        let q = vec![0f32; context * c.q_heads * c.head_dim];
+        let ids: Vec<RequestId> = (0..n).map(|r| RequestId(r as u64 + 1)).collect();
+        for &id in &ids {
+            coord.on_request_begin(id, context).map_err(e)?;
+            coord.forward_begin(&[(id, context)]).map_err(e)?;
+            for l in 0..c.layers {
+                coord.attention_begin(l, &q, &k, &v).map_err(e)?;
+                coord.attention_end(l, &k, &v).map_err(e)?;
+            }
+            coord.forward_end().map_err(e)?;
         }
-        coord.forward_end().map_err(e)?;
+        Ok(Decoding {
+            dev: DeviceSparse::new(gm.gpu(), &coord).map_err(e)?,
+            coord,
+            tokens: (0..n).map(|i| (i * 7919 % c.vocab) as u32).collect(),
+            pos: vec![context; n],
+            ids,
+        })
     }
-    drop((q, k, v));
+
+    /// One decode step of the first `batch` requests, the next tokens greedy.
+    fn step(&mut self, gm: &GpuModel<bf16>, batch: usize) -> Res<()> {
+        let e = |e: coordinator::CoordError| e.to_string();
+        let all: Vec<usize> = (0..batch).collect();
+        let reqs: Vec<(RequestId, usize)> = self.ids[..batch].iter().map(|&id| (id, 1)).collect();
+        self.coord.forward_begin(&reqs).map_err(e)?;
+        let mut att = GpuSparseAttention {
+            coord: &mut self.coord,
+            dev: &mut self.dev,
+            params: AttnParams::new(gm.config.q_heads, gm.config.head_dim),
+            dense: None,
+        };
+        let next = gm
+            .forward_greedy(&self.tokens[..batch], &self.pos[..batch], &mut att, &all)
+            .map_err(|e| e.to_string())?;
+        self.coord.forward_end().map_err(e)?;
+        self.tokens[..batch].copy_from_slice(&next);
+        self.pos[..batch].iter_mut().for_each(|p| *p += 1);
+        Ok(())
+    }
+
+    /// Hits and misses of the last step's selections over every layer.
+    fn hits(&self, gm: &GpuModel<bf16>) -> Res<(u64, u64)> {
+        let (mut hits, mut misses) = (0, 0);
+        for l in 0..gm.config.layers {
+            let st = self
+                .dev
+                .stats(gm.gpu(), &self.coord, l)
+                .map_err(|e| e.to_string())?;
+            hits += st.hits;
+            misses += st.misses;
+        }
+        Ok((hits, misses))
+    }
+}
+
+/// Prefills `max(batches)` requests of `context` tokens through the coordinator's CPU hooks,
+/// then, for each batch size, times decode steps of the first requests through its device
+/// hooks and profiles a few more by stage.
+pub(crate) fn runs(
+    gm: &GpuModel<bf16>,
+    context: usize,
+    ctx: Context,
+    batches: &[usize],
+    room: usize,
+) -> Res<Vec<Row>> {
+    let most = batches.iter().copied().max().unwrap_or(0);
+    let rss0 = resident();
+    let t0 = Instant::now();
+    let mut d = Decoding::prefill(gm, context, ctx, most, batches.len())?;
     println!(
-        "sparse {context:>6} tokens, {} keys: {most} prompts into the host pool in {:.1} s; \
-         resident host memory {:.2} GiB per request (counted: {:.2})",
+        "sparse {context:>6} tokens, {} keys: {most} prompts into the host pool, pinned and \
+         mirrored on the device in {:.1} s; resident host memory {:.2} GiB per request (counted: {:.2})",
         ctx.name(),
         t0.elapsed().as_secs_f64(),
         resident().saturating_sub(rss0) as f64 / most.max(1) as f64 / f64::from(1u32 << 30),
         host_bytes(gm, context, batches.len()) as f64 / f64::from(1u32 << 30)
     );
-    let mut dev = DeviceSparse::new(gm.gpu(), &coord).map_err(e)?;
-    let device = dev.device_bytes() / most.max(1);
-    let params = AttnParams::new(c.q_heads, c.head_dim);
-    let mut tokens: Vec<u32> = (0..most).map(|i| (i * 7919 % c.vocab) as u32).collect();
-    let mut pos = vec![context; most];
+    let device = d.dev.device_bytes() / most.max(1);
     let mut rows = Vec::new();
     for &batch in batches {
-        let all: Vec<usize> = (0..batch).collect();
-        let reqs: Vec<(RequestId, usize)> = ids[..batch].iter().map(|&id| (id, 1)).collect();
         let mut times = Vec::new();
         let (mut hits, mut misses) = (0u64, 0u64);
         let mut stages: Vec<(&'static str, f64)> = Vec::new();
         for step in 0..WARM + STEPS + PROFILED {
             let profiled = step >= WARM + STEPS;
-            if profiled && dev.clock_mut().is_none() {
-                dev.set_clock(Some(StageClock::new(gm.gpu())));
+            if profiled && d.dev.clock_mut().is_none() {
+                d.dev.set_clock(Some(StageClock::new(gm.gpu())));
             }
-            if let Some(clock) = dev.clock_mut() {
+            if let Some(clock) = d.dev.clock_mut() {
                 clock.mark("model").map_err(|e| e.to_string())?;
             }
             let t = Instant::now();
-            coord.forward_begin(&reqs).map_err(e)?;
-            let mut att = GpuSparseAttention {
-                coord: &mut coord,
-                dev: &mut dev,
-                params: params.clone(),
-                dense: None,
-            };
-            let next = gm
-                .forward_greedy(&tokens[..batch], &pos[..batch], &mut att, &all)
-                .map_err(s)?;
-            coord.forward_end().map_err(e)?;
+            d.step(gm, batch)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            tokens[..batch].copy_from_slice(&next);
-            pos[..batch].iter_mut().for_each(|p| *p += 1);
-            if let Some(clock) = dev.clock_mut() {
+            if let Some(clock) = d.dev.clock_mut() {
                 clock.mark("model").map_err(|e| e.to_string())?;
                 for (label, t) in clock.take().map_err(|e| e.to_string())? {
                     match stages.iter_mut().find(|(l, _)| *l == label) {
@@ -196,32 +250,107 @@ pub(crate) fn runs(
                 }
             } else if step >= WARM {
                 times.push(ms);
-                for l in 0..c.layers {
-                    let st = dev.stats(gm.gpu(), &coord, l).map_err(e)?;
-                    hits += st.hits;
-                    misses += st.misses;
-                }
+                let (h, m) = d.hits(gm)?;
+                hits += h;
+                misses += m;
             }
         }
-        dev.set_clock(None);
+        d.dev.set_clock(None);
         let step_ms = median(&mut times);
+        let miss = misses as f64 / (hits + misses).max(1) as f64;
         println!(
             "sparse {context:>6} tokens, {} keys, batch {batch:>3}: {step_ms:.2} ms per step, \
-             miss rate {:.3}",
-            ctx.name(),
-            misses as f64 / (hits + misses).max(1) as f64
+             miss rate {miss:.3}",
+            ctx.name()
         );
         rows.push(Row {
             context,
             mode: "sparse",
             keys: ctx.name(),
             batch,
+            lanes: 1,
             device,
             host: host_bytes(gm, context, batches.len()),
             device_max: room / device.max(1),
             step_ms,
-            miss: Some(misses as f64 / (hits + misses).max(1) as f64),
+            miss: Some(miss),
             stages,
+        });
+    }
+    Ok(rows)
+}
+
+/// [`runs`] over [`lanes::LANES`] lanes: each lane prefills its share of `max(batches)`
+/// requests into a coordinator of its own, then for each batch size decodes its share, all
+/// lanes at once. A batch's step time is the slowest lane's mean over the timed steps; the
+/// miss rate is counted over a few steps after them.
+pub(crate) fn lane_runs(
+    gm: &GpuModel<bf16>,
+    context: usize,
+    ctx: Context,
+    batches: &[usize],
+    room: usize,
+) -> Res<Vec<Row>> {
+    let most = batches.iter().copied().max().unwrap_or(0);
+    let t0 = Instant::now();
+    let per_lane = lanes::run(gm, |lane, lm, meet| {
+        let mut d = Decoding::prefill(lm, context, ctx, lanes::share(most, lane), batches.len())?;
+        let device = d.dev.device_bytes();
+        let mut out = Vec::new();
+        for &batch in batches {
+            let mine = lanes::share(batch, lane);
+            for _ in 0..WARM {
+                d.step(lm, mine)?;
+            }
+            meet.wait()?;
+            let t = Instant::now();
+            for _ in 0..STEPS {
+                d.step(lm, mine)?;
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3 / STEPS as f64;
+            let (mut hits, mut misses) = (0, 0);
+            for _ in 0..PROFILED {
+                d.step(lm, mine)?;
+                let (h, m) = d.hits(lm)?;
+                hits += h;
+                misses += m;
+            }
+            out.push((ms, hits, misses));
+        }
+        Ok((device, out))
+    })?;
+    println!(
+        "sparse {context:>6} tokens, {} keys, {} lanes: {most} prompts prefilled and decoded in \
+         {:.1} s",
+        ctx.name(),
+        lanes::LANES,
+        t0.elapsed().as_secs_f64()
+    );
+    let device = per_lane.iter().map(|l| l.0).sum::<usize>() / most.max(1);
+    let mut rows = Vec::new();
+    for (i, &batch) in batches.iter().enumerate() {
+        let step_ms = per_lane.iter().map(|l| l.1[i].0).fold(0.0, f64::max);
+        let hits: u64 = per_lane.iter().map(|l| l.1[i].1).sum();
+        let misses: u64 = per_lane.iter().map(|l| l.1[i].2).sum();
+        let miss = misses as f64 / (hits + misses).max(1) as f64;
+        println!(
+            "sparse {context:>6} tokens, {} keys, batch {batch:>3} over {} lanes: {step_ms:.2} ms \
+             per step, miss rate {miss:.3}",
+            ctx.name(),
+            lanes::LANES
+        );
+        rows.push(Row {
+            context,
+            mode: "sparse",
+            keys: ctx.name(),
+            batch,
+            lanes: lanes::LANES,
+            device,
+            host: host_bytes(gm, context, batches.len()),
+            device_max: room / device.max(1),
+            step_ms,
+            miss: Some(miss),
+            stages: Vec::new(),
         });
     }
     Ok(rows)

@@ -26,6 +26,7 @@ use engine::synthetic::LLAMA3_8B;
 use half::bf16;
 
 use crate::Res;
+use crate::lanes::{self, Meet};
 use crate::report;
 use crate::sparse::{self, Context};
 
@@ -47,6 +48,8 @@ pub(crate) struct Row {
     /// The synthetic prompts' keys (sparse; see [`Context`]).
     pub(crate) keys: &'static str,
     pub(crate) batch: usize,
+    /// Lanes the batch was split over (module `lanes`): 1, or [`lanes::LANES`].
+    pub(crate) lanes: usize,
     /// Device bytes per request (KV, or representations and hot buffers).
     pub(crate) device: usize,
     /// Host bytes per request (the sparse requests' host KV and CPU-side state).
@@ -61,6 +64,7 @@ pub(crate) struct Row {
 }
 
 pub(crate) fn bench(args: &[String]) -> Res<i32> {
+    let with_lanes = args.iter().any(|a| a == "--lanes");
     let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
     let name = gpu.name().map_err(|e| e.to_string())?;
     let s = |e: engine::EngineError| e.to_string();
@@ -86,21 +90,35 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
         if device_max > equal {
             batches.push(device_max);
         }
-        for batch in batches.into_iter().filter(|&b| b > 0) {
-            let ms = dense(&gm, context, batch).map_err(s)?;
+        let batches: Vec<usize> = batches.into_iter().filter(|&b| b > 0).collect();
+        let row = |batch, lanes, step_ms| Row {
+            context,
+            mode: "dense",
+            keys: "-",
+            batch,
+            lanes,
+            device: per,
+            host: 0,
+            device_max,
+            step_ms,
+            miss: None,
+            stages: Vec::new(),
+        };
+        for &batch in &batches {
+            let (ms, _) = dense(&gm, context, batch, None)?;
             println!("dense  {context:>6} tokens, batch {batch:>3}: {ms:.2} ms per step");
-            rows.push(Row {
-                context,
-                mode: "dense",
-                keys: "-",
-                batch,
-                device: per,
-                host: 0,
-                device_max,
-                step_ms: ms,
-                miss: None,
-                stages: Vec::new(),
-            });
+            rows.push(row(batch, 1, ms));
+        }
+        for &batch in batches.iter().filter(|&&b| with_lanes && b >= lanes::LANES) {
+            let each = lanes::run(&gm, |lane, lm, meet| {
+                dense(lm, context, lanes::share(batch, lane), Some(meet))
+            })?;
+            let ms = each.iter().map(|t| t.1).fold(0.0, f64::max);
+            println!(
+                "dense  {context:>6} tokens, batch {batch:>3} over {} lanes: {ms:.2} ms per step",
+                lanes::LANES
+            );
+            rows.push(row(batch, lanes::LANES, ms));
         }
         rows.extend(sparse::runs(&gm, context, Context::Random, &[equal], room)?);
         // Two runs of decode steps: at the equal batch and at the largest.
@@ -115,6 +133,16 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             heavy.push(host_max);
         }
         rows.extend(sparse::runs(&gm, context, Context::Heavy, &heavy, room)?);
+        if with_lanes {
+            heavy.retain(|&b| b >= lanes::LANES);
+            rows.extend(sparse::lane_runs(
+                &gm,
+                context,
+                Context::Heavy,
+                &heavy,
+                room,
+            )?);
+        }
     }
     let table = table(&name, &rows);
     print!("{table}");
@@ -123,11 +151,12 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"stages\":[{}]}}",
+                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"lanes\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"stages\":[{}]}}",
                     r.context,
                     r.mode,
                     r.keys,
                     r.batch,
+                    r.lanes,
                     r.device,
                     r.host,
                     r.device_max,
@@ -157,11 +186,12 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
 fn table(device: &str, rows: &[Row]) -> String {
     let mut out = format!(
         "synthetic 8B-class decode on {device} (weights and KV bf16; median of {STEPS} steps \
-         after {WARM})\n{:>7} {:>6} {:>6} {:>5} {:>14} {:>12} {:>10} {:>9} {:>10} {:>8} {:>6}\n",
+         after {WARM}; lanes > 1: the slowest lane's mean step)\n{:>7} {:>6} {:>6} {:>5} {:>5} {:>14} {:>12} {:>10} {:>9} {:>10} {:>8} {:>6}\n",
         "context",
         "mode",
         "keys",
         "batch",
+        "lanes",
         "device/req MiB",
         "host/req GiB",
         "device max",
@@ -172,15 +202,18 @@ fn table(device: &str, rows: &[Row]) -> String {
     );
     let tps = |r: &Row| r.batch as f64 / r.step_ms * 1e3;
     for r in rows {
+        // Against dense at the same batch, in whichever of its lane counts was faster.
         let dense = rows
             .iter()
-            .find(|d| d.mode == "dense" && d.context == r.context && d.batch == r.batch);
+            .filter(|d| d.mode == "dense" && d.context == r.context && d.batch == r.batch)
+            .max_by(|a, b| tps(a).total_cmp(&tps(b)));
         out += &format!(
-            "{:>7} {:>6} {:>6} {:>5} {:>14.1} {:>12.2} {:>10} {:>9.2} {:>10.1} {:>8} {:>6}\n",
+            "{:>7} {:>6} {:>6} {:>5} {:>5} {:>14.1} {:>12.2} {:>10} {:>9.2} {:>10.1} {:>8} {:>6}\n",
             r.context,
             r.mode,
             r.keys,
             r.batch,
+            r.lanes,
             r.device as f64 / f64::from(1u32 << 20),
             r.host as f64 / GIB,
             r.device_max,
@@ -201,6 +234,25 @@ fn table(device: &str, rows: &[Row]) -> String {
             out += &format!(
                 "{context}: device bytes per request dense/sparse {:.1}x\n",
                 d.device as f64 / sp.device.max(1) as f64
+            );
+        }
+        // Each mode at its best: whichever batch (up to its maximum) and lane count was fastest.
+        let best = |mode: &str| {
+            rows.iter()
+                .filter(|r| r.context == context && r.mode == mode)
+                .max_by(|a, b| tps(a).total_cmp(&tps(b)))
+        };
+        if let (Some(d), Some(sp)) = (best("dense"), best("sparse")) {
+            out += &format!(
+                "{context}: best tokens/s dense {:.1} (B{}, {} lanes), sparse {:.1} (B{}, {} \
+                 lanes): {:.2}x\n",
+                tps(d),
+                d.batch,
+                d.lanes,
+                tps(sp),
+                sp.batch,
+                sp.lanes,
+                tps(sp) / tps(d)
             );
         }
     }
@@ -229,22 +281,37 @@ fn dense_bytes(gm: &GpuModel<bf16>, context: usize) -> usize {
     (context + WARM + STEPS).div_ceil(PAGE) * PAGE * c.kv_bytes_per_token(size_of::<bf16>())
 }
 
-/// The median step of `batch` requests decoding at `context` tokens over a random dense cache.
-fn dense(gm: &GpuModel<bf16>, context: usize, batch: usize) -> Result<f64, engine::EngineError> {
+/// Steps of `batch` requests decoding at `context` tokens over a random dense cache: the
+/// median step and the mean over the timed steps, in ms. In a lane, `meet` starts the timed
+/// steps with the other lanes'.
+fn dense(
+    gm: &GpuModel<bf16>,
+    context: usize,
+    batch: usize,
+    meet: Option<&Meet>,
+) -> Res<(f64, f64)> {
+    let s = |e: engine::EngineError| e.to_string();
     let c = gm.config;
     let per = (context + WARM + STEPS).div_ceil(PAGE);
-    let mut kv = GpuDenseAttention::<bf16>::cache(gm.gpu(), &c, batch * per, PAGE)?;
+    let mut kv = GpuDenseAttention::<bf16>::cache(gm.gpu(), &c, batch * per, PAGE).map_err(s)?;
     for (l, layer) in kv.iter_mut().enumerate() {
         let (k, v) = layer.tensors_mut();
-        gm.fill_uniform(k, 2 * l as u64 + 100, 1.0)?;
-        gm.fill_uniform(v, 2 * l as u64 + 101, 1.0)?;
+        gm.fill_uniform(k, 2 * l as u64 + 100, 1.0).map_err(s)?;
+        gm.fill_uniform(v, 2 * l as u64 + 101, 1.0).map_err(s)?;
     }
     let table: Vec<i32> = (0..batch * per).map(|b| b as i32).collect();
     let cu: Vec<i32> = (0..=batch).map(|i| i as i32).collect();
     let all: Vec<usize> = (0..batch).collect();
     let mut tokens: Vec<u32> = (0..batch).map(|i| (i * 7919 % c.vocab) as u32).collect();
     let mut times = Vec::new();
+    let mut window = Instant::now();
     for step in 0..WARM + STEPS {
+        if step == WARM {
+            if let Some(m) = meet {
+                m.wait()?;
+            }
+            window = Instant::now();
+        }
         let pos = context + step;
         let lens = vec![(pos + 1) as i32; batch];
         let slots: Vec<i32> = (0..batch).map(|r| (r * per * PAGE + pos) as i32).collect();
@@ -255,12 +322,15 @@ fn dense(gm: &GpuModel<bf16>, context: usize, batch: usize) -> Result<f64, engin
             max_blocks: per,
         };
         let t = Instant::now();
-        let mut att = GpuDenseAttention::new(gm.gpu(), &c, kv, &meta, &slots)?;
-        tokens = gm.forward_greedy(&tokens, &vec![pos; batch], &mut att, &all)?;
+        let mut att = GpuDenseAttention::new(gm.gpu(), &c, kv, &meta, &slots).map_err(s)?;
+        tokens = gm
+            .forward_greedy(&tokens, &vec![pos; batch], &mut att, &all)
+            .map_err(s)?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
         kv = att.kv;
     }
-    Ok(median(&mut times[WARM..]))
+    let mean = window.elapsed().as_secs_f64() * 1e3 / STEPS as f64;
+    Ok((median(&mut times[WARM..]), mean))
 }
 
 /// The host's available memory (`MemAvailable` of /proc/meminfo), in bytes.
