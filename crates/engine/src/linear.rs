@@ -99,6 +99,29 @@ impl Linear {
         out
     }
 
+    /// The same matrix stored as the float type `dtype` (F32, F16 or BF16), each weight
+    /// rounded once (to nearest even) from its exact value.
+    pub fn to_float(&self, dtype: DType) -> Result<Linear, EngineError> {
+        let exact = self.to_f32();
+        let data: Vec<u8> = match dtype {
+            DType::F32 => exact.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            DType::F16 => exact
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            DType::BF16 => exact
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            other => {
+                return Err(EngineError::Invalid(format!(
+                    "{other:?} is not a float type to store a matrix in"
+                )));
+            }
+        };
+        Linear::from_raw(dtype, self.rows, self.cols, data)
+    }
+
     /// `out [n, rows] = x [n, cols] · Wᵀ` (nothing when `n` is 0).
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert!(

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use crate::EngineError;
-use crate::gguf::{Gguf, Value};
+use crate::gguf::{DType, Gguf, Value};
 use crate::linear::Linear;
 
 /// The shape and constants of a Llama-family model.
@@ -210,6 +210,39 @@ impl Model {
     /// Loads every weight of a Llama-family GGUF file (quantized weights stay quantized).
     pub fn load(g: &Gguf) -> Result<Model, EngineError> {
         Model::assemble(ModelConfig::from_gguf(g)?, g)
+    }
+
+    /// The same model with every matrix stored as the float type `dtype` (F32, F16 or BF16),
+    /// each weight rounded once from its exact value: the weights a GPU forward that
+    /// dequantizes to `dtype` at load computes with, so the CPU forward of this model (with a
+    /// KV store of the same type) is that forward's reference at its own precision.
+    pub fn with_float_weights(&self, dtype: DType) -> Result<Model, EngineError> {
+        let f = |l: &Linear| l.to_float(dtype);
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| {
+                Ok(Block {
+                    attn_norm: b.attn_norm.clone(),
+                    wq: f(&b.wq)?,
+                    wk: f(&b.wk)?,
+                    wv: f(&b.wv)?,
+                    wo: f(&b.wo)?,
+                    ffn_norm: b.ffn_norm.clone(),
+                    gate: f(&b.gate)?,
+                    up: f(&b.up)?,
+                    down: f(&b.down)?,
+                })
+            })
+            .collect::<Result<Vec<Block>, EngineError>>()?;
+        Ok(Model {
+            config: self.config,
+            embed: f(&self.embed)?,
+            output: self.output.as_ref().map(f).transpose()?,
+            output_norm: self.output_norm.clone(),
+            blocks,
+            freqs: self.freqs.clone(),
+        })
     }
 
     /// Builds a model of shape `c` from the weights `w` holds.

@@ -9,10 +9,13 @@
 //! same 64 as the engine does (8-bit activation rows against quantized weights). Each is
 //! compared with the reference: per row the largest absolute logit difference over the largest
 //! absolute logit (max rel) and the L2 norms' ratio (L2 rel), the worst row reported, with
-//! top-1 agreement and perplexity over the decoded positions. The check fails (exit 1) where
-//! the f16 run's max rel exceeds 1e-2 or a logit is not finite; bf16's is reported (its
-//! weights alone keep 8 significant bits of the Q4_1 values, which moves this model's logits
-//! by about 2e-2). It also reports the weights' device bytes and the decode step time.
+//! top-1 agreement and perplexity over the decoded positions. Each GPU run is also compared
+//! with the CPU forward at its own precision ("vs cpu f16", "vs cpu bf16": the weights
+//! rounded to the type once, as the upload does, and a KV cache of the type), which
+//! separates the GPU path's own error from the type's. The check fails (exit 1) where the f16
+//! run's max rel exceeds 1e-2 or a logit is not finite; bf16's is reported (its weights alone
+//! keep 8 significant bits of the Q4_1 values, which moves this model's logits by about
+//! 2e-2). It also reports the weights' device bytes and the decode step time.
 //!
 //! `gpu_engine fidelity MODEL TEXT [--json FILE]`: dense against hierarchical sparse decode
 //! of the real model on the CPU and on the GPU, each side's perplexity ratio and top-1
@@ -43,7 +46,7 @@ use std::time::Instant;
 
 use attn_op::cuda::Gpu;
 use engine::eval::{argmax, nll};
-use engine::gguf::Gguf;
+use engine::gguf::{DType, Gguf};
 use engine::gpu::{GpuDenseAttention, GpuFloat, GpuModel};
 use engine::{Batch, DenseAttention, KvStore, Model, Tokenizer};
 use half::{bf16, f16};
@@ -133,6 +136,9 @@ impl Tally {
 /// logits, the decode step's mean time, and the weights' bytes and upload time.
 struct GpuRun {
     name: &'static str,
+    /// The CPU forward of all the tokens at once at the run's own precision: weights rounded
+    /// to `T` once, as the upload does, and a KV cache of `T` (f32 activations).
+    same: Vec<f32>,
     prefill: Vec<f32>,
     decode: Vec<f32>,
     step_ms: f64,
@@ -145,6 +151,26 @@ struct GpuRun {
 fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
     let s = |e: engine::EngineError| e.to_string();
     let c = model.config;
+    let dtype = match T::DTYPE {
+        attn_op::DType::F32 => DType::F32,
+        attn_op::DType::F16 => DType::F16,
+        attn_op::DType::BF16 => DType::BF16,
+    };
+    let rows: Vec<usize> = (0..ids.len()).collect();
+    let blocks = ids.len().div_ceil(BLOCK);
+    let same = model
+        .with_float_weights(dtype)
+        .map_err(s)?
+        .forward(
+            ids,
+            &rows,
+            &mut DenseAttention {
+                store: &mut KvStore::<T>::new(&c, blocks, BLOCK).map_err(s)?,
+                batch: &Batch::single(0, ids.len(), blocks),
+            },
+            &rows,
+        )
+        .map_err(s)?;
     let t0 = Instant::now();
     let gm = GpuModel::<T>::upload(model, gpu).map_err(s)?;
     gm.gpu().synchronize().map_err(|e| e.to_string())?;
@@ -171,6 +197,7 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
     let step_ms = t.elapsed().as_secs_f64() * 1e3 / (ids.len() - PREFILL) as f64;
     Ok(GpuRun {
         name: T::KERNEL,
+        same,
         prefill,
         decode,
         step_ms,
@@ -293,13 +320,15 @@ fn check(args: &[String]) -> Res<i32> {
     let reference = decoded(&want);
     let mut cpu = Tally::default();
     cpu.add(&cpu_decode, &reference, vocab);
-    let tallies: Vec<[Tally; 3]> = runs
+    let tallies: Vec<[Tally; 5]> = runs
         .iter()
         .map(|r| {
-            let mut t = [Tally::default(), Tally::default(), Tally::default()];
+            let mut t: [Tally; 5] = Default::default();
             t[0].add(&r.prefill, &want[..PREFILL * vocab], vocab);
             t[1].add(&r.decode, &reference, vocab);
             t[2].add(&r.decode, &cpu_decode, vocab);
+            t[3].add(&r.prefill, &r.same[..PREFILL * vocab], vocab);
+            t[4].add(&r.decode, &decoded(&r.same), vocab);
             t
         })
         .collect();
@@ -322,6 +351,8 @@ fn check(args: &[String]) -> Res<i32> {
         out += &t[0].line(&format!("gpu {} prefill vs reference", r.name));
         out += &t[1].line(&format!("gpu {} decode vs reference", r.name));
         out += &t[2].line(&format!("gpu {} decode vs cpu decode", r.name));
+        out += &t[3].line(&format!("gpu {} prefill vs cpu {0}", r.name));
+        out += &t[4].line(&format!("gpu {} decode vs cpu {0}", r.name));
     }
     out += &format!(
         "  perplexity over the decoded positions: reference {:.4}, cpu decode {:.4}, gpu f16 decode {:.4}, gpu bf16 decode {:.4}\n",
@@ -345,11 +376,13 @@ fn check(args: &[String]) -> Res<i32> {
             .zip(&tallies)
             .map(|(r, t)| {
                 format!(
-                    "{:?}:{{\"prefill\":{},\"decode\":{},\"vs_cpu_decode\":{},\"ppl_decode\":{},\"decode_ms\":{},\"weight_bytes\":{}}}",
+                    "{:?}:{{\"prefill\":{},\"decode\":{},\"vs_cpu_decode\":{},\"prefill_vs_cpu_same\":{},\"decode_vs_cpu_same\":{},\"ppl_decode\":{},\"decode_ms\":{},\"weight_bytes\":{}}}",
                     r.name,
                     t[0].json(),
                     t[1].json(),
                     t[2].json(),
+                    t[3].json(),
+                    t[4].json(),
                     ppl(nll_of(&r.decode)),
                     r.step_ms,
                     r.weight_bytes

@@ -149,6 +149,55 @@ fn chunked_prefill_equals_decode() {
     }
 }
 
+#[test]
+fn float_copies_round_each_weight_once() {
+    let g = tiny(DType::Q4_1);
+    let name = "blk.0.ffn_gate.weight";
+    let l = Linear::from_gguf(&g, name, TINY.ffn, TINY.embed).expect("a tensor");
+    let w = g.dequantize(name).expect("a tensor");
+    // One-hot rows pick the weights' columns out exactly: out[t, r] = W[r, t].
+    let n = 8;
+    let mut x = vec![0.0f32; n * TINY.embed];
+    (0..n).for_each(|t| x[t * TINY.embed + t] = 1.0);
+    for (dtype, round) in [
+        (DType::F32, (|v| v) as fn(f32) -> f32),
+        (DType::F16, |v| half::f16::from_f32(v).to_f32()),
+        (DType::BF16, |v| half::bf16::from_f32(v).to_f32()),
+    ] {
+        let mut out = vec![f32::NAN; n * TINY.ffn];
+        l.to_float(dtype)
+            .expect("a float type")
+            .forward(&x, n, &mut out);
+        for t in 0..n {
+            for r in 0..TINY.ffn {
+                let want = round(w[r * TINY.embed + t]);
+                assert_eq!(out[t * TINY.ffn + r], want, "{dtype:?} W[{r}, {t}]");
+            }
+        }
+    }
+    assert!(matches!(
+        l.to_float(DType::Q8_0),
+        Err(EngineError::Invalid(_))
+    ));
+    // A whole model: f32 copies leave prefill rows (which meet exact weights) bit for bit as
+    // they were; bf16 moves the logits, by a bounded amount.
+    let m = Model::load(&g).expect("a valid model");
+    let tokens = text(40);
+    let exact = logits(&m, &tokens, 40);
+    let as_f32 = m.with_float_weights(DType::F32).expect("a float type");
+    assert_eq!(logits(&as_f32, &tokens, 40), exact);
+    let as_bf16 = m.with_float_weights(DType::BF16).expect("a float type");
+    let moved = logits(&as_bf16, &tokens, 40)
+        .iter()
+        .zip(&exact)
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0.0f32, f32::max);
+    assert!(
+        moved > 0.0 && moved < 0.1,
+        "bf16 weights moved the logits by {moved}"
+    );
+}
+
 fn quest(budget: usize, dense: Vec<usize>) -> SparseConfig {
     SparseConfig {
         dense_layers: dense,
