@@ -157,7 +157,7 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
         attn_op::DType::BF16 => DType::BF16,
     };
     let rows: Vec<usize> = (0..ids.len()).collect();
-    let blocks = ids.len().div_ceil(BLOCK);
+    let blocks = (ids.len() + 1).div_ceil(BLOCK);
     let same = model
         .with_float_weights(dtype)
         .map_err(s)?
@@ -175,7 +175,6 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
     let gm = GpuModel::<T>::upload(model, gpu).map_err(s)?;
     gm.gpu().synchronize().map_err(|e| e.to_string())?;
     let upload_s = t0.elapsed().as_secs_f64();
-    let blocks = (ids.len() + 1).div_ceil(BLOCK);
     let prefix: Vec<usize> = (0..PREFILL).collect();
     let mut kv = GpuDenseAttention::<T>::cache(gm.gpu(), &c, blocks, BLOCK).map_err(s)?;
     let batch = Batch::single(0, PREFILL, blocks);

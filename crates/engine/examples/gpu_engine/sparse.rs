@@ -59,10 +59,15 @@ impl Context {
 /// so its zeroed pages never become resident.
 pub(crate) fn host_bytes(gm: &GpuModel<bf16>, context: usize, runs: usize) -> usize {
     let c = gm.config;
-    let pages = (context + runs * (WARM + STEPS + PROFILED)).div_ceil(PAGE);
+    let pages = host_pages(context, runs);
     let kvs = c.kv_heads * c.head_dim;
     let page_kv = PAGE * kvs * 2 * size_of::<bf16>();
     c.layers * pages * (page_kv + 2 * kvs * size_of::<f32>())
+}
+
+/// Host pages a request of `context` tokens takes over `runs` runs of decode steps.
+fn host_pages(context: usize, runs: usize) -> usize {
+    (context + runs * (WARM + STEPS + PROFILED)).div_ceil(PAGE)
 }
 
 /// The process's resident memory (`VmRSS` of /proc/self/status), in bytes; 0 where unknown.
@@ -109,6 +114,7 @@ struct Decoding {
     ids: Vec<RequestId>,
     tokens: Vec<u32>,
     pos: Vec<usize>,
+    params: AttnParams,
 }
 
 impl Decoding {
@@ -124,7 +130,7 @@ impl Decoding {
     ) -> Res<Decoding> {
         let e = |e: coordinator::CoordError| e.to_string();
         let c = gm.config;
-        let pages = (context + runs * (WARM + STEPS + PROFILED)).div_ceil(PAGE);
+        let pages = host_pages(context, runs);
         let cap = Capacity {
             max_requests: n,
             max_tokens: pages * PAGE,
@@ -161,6 +167,7 @@ impl Decoding {
             coord,
             tokens: (0..n).map(|i| (i * 7919 % c.vocab) as u32).collect(),
             pos: vec![context; n],
+            params: AttnParams::new(c.q_heads, c.head_dim),
             ids,
         })
     }
@@ -174,7 +181,7 @@ impl Decoding {
         let mut att = GpuSparseAttention {
             coord: &mut self.coord,
             dev: &mut self.dev,
-            params: AttnParams::new(gm.config.q_heads, gm.config.head_dim),
+            params: self.params.clone(),
             dense: None,
         };
         let next = gm
