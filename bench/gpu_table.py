@@ -75,14 +75,14 @@ def main():
         rows_table("sparse-algo Quest", sel, 36, queued=True)
         print()
         print("Quest estimate + top-k + sparse attention (2K budget) against the torch peers, "
-              "synced / queued:")
+              "synced / queued (tc: scores on tensor cores):")
         goals = {"B8 L32K": 5.0, "B1 L128K": 6.0}
-        for tag, goal in goals.items():
-            o = sel.get(f"quest+sparse attn 2K {tag}")
+        for (tag, goal), how in [(g, h) for g in goals.items() for h in ["", " tc"]]:
+            o = sel.get(f"quest+sparse attn 2K{how} {tag}")
             if not o:
                 continue
             ot = pair(o)
-            line = f"  {tag:<9} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
+            line = f"  {tag + how:<12} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
             for peer, want in [(f"torch SDPA dense {tag}", goal),
                                (f"torch Quest pipeline 2K {tag}", 10.0)]:
                 p = peers.get(peer)

@@ -507,6 +507,164 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
     copy16_wait<0>();
 }
 
+// ---------------------------------------------------------------------------------------------
+// quest_score_tc_*: the same estimate on tensor cores, for f16 and bf16 keys and groups of at
+// most 8 query heads. Since max(q kmax, q kmin) = q+ kmax + q- kmin (q+ = max(q, 0), q- =
+// min(q, 0); kmax >= kmin), a page's scores for the group are one row of the product of its
+// [kmax ‖ kmin] row (2d elements) with the [q+ ; q-] columns of the group's heads: an MMA
+// with 16 pages as M, the heads as N (8, the unused ones zero) and 2d as K. The products of
+// two 16-bit elements are exact in f32; only the order of the f32 sums differs from the CPU's,
+// so a score may differ from score.rs's in its last bits, and pages whose scores tie within that
+// rounding may be chosen differently (the check allows exactly that; `quest_score_*` above is the
+// bit-identical kernel).
+//
+// A warp takes a run of consecutive items (selection row, KV head, tile of 16 mid pages) and
+// reads each page's row straight into A fragments (16-byte loads, 512 bytes a row at d 128);
+// the queries become B fragments once per (row, head). The k index is permuted the same way
+// in A and B: thread (g, t) holds elements 32 i + 8 t .. 32 i + 8 t + 8 of its rows, and MMA
+// step (i, w) takes words w and w + 1 of them as the k columns (2t, 2t + 1) and (2t + 8,
+// 2t + 9). C holds pages g and g + 8 for heads 2t and 2t + 1; a page's key is the best of its
+// group's heads (a max over the quad, then atomicMax, as above).
+
+#define TC_WARPS 8  // warps of a tensor-core scoring CTA
+
+template <typename T> struct TcMma;
+template <> struct TcMma<__nv_bfloat16> {
+    static constexpr u32 EXP = 0x7f80u;  // the exponent bits: above them (sign cleared), NaN
+    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u32 b0, u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+template <> struct TcMma<__half> {
+    static constexpr u32 EXP = 0x7c00u;
+    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u32 b0, u32 b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+
+// The 16-bit elements of a word kept on one side of zero: where `neg`, the negative ones,
+// else the others; NaN and the rest become +0 (the CPU reads a NaN query as 0).
+template <typename T>
+__device__ __forceinline__ u32 signed_half(u32 w, bool neg) {
+    u32 out = 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u32 h = (w >> (16 * i)) & 0xffffu;
+        const bool nan = (h & 0x7fffu) > TcMma<T>::EXP;
+        const bool is_neg = (h & 0x8000u) != 0;
+        if (!nan && is_neg == neg) out |= h << (16 * i);
+    }
+    return out;
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <typename T, int D>
+__device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ cu_q,
+                              const T* __restrict__ reps, const i32* __restrict__ slots,
+                              const i32* __restrict__ seq_lens, const ScoreArgs a, i32 items,
+                              i32 per_warp, u32* __restrict__ scores) {
+    constexpr int KC = 2 * D / 32;  // 16-byte chunks of a row per thread
+    constexpr int HALF = KC / 2;    // chunks of kmax (then kmin)
+    const int lane = threadIdx.x & 31;
+    const int gl = lane >> 2;  // A: pages gl and gl + 8; B: head gl of the group
+    const int t = lane & 3;
+    const int g = a.q_heads / a.kvh;
+    const int heads = a.shared ? a.kvh : 1;
+    const size_t page_stride = (size_t)a.kvh * 2 * D;
+    const long warp_id = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long first = warp_id * per_warp;
+    const long last = min((long)items, first + per_warp);
+
+    uint4 qf[KC];
+    int have = -1;
+    // The (row, head)'s sequence facts, set with its queries.
+    int row = 0, npg_all = 0;
+    size_t rep_row0 = 0;
+    for (long it = first; it < last; it++) {
+        const int tile = (int)(it % a.tiles);
+        const int rh = (int)(it / a.tiles);
+        if (rh != have) {
+            have = rh;
+            row = rh / heads;
+            const int s = a.shared ? row : row / a.kvh;
+            const int h = a.shared ? rh % heads : row % a.kvh;
+            const int len = seq_lens[s];
+            const int slot = slots[s];
+            npg_all = 0;
+            if (len > 0 && slot >= 0 && slot < a.num_slots) {
+                const Plan plan(len, a.ps, a.budget, a.sink_tokens, a.recent_tokens);
+                if (plan.pick > 0) {
+                    npg_all = min(plan.mid(), a.score_stride);
+                    rep_row0 = ((((size_t)a.layer * a.num_slots + slot) * a.max_pages +
+                                 plan.head_end) * a.kvh + h) * 2 * D;
+                }
+            }
+            if (npg_all > 0) {
+                const T* qrow =
+                    q + ((size_t)(cu_q[s + 1] - 1) * a.q_heads + (size_t)h * g + gl) * D;
+#pragma unroll
+                for (int i = 0; i < KC; i++) {
+                    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                    if (gl < g) {
+                        v = __ldg(reinterpret_cast<const uint4*>(qrow + (i % HALF) * 32 + t * 8));
+                        const bool neg = i >= HALF;
+                        v = make_uint4(signed_half<T>(v.x, neg), signed_half<T>(v.y, neg),
+                                       signed_half<T>(v.z, neg), signed_half<T>(v.w, neg));
+                    }
+                    qf[i] = v;
+                }
+            }
+        }
+        const int i0 = tile * 16;
+        const int npg = min(16, npg_all - i0);
+        if (npg <= 0) continue;  // uniform over the warp
+        uint4 ka[KC], kb[KC];
+        const T* src = reps + rep_row0 + (size_t)i0 * page_stride + t * 8;
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+            ka[i] = gl < npg ? __ldg(reinterpret_cast<const uint4*>(src + gl * page_stride + i * 32))
+                             : make_uint4(0u, 0u, 0u, 0u);
+            kb[i] = gl + 8 < npg
+                        ? __ldg(reinterpret_cast<const uint4*>(src + (gl + 8) * page_stride + i * 32))
+                        : make_uint4(0u, 0u, 0u, 0u);
+        }
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+#pragma unroll
+            for (int w = 0; w < 4; w += 2) {
+                TcMma<T>::run(c, word_of(ka[i], w), word_of(kb[i], w), word_of(ka[i], w + 1),
+                              word_of(kb[i], w + 1), word_of(qf[i], w), word_of(qf[i], w + 1));
+            }
+        }
+        // Pages gl (c[0], c[1]) and gl + 8 (c[2], c[3]), heads 2t and 2t + 1: the best real head.
+        u32 best[2];
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            u32 k = 0;
+            if (2 * t < g) k = order_key(c[2 * p]);
+            if (2 * t + 1 < g) k = max(k, order_key(c[2 * p + 1]));
+            k = max(k, __shfl_xor_sync(0xffffffffu, k, 1));
+            k = max(k, __shfl_xor_sync(0xffffffffu, k, 2));
+            best[p] = k;
+        }
+        u32* dst = scores + (size_t)row * a.score_stride + i0;
+        if (t == 0 && gl < npg && best[0] != 0) atomicMax(dst + gl, best[0]);
+        if (t == 0 && gl + 8 < npg && best[1] != 0) atomicMax(dst + gl + 8, best[1]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
@@ -664,3 +822,16 @@ __device__ void dsa_body(const float* __restrict__ q, const float* __restrict__ 
 SELECT_KERNELS(f32, float)
 SELECT_KERNELS(f16, __half)
 SELECT_KERNELS(bf16, __nv_bfloat16)
+
+#define SCORE_TC_KERNEL(NAME, T, D)                                                              \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) quest_score_tc_##NAME(         \
+        const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
+        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
+        i32 items, i32 per_warp, u32* __restrict__ scores) {                                     \
+        score_tc_body<T, D>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores);         \
+    }
+
+SCORE_TC_KERNEL(f16_d64, __half, 64)
+SCORE_TC_KERNEL(f16_d128, __half, 128)
+SCORE_TC_KERNEL(bf16_d64, __nv_bfloat16, 64)
+SCORE_TC_KERNEL(bf16_d128, __nv_bfloat16, 128)

@@ -8,8 +8,10 @@
 //! after a prefill it builds every page, after a decode step it recomputes the current page.
 //! [`SelectKernels::quest_topk`] scores pages (one launch) and selects the top-k (a second) into
 //! a [`DeviceTopK`], whose rows feed [`Gpu::sparse_page_attention`] (or, one row per sequence, the
-//! hot-buffer diff) without a round trip to the host. Scores equal the CPU's bit for bit, so
-//! the selections are the CPU's, ties included. [`SelectKernels::streaming_topk`] writes
+//! hot-buffer diff) without a round trip to the host. With [`QuestScoring::Exact`] (the default)
+//! scores equal the CPU's bit for bit, so the selections are the CPU's, ties included;
+//! [`QuestScoring::TensorCores`] scores on tensor cores, equal to the CPU's up to the order of
+//! f32 sums (see there). [`SelectKernels::streaming_topk`] writes
 //! StreamingLLM's rows through the same selecting kernel, and [`SelectKernels::dsa_topk`]
 //! scores every token with a trained indexer (keys in a [`DeviceRepPool`]) before it.
 
@@ -44,6 +46,28 @@ const PICK_THREADS: usize = 1024;
 const DSA_THREADS: usize = 128;
 /// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
 const TILE_BYTES: usize = 32 << 10;
+/// Warps of a tensor-core scoring CTA (`TC_WARPS`).
+const TC_WARPS: usize = 8;
+/// Mid pages of one tensor-core scoring item: the MMA's M.
+const TC_PAGES: usize = 16;
+/// The most query heads per KV head the tensor-core scoring takes: the MMA's N.
+const TC_GROUP: usize = 8;
+
+/// How [`SelectKernels::quest_topk`] computes Quest's page scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuestScoring {
+    /// On CUDA cores, every multiply and add rounded on its own in score.rs's order: each score
+    /// equals the CPU's bit for bit, so every selection equals the CPU's, ties included.
+    #[default]
+    Exact,
+    /// On tensor cores (a bf16 or f16 MMA of each page's `[kmax ‖ kmin]` row with the group's
+    /// `[q+ ; q-]`), for f16 and bf16 keys of head dim 64 or 128 and at most 8 query heads per
+    /// KV head; other shapes and f32 keys take [`Exact`](Self::Exact). Products of two 16-bit
+    /// elements are exact in f32, so a score differs from the CPU's only by the order of its f32
+    /// sums (its last bits), and a selection differs from the CPU's only where pages' scores
+    /// tie within that rounding.
+    TensorCores,
+}
 
 fn device_err(e: impl std::fmt::Debug) -> AlgoError {
     AlgoError::Attn(AttnError::Device(format!("CUDA driver: {e:?}")))
@@ -63,6 +87,12 @@ pub struct SelectKernels {
     stream: Arc<CudaStream>,
     /// `(quest_minmax, quest_score)` for f32, f16 and bf16, in [`type_index`] order.
     quest: [(CudaFunction, CudaFunction); 3],
+    /// `quest_score_tc_*` for f16 and bf16 (outer), head dim 64 and 128 (inner).
+    quest_tc: [[CudaFunction; 2]; 2],
+    /// Warps of `quest_score_tc_*` the device holds at once.
+    tc_resident_warps: usize,
+    /// How `quest_topk` scores.
+    scoring: QuestScoring,
     /// `dsa_score_*` for f32, f16 and bf16.
     dsa: [CudaFunction; 3],
     /// `pick_rows`, the top-k of every algorithm and element type.
@@ -402,6 +432,26 @@ impl SelectKernels {
             ))
         };
         let quest = [pair("f32")?, pair("f16")?, pair("bf16")?];
+        let quest_tc = [
+            [
+                load("quest_score_tc_f16_d64".to_owned())?,
+                load("quest_score_tc_f16_d128".to_owned())?,
+            ],
+            [
+                load("quest_score_tc_bf16_d64".to_owned())?,
+                load("quest_score_tc_bf16_d128".to_owned())?,
+            ],
+        ];
+        // The tensor-core kernels use no dynamic shared memory: one occupancy for every call.
+        let mut tc_per_sm = u32::MAX;
+        for f in quest_tc.iter().flatten() {
+            let n = f
+                .occupancy_max_active_blocks_per_multiprocessor(to_u32(TC_WARPS * 32)?, 0, None)
+                .map_err(device_err)?;
+            tc_per_sm = tc_per_sm.min(n);
+        }
+        let sms = gpu.multiprocessors();
+        let tc_resident_warps = (sms * tc_per_sm as usize * TC_WARPS).max(TC_WARPS);
         let dsa = [
             load("dsa_score_f32".to_owned())?,
             load("dsa_score_f16".to_owned())?,
@@ -438,13 +488,26 @@ impl SelectKernels {
         Ok(SelectKernels {
             stream: gpu.stream().clone(),
             quest,
+            quest_tc,
+            tc_resident_warps,
+            scoring: QuestScoring::default(),
             dsa,
             pick,
             score_smem_max,
             dsa_smem_max,
             pick_smem_max,
-            sms: gpu.multiprocessors(),
+            sms,
         })
+    }
+
+    /// How [`quest_topk`](Self::quest_topk) scores from now on.
+    pub fn set_quest_scoring(&mut self, scoring: QuestScoring) {
+        self.scoring = scoring;
+    }
+
+    /// How [`quest_topk`](Self::quest_topk) scores.
+    pub fn quest_scoring(&self) -> QuestScoring {
+        self.scoring
     }
 
     /// Brings the min/max pages of `layer` up to date for the batch `meta` over the keys in
@@ -534,7 +597,8 @@ impl SelectKernels {
     /// row of each sequence's queries is used), from `q` (`[total_q, q_heads, head_dim]`, the
     /// tensor attention reads) and the min/max pages of `layer`, written into `out` as
     /// [`Quest::retrieve_topk`] answers for the same inputs (rows equal, padding -1). Two
-    /// launches: the estimate (scores of every mid page), then the top-k of each row.
+    /// launches: the estimate (scores of every mid page, as [`quest_scoring`](Self::quest_scoring)
+    /// says), then the top-k of each row.
     ///
     /// [`Quest::retrieve_topk`]: crate::SparseAlgorithm::retrieve_topk
     #[allow(
@@ -583,7 +647,12 @@ impl SelectKernels {
             slots,
             pool,
         };
-        self.launch_score(&inputs, out)?;
+        match self.tc_kernel::<T>(q_heads / kvh, d) {
+            Some(f) if self.scoring == QuestScoring::TensorCores => {
+                self.launch_score_tc(f, &inputs, out)?;
+            }
+            _ => self.launch_score(&inputs, out)?,
+        }
         let rule = Rule {
             page_size: c.page_size,
             budget_pages: quest.budget_pages(),
@@ -805,6 +874,95 @@ impl SelectKernels {
         // memory holds the group's g d queries, their g d element-sized masks and two tiles
         // of SCORE_THREADS / tpp padded rows (within the limit set at load); slots are
         // range-checked in the kernel.
+        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        Ok(())
+    }
+
+    /// The tensor-core scoring kernel for `T`, a group of `g` query heads and head dim `d`, if
+    /// it takes that shape.
+    fn tc_kernel<T: CudaElement>(&self, g: usize, d: usize) -> Option<&CudaFunction> {
+        let by_type = match T::DTYPE {
+            DType::F32 => return None,
+            DType::F16 => &self.quest_tc[0],
+            DType::BF16 => &self.quest_tc[1],
+        };
+        if g > TC_GROUP {
+            return None;
+        }
+        match d {
+            64 => Some(&by_type[0]),
+            128 => Some(&by_type[1]),
+            _ => None,
+        }
+    }
+
+    /// The estimate on tensor cores: `quest_score_tc_*` (function `func`) over every (selection
+    /// row, head, tile of 16 mid pages), each warp taking a run of consecutive items.
+    fn launch_score_tc<T: CudaElement>(
+        &self,
+        func: &CudaFunction,
+        inputs: &Inputs<'_, T>,
+        out: &mut DeviceTopK,
+    ) -> Result<(), AlgoError> {
+        let Inputs {
+            quest,
+            q,
+            q_heads,
+            meta,
+            layer,
+            slots,
+            pool,
+        } = *inputs;
+        let c = quest.config();
+        let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
+        let heads = if c.shared_heads { kvh } else { 1 };
+        let tiles = meta
+            .max_kv_len()
+            .div_ceil(c.page_size)
+            .min(out.score_stride)
+            .div_ceil(TC_PAGES)
+            .max(1);
+        let items = out.sel_rows * heads * tiles;
+        let per_warp = items.div_ceil(self.tc_resident_warps);
+        let ctas = items.div_ceil(per_warp).div_ceil(TC_WARPS);
+        let args = ScoreArgs {
+            q_heads: to_i32(q_heads)?,
+            layer: to_i32(layer)?,
+            num_slots: to_i32(pool.slots)?,
+            max_pages: to_i32(pool.max_pages)?,
+            kvh: to_i32(kvh)?,
+            d: to_i32(d)?,
+            ps: to_i32(c.page_size)?,
+            budget: to_i32(quest.budget_pages())?,
+            sink_tokens: to_i32(c.always.sink_tokens as usize)?,
+            recent_tokens: to_i32(c.always.recent_tokens as usize)?,
+            shared: i32::from(c.shared_heads),
+            tpp: 1,
+            score_stride: to_i32(out.score_stride)?,
+            tiles: to_i32(tiles)?,
+        };
+        let (items, per_warp) = (to_i32(items)?, to_i32(per_warp)?);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(ctas)?, 1, 1),
+            block_dim: (to_u32(TC_WARPS * 32)?, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(func);
+        b.arg(q)
+            .arg(meta.cu_seqlens_q())
+            .arg(&pool.data)
+            .arg(slots)
+            .arg(meta.seq_lens_kv())
+            .arg(&args)
+            .arg(&items)
+            .arg(&per_warp)
+            .arg(&mut out.scores);
+        // SAFETY: the arguments follow `quest_score_tc_*` in kernels/select.cu, compiled for
+        // this element type and head dim (`tc_kernel`); q holds total_q * q_heads * d elements
+        // and every sequence has a query row; the group has at most 8 heads; the pool's shape
+        // and extent were checked against the batch, and the kernel reads only pages below the
+        // row's mid end; scores hold score_stride keys per selection row and the kernel writes
+        // below min(mid, score_stride); slots are range-checked in the kernel.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }

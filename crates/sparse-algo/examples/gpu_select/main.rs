@@ -33,7 +33,7 @@ use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvLayout, PagedKv};
 use half::{bf16, f16};
 use report::{Row, random_bf16, table};
 use rng::Rng;
-use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
+use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, QuestScoring, SelectKernels};
 use sparse_algo::{
     AlgoError, AlwaysInclude, Decode, Dsa, DsaConfig, Indexer, KeySource, PagedKeys, Quest,
     QuestConfig, RepPool, SparseAlgorithm, StreamingConfig, StreamingLlm, TopK,
@@ -46,11 +46,11 @@ fn main() {
 fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
     let gpu = Gpu::new(0)?;
     println!("device: {}", gpu.name()?);
-    let sk = SelectKernels::new(&gpu)?;
+    let mut sk = SelectKernels::new(&gpu)?;
     match cmd {
-        "check" => check(&gpu, &sk),
+        "check" => check(&gpu, &mut sk),
         "bench" => {
-            bench(&gpu, &sk, report::json_arg(args))?;
+            bench(&gpu, &mut sk, report::json_arg(args))?;
             Ok(0)
         }
         other => {
@@ -219,7 +219,7 @@ const CASES: &[Case] = &[
 const LAYERS: usize = 2;
 const POISON: i32 = -777;
 
-fn check(gpu: &Gpu, sk: &SelectKernels) -> Result<i32, AlgoError> {
+fn check(gpu: &Gpu, sk: &mut SelectKernels) -> Result<i32, AlgoError> {
     let mut failed = 0;
     let mut total = 0;
     let mut tally = |name: &str, dtype: &str, outcome: Vec<(String, bool)>| {
@@ -293,7 +293,7 @@ fn meta_for(
 
 fn check_case<T: CudaElement>(
     gpu: &Gpu,
-    sk: &SelectKernels,
+    sk: &mut SelectKernels,
     c: &Case,
     seed: u64,
 ) -> Result<Vec<(String, bool)>, AlgoError> {
@@ -403,9 +403,69 @@ fn check_case<T: CudaElement>(
             &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
         )?;
     }
-    results.extend(compare_rows(gpu, &want, &out, &lens)?);
+    results.extend(compare_rows(gpu, &want, &out, &lens, None)?);
+
+    // Tensor-core scores, where the kernel takes the shape: equal up to near ties.
+    let g = c.q_heads / kvh;
+    if T::DTYPE != attn_op::DType::F32 && g <= 8 && (d == 64 || d == 128) {
+        let score = |s: usize, h: usize, p: i32| -> (f64, f64) {
+            let pages = cpu_pool
+                .pages(layer, slots[s])
+                .expect("the check's CPU pool holds every sequence's pages");
+            let q = &last_q[s * c.q_heads * d..(s + 1) * c.q_heads * d];
+            let heads = if c.shared {
+                0..c.q_heads
+            } else {
+                h * g..(h + 1) * g
+            };
+            let (mut best, mut mag) = (f64::NEG_INFINITY, 0.0f64);
+            for qh in heads {
+                // A page past the sequence's end scores +inf, which no near tie allows.
+                let at = (p.max(0) as usize * kvh + qh / g) * 2 * d;
+                let Some(row) = pages.get(at..at + 2 * d) else {
+                    return (f64::INFINITY, 0.0);
+                };
+                let (mut sum, mut abs) = (0.0f64, 0.0f64);
+                for (e, &x) in q[qh * d..(qh + 1) * d].iter().enumerate() {
+                    let k = if x >= 0.0 { row[e] } else { row[d + e] };
+                    sum += f64::from(x) * f64::from(k);
+                    abs += f64::from(x.abs()) * f64::from(k.abs());
+                }
+                best = best.max(sum);
+                mag = mag.max(abs);
+            }
+            (best, mag)
+        };
+        sk.set_quest_scoring(QuestScoring::TensorCores);
+        poison(gpu, &mut out)?;
+        let mut run = || -> Result<(), AlgoError> {
+            for _ in 0..2 {
+                sk.quest_topk(
+                    &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+                )?;
+            }
+            Ok(())
+        };
+        let ran = run();
+        sk.set_quest_scoring(QuestScoring::Exact);
+        ran?;
+        let near = compare_rows(gpu, &want, &out, &lens, Some(&score))?;
+        results.extend(
+            near.into_iter()
+                .map(|(w, ok)| (format!("tensor cores: {w}"), ok)),
+        );
+    }
     Ok(results)
 }
+
+/// A page's CPU score for a selection row (sequence, KV head) in f64, and the sum of its
+/// products' magnitudes (the scale of its rounding).
+type ScoreOf<'a> = &'a dyn Fn(usize, usize, i32) -> (f64, f64);
+
+/// Where two selections of one row may differ with tensor-core scores: pages whose f64 scores
+/// lie within this fraction of their products' magnitudes of each other (f32 sums of 256
+/// terms in two orders differ by far less).
+const NEAR_TIE: f64 = 1.0 / 65536.0;
 
 /// Fills a selection's outputs with [`POISON`], so rows the kernels skip show.
 fn poison(gpu: &Gpu, out: &mut DeviceTopK) -> Result<(), AlgoError> {
@@ -424,12 +484,14 @@ fn poison(gpu: &Gpu, out: &mut DeviceTopK) -> Result<(), AlgoError> {
 }
 
 /// The device rows against the CPU's `want` (one row per sequence or per (sequence, KV head)):
-/// ids, -1 padding, and the tokens each row covers in sequences of `lens` tokens.
+/// ids, -1 padding, and the tokens each row covers in sequences of `lens` tokens. With `near`
+/// (the CPU's scores), a row may swap pages whose scores tie within [`NEAR_TIE`].
 fn compare_rows(
     gpu: &Gpu,
     want: &TopK,
     out: &DeviceTopK,
     lens: &[usize],
+    near: Option<ScoreOf<'_>>,
 ) -> Result<Vec<(String, bool)>, AlgoError> {
     let (rows, width) = (out.sel.rows, out.sel.max_len);
     let ps = want.page_size;
@@ -442,25 +504,57 @@ fn compare_rows(
     let mut sel_ok = true;
     let mut cover_ok = true;
     let mut pad_ok = true;
+    let mut swapped = 0;
     for r in 0..rows {
         let (s, h) = (r / per_seq, if per_seq == 1 { 0 } else { r % per_seq });
         let w = want.row(s, h);
         let len = dlens[r];
         let got = &ids[r * width..(r + 1) * width];
-        sel_ok &= len == w.len() as i32 && w.len() <= width && &got[..w.len()] == w;
+        let same = len == w.len() as i32 && w.len() <= width && &got[..w.len()] == w;
+        let row_ok = same
+            || near.is_some_and(|score| {
+                len == w.len() as i32
+                    && w.len() <= width
+                    && near_tie(w, &got[..w.len()], |p| score(s, h, p))
+            });
+        swapped += usize::from(row_ok && !same);
+        sel_ok &= row_ok;
         pad_ok &= got[w.len().min(width)..].iter().all(|&x| x == -1);
         let tokens: usize = w.iter().map(|&p| (lens[s] - p as usize * ps).min(ps)).sum();
         cover_ok &= covered[r] == tokens as i32;
     }
     let picked: usize = (0..rows).map(|r| dlens[r].max(0) as usize).sum::<usize>();
+    let rule = if near.is_some() {
+        format!(" but {swapped} with near ties")
+    } else {
+        String::new()
+    };
     Ok(vec![
         (
-            format!("selection rows equal the CPU's ({rows} rows, {picked} ids)"),
+            format!("selection rows equal the CPU's{rule} ({rows} rows, {picked} ids)"),
             sel_ok,
         ),
         ("rows padded with -1".to_owned(), pad_ok),
         ("covered tokens".to_owned(), cover_ok),
     ])
+}
+
+/// Whether a device row `got` differs from the CPU's `want` (both ascending, equal lengths)
+/// only by pages whose scores tie within [`NEAR_TIE`]: every page in one and not the other
+/// scores within that of all the others. Swapped pages cover whole pages (only mid pages are
+/// scored, and those are never a sequence's last), so the covered tokens still agree.
+fn near_tie(want: &[i32], got: &[i32], score: impl Fn(i32) -> (f64, f64)) -> bool {
+    let only_want = want.iter().filter(|p| got.binary_search(p).is_err());
+    let only_got = got.iter().filter(|p| want.binary_search(p).is_err());
+    let odd: Vec<i32> = only_want.chain(only_got).copied().collect();
+    if got.windows(2).any(|w| w[0] >= w[1]) || got.iter().any(|&p| p < 0) {
+        return false;
+    }
+    let scored: Vec<(f64, f64)> = odd.iter().map(|&p| score(p)).collect();
+    let lo = scored.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
+    let hi = scored.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+    let mag = scored.iter().map(|x| x.1).fold(0.0, f64::max);
+    hi - lo <= NEAR_TIE * mag
 }
 
 /// One checked StreamingLLM configuration.
@@ -559,7 +653,7 @@ fn check_streaming(
     let mut out = DeviceTopK::streaming(gpu, &algo, n, c.kv_heads, c.per_sequence)?;
     poison(gpu, &mut out)?;
     sk.streaming_topk(&algo, &meta, &mut out)?;
-    compare_rows(gpu, &want, &out, c.lens)
+    compare_rows(gpu, &want, &out, c.lens, None)
 }
 
 /// One checked DSA configuration (a trained indexer; the selection is per sequence).
@@ -732,7 +826,7 @@ fn check_dsa<T: CudaElement>(
     for _ in 0..2 {
         sk.dsa_topk(&dsa, &q, &w, &meta, layer, &dslots, &dev_pool, &mut out)?;
     }
-    compare_rows(gpu, &want, &out, c.lens)
+    compare_rows(gpu, &want, &out, c.lens, None)
 }
 
 const Q_HEADS: usize = 32;
@@ -743,7 +837,7 @@ const PS: usize = 16;
 const POOL_BLOCKS: usize = 32 * 1024;
 const RUNS: usize = 50;
 
-fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoError> {
+fn bench(gpu: &Gpu, sk: &mut SelectKernels, json: Option<&str>) -> Result<(), AlgoError> {
     let mut rows = Vec::new();
     let n = 1usize << 28;
     let src = gpu.zeros::<u32>(n)?;
@@ -823,38 +917,58 @@ fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoEr
             } else {
                 sk.update_minmax(&quest, &kv, &prefill, 0, &slots, &mut pool)?;
             }
-            let t = gpu.time(RUNS, || {
-                sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)
-            })?;
-            rows.push(Row {
-                name: format!("quest estimate+top-k{mode} {tag}"),
-                t,
-                bytes: rep_bytes,
-                note: format!(
-                    "{:.2} / {:.2} of copy bw",
-                    rep_bytes / t.synced / 1e6 / bw,
-                    rep_bytes / t.queued / 1e6 / bw
-                ),
-            });
-            let t = gpu.time(RUNS, || {
-                sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)?;
-                gpu.sparse_page_attention(
-                    &q,
-                    &kv,
-                    &decode,
-                    &top.sel,
-                    &params,
-                    &mut out_attn,
-                    None,
-                )?;
-                Ok::<(), AlgoError>(())
-            })?;
-            rows.push(Row {
-                name: format!("quest+sparse attn 2K{mode} {tag}"),
-                t,
-                bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
-                note: "estimate, top-k, attention over the selection".to_owned(),
-            });
+            // The exact kernel's ids, against which the tensor-core ones are counted.
+            let mut exact_ids: Vec<i32> = Vec::new();
+            for scoring in [QuestScoring::Exact, QuestScoring::TensorCores] {
+                sk.set_quest_scoring(scoring);
+                let sk = &*sk;
+                let how = match scoring {
+                    QuestScoring::Exact => "",
+                    QuestScoring::TensorCores => " tc",
+                };
+                let t = gpu.time(RUNS, || {
+                    sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)
+                })?;
+                rows.push(Row {
+                    name: format!("quest estimate+top-k{how}{mode} {tag}"),
+                    t,
+                    bytes: rep_bytes,
+                    note: format!(
+                        "{:.2} / {:.2} of copy bw",
+                        rep_bytes / t.synced / 1e6 / bw,
+                        rep_bytes / t.queued / 1e6 / bw
+                    ),
+                });
+                let t = gpu.time(RUNS, || {
+                    sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)?;
+                    gpu.sparse_page_attention(
+                        &q,
+                        &kv,
+                        &decode,
+                        &top.sel,
+                        &params,
+                        &mut out_attn,
+                        None,
+                    )?;
+                    Ok::<(), AlgoError>(())
+                })?;
+                rows.push(Row {
+                    name: format!("quest+sparse attn 2K{how}{mode} {tag}"),
+                    t,
+                    bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
+                    note: "estimate, top-k, attention over the selection".to_owned(),
+                });
+                let ids = gpu.download(&top.sel.ids)?;
+                if scoring == QuestScoring::Exact {
+                    exact_ids = ids;
+                } else {
+                    let (same, all) = same_ids(&exact_ids, &ids, top.sel.max_len);
+                    if let Some(r) = rows.iter_mut().rev().nth(1) {
+                        r.note.push_str(&format!("; ids as exact: {same} of {all}"));
+                    }
+                }
+            }
+            sk.set_quest_scoring(QuestScoring::Exact);
         }
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)
@@ -876,6 +990,20 @@ fn bench(gpu: &Gpu, sk: &SelectKernels, json: Option<&str>) -> Result<(), AlgoEr
         std::fs::write(path, body).map_err(|e| AlgoError::Invalid(format!("{path}: {e}")))?;
     }
     Ok(())
+}
+
+/// How many of `got`'s selected ids (rows of `width`, -1 padded, ascending) `want`'s row
+/// also holds, and how many `got` holds.
+fn same_ids(want: &[i32], got: &[i32], width: usize) -> (usize, usize) {
+    let (mut same, mut all) = (0, 0);
+    for (w, g) in want.chunks(width.max(1)).zip(got.chunks(width.max(1))) {
+        let w: Vec<i32> = w.iter().copied().filter(|&x| x >= 0).collect();
+        for x in g.iter().filter(|&&x| x >= 0) {
+            all += 1;
+            same += usize::from(w.binary_search(x).is_ok());
+        }
+    }
+    (same, all)
 }
 
 /// DeepSeek V3.2's indexer shape: 64 heads of 128.
