@@ -38,7 +38,7 @@ use offload::cuda::{
     BufRows, DeviceDiff, DeviceHotBuffers, IoKernels, MAX_DIFF_SELECTION, PinnedHostPool,
 };
 use offload::{HotBuffer, StepStats};
-use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
+use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, QuestScoring, SelectKernels};
 use sparse_algo::{AlgoConfig, Quest};
 
 use crate::{CoordError, Route, SparseCoordinator};
@@ -217,6 +217,13 @@ impl<T: CudaElement> DeviceSparse<T> {
             backup: None,
             clock: None,
         })
+    }
+
+    /// How the sparse layers' Quest scores pages from now on (see [`QuestScoring`]: exact by
+    /// default, so selections equal the CPU coordinator's; tensor cores are faster and equal
+    /// up to near ties).
+    pub fn set_quest_scoring(&mut self, scoring: QuestScoring) {
+        self.select.set_quest_scoring(scoring);
     }
 
     /// Sets (or, with `None`, removes) the clock the hooks mark their stages on, and answers

@@ -12,6 +12,7 @@ use engine::gpu_sparse::GpuSparseAttention;
 use half::bf16;
 use kv_blocks::RequestId;
 use offload::{HostAlloc, HostLayout};
+use sparse_algo::cuda::QuestScoring;
 use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 use crate::Res;
@@ -162,8 +163,10 @@ impl Decoding {
             }
             coord.forward_end().map_err(e)?;
         }
+        let mut dev = DeviceSparse::new(gm.gpu(), &coord).map_err(e)?;
+        dev.set_quest_scoring(QuestScoring::TensorCores);
         Ok(Decoding {
-            dev: DeviceSparse::new(gm.gpu(), &coord).map_err(e)?,
+            dev,
             coord,
             tokens: (0..n).map(|i| (i * 7919 % c.vocab) as u32).collect(),
             pos: vec![context; n],

@@ -7,8 +7,9 @@
 //! coordinator's CPU prefill hooks into its host pool, which builds their Quest pages. Every
 //! decode step is then a real forward of the whole model (greedy, the next token the model's
 //! own) with attention dense over the device cache or through the coordinator's device hooks
-//! (module `sparse`). Sparse: every layer sparse, head-shared Quest, pages of 16, a
-//! 2048-token budget (16 sink and 64 recent tokens always in), a hot buffer of 4096 tokens.
+//! (module `sparse`). Sparse: every layer sparse, head-shared Quest scored on tensor cores
+//! (`QuestScoring::TensorCores`), pages of 16, a 2048-token budget (16 sink and 64 recent
+//! tokens always in), a hot buffer of 4096 tokens.
 //!
 //! Device bytes per request are measured (dense: its blocks of every layer; sparse: the
 //! device mirror's representations and hot buffers over its requests); the largest batch each
