@@ -156,6 +156,24 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         }
         gpu.set_variant(None)?;
         gpu.set_waves(1);
+        // Shorter and longer splits than the default (128 keys at least): more or fewer CTAs,
+        // each walking fewer or more tiles, with more or fewer partials to merge.
+        for min_chunk in [64, 256, 512] {
+            gpu.set_min_chunk(min_chunk);
+            let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
+            sweep.push(format!(
+                "sweep B{b} L{}K tc     chunk >= {min_chunk}: dense {:.4} ms ({:.2} of copy), \
+                 sparse {:.4} ms ({:.2} x floor); queued {:.4} / {:.4} ms",
+                ctx / 1024,
+                dense.synced,
+                kv_bytes / dense.synced * 1e3 / bw,
+                sparse.synced,
+                sparse.synced / floor,
+                dense.queued,
+                sparse.queued,
+            ));
+        }
+        gpu.set_min_chunk(128);
     }
     for line in &sweep {
         println!("{line}");

@@ -112,6 +112,11 @@ const KERNEL_NAMES: &[&str] = &[
 const ATTN_DIMS: [usize; 3] = [64, 128, 256];
 /// Warps per attention CTA (`WARPS` in kernels/attn.cu).
 pub(crate) const WARPS: usize = 4;
+/// The fewest keys a split takes unless [`Gpu::set_min_chunk`] says otherwise: two tiles of 16
+/// per warp. On an H200, sparse decode B1 L128K (2048 keys a KV head) measured 20.9 µs with
+/// one tile per warp (32 splits), 19.0 with two (16 splits), 21.5 with four and 29.1 with
+/// eight: each further round of tiles costs a warp about 2 µs, each split a partial to merge.
+const MIN_CHUNK: usize = WARPS * 32;
 
 /// One attention kernel of kernels/attn.cu, by the suffix of its name (`attn_{type}_d{dim}_`
 /// suffix): which types and head dims it is built for and how many rows a CTA takes.
@@ -232,6 +237,8 @@ pub struct Gpu {
     scratch: Mutex<Option<Scratch>>,
     /// Target CTAs of a split-KV launch, in waves of the resident CTAs the device holds.
     waves: usize,
+    /// The fewest keys a split of a split-KV launch takes.
+    min_chunk: usize,
     /// The attention kernel to use where it is built for a launch's type and head dim, in
     /// place of the default (for the bench's sweep).
     variant: Option<&'static str>,
@@ -312,6 +319,7 @@ impl Gpu {
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             scratch: Mutex::new(None),
             waves: 1,
+            min_chunk: MIN_CHUNK,
             variant: None,
             arch,
         })
@@ -337,6 +345,13 @@ impl Gpu {
     /// at once (1 unless set: fewer, longer CTAs measured fastest on an H200; at least 1).
     pub fn set_waves(&mut self, waves: usize) {
         self.waves = waves.max(1);
+    }
+
+    /// Sets the fewest keys one split of a split-KV launch takes, rounded up to a whole tile of
+    /// 16 (128 unless set, two tiles per warp): for the bench's sweep, which weighs fewer,
+    /// longer CTAs against more, shorter ones where a launch has few (sequence, KV head) units.
+    pub fn set_min_chunk(&mut self, keys: usize) {
+        self.min_chunk = keys.max(16).div_ceil(16) * 16;
     }
 
     /// Picks the attention kernel by the suffix of its name, for benchmarking: `tc` (tensor
@@ -373,6 +388,7 @@ impl Gpu {
             sms: self.sms,
             scratch: Mutex::new(None),
             waves: self.waves,
+            min_chunk: self.min_chunk,
             variant: self.variant,
             arch: self.arch,
         })

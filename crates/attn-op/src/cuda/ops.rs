@@ -152,7 +152,7 @@ impl Gpu {
         while splits > 1 && splits * total_rows * (d + 1) * 4 > SCRATCH_BUDGET {
             splits /= 2;
         }
-        let chunk = n_keys.div_ceil(splits).div_ceil(16).max(4) * 16;
+        let chunk = (n_keys.div_ceil(splits).div_ceil(16) * 16).max(self.min_chunk);
         let splits = n_keys.div_ceil(chunk).max(1);
         let cfg = LaunchConfig {
             grid_dim: (
