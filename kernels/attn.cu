@@ -541,51 +541,6 @@ ATTN_KERNEL(attn_bf16_d128_r4_u1p, __nv_bfloat16, 128, 4, 1, true, 4)
 // online softmax (base 2, rescaled only when a maximum grows) needs no exchange but the row
 // maximum across the 8 lanes of a column.
 
-template <typename T>
-struct Mma;
-
-template <>
-struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u32 b0, u32 b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const u32*>(&v);
-    }
-};
-
-template <>
-struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u32 b0, u32 b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        const __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const u32*>(&v);
-    }
-};
-
-// The transpose of an 8x8 matrix of 16-bit elements held as a warp fragment (row lane / 4,
-// columns 2 (lane % 4) and 2 (lane % 4) + 1).
-__device__ __forceinline__ u32 transpose8x8(u32 x) {
-    u32 y;
-    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-    return y;
-}
-
-__device__ __forceinline__ u32 word(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 __device__ __forceinline__ uint4 load16(const void* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }

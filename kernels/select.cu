@@ -528,45 +528,23 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
 
 #define TC_WARPS 8  // warps of a tensor-core scoring CTA
 
-template <typename T> struct TcMma;
-template <> struct TcMma<__nv_bfloat16> {
-    static constexpr u32 EXP = 0x7f80u;  // the exponent bits: above them (sign cleared), NaN
-    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u32 b0, u32 b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-template <> struct TcMma<__half> {
-    static constexpr u32 EXP = 0x7c00u;
-    static __device__ __forceinline__ void run(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u32 b0, u32 b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-
 // The 16-bit elements of a word kept on one side of zero: where `neg`, the negative ones,
 // else the others; NaN and the rest become +0 (the CPU reads a NaN query as 0).
+__device__ __forceinline__ constexpr u32 exp_bits(const __half*) { return 0x7c00u; }
+__device__ __forceinline__ constexpr u32 exp_bits(const __nv_bfloat16*) { return 0x7f80u; }
 template <typename T>
 __device__ __forceinline__ u32 signed_half(u32 w, bool neg) {
+    // The exponent bits: above them (sign cleared), a NaN.
+    const u32 exp = exp_bits(static_cast<const T*>(nullptr));
     u32 out = 0;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const u32 h = (w >> (16 * i)) & 0xffffu;
-        const bool nan = (h & 0x7fffu) > TcMma<T>::EXP;
+        const bool nan = (h & 0x7fffu) > exp;
         const bool is_neg = (h & 0x8000u) != 0;
         if (!nan && is_neg == neg) out |= h << (16 * i);
     }
     return out;
-}
-
-__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
-    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 template <typename T, int D>
@@ -644,8 +622,8 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
         for (int i = 0; i < KC; i++) {
 #pragma unroll
             for (int w = 0; w < 4; w += 2) {
-                TcMma<T>::run(c, word_of(ka[i], w), word_of(kb[i], w), word_of(ka[i], w + 1),
-                              word_of(kb[i], w + 1), word_of(qf[i], w), word_of(qf[i], w + 1));
+                Mma<T>::run(c, word(ka[i], w), word(kb[i], w), word(ka[i], w + 1),
+                              word(kb[i], w + 1), word(qf[i], w), word(qf[i], w + 1));
             }
         }
         // Pages gl (c[0], c[1]) and gl + 8 (c[2], c[3]), heads 2t and 2t + 1: the best real head.

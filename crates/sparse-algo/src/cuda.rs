@@ -29,10 +29,11 @@ use cudarc::driver::{
 use crate::pool::pool_extent;
 use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, minmax};
 
-/// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, then
+/// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, `kernels/mma.cuh`, then
 /// `kernels/select.cu`), embedded at build time.
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../kernels/common.cuh"),
+    include_str!("../../../kernels/mma.cuh"),
     include_str!("../../../kernels/select.cu")
 );
 
@@ -794,12 +795,9 @@ impl SelectKernels {
     ) -> Result<(), AlgoError> {
         let Inputs {
             quest,
-            q,
             q_heads,
             meta,
-            layer,
-            slots,
-            pool,
+            ..
         } = *inputs;
         let c = quest.config();
         let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
@@ -835,47 +833,13 @@ impl SelectKernels {
         let resident = (self.sms * per_sm as usize).max(1);
         let per_cta = items.div_ceil(resident);
         let ctas = items.div_ceil(per_cta);
-        let args = ScoreArgs {
-            q_heads: to_i32(q_heads)?,
-            layer: to_i32(layer)?,
-            num_slots: to_i32(pool.slots)?,
-            max_pages: to_i32(pool.max_pages)?,
-            kvh: to_i32(kvh)?,
-            d: to_i32(d)?,
-            ps: to_i32(c.page_size)?,
-            budget: to_i32(quest.budget_pages())?,
-            sink_tokens: to_i32(c.always.sink_tokens as usize)?,
-            recent_tokens: to_i32(c.always.recent_tokens as usize)?,
-            shared: i32::from(c.shared_heads),
-            tpp: to_i32(tpp)?,
-            score_stride: to_i32(out.score_stride)?,
-            tiles: to_i32(tiles)?,
-        };
         let (items, per_cta) = (to_i32(items)?, to_i32(per_cta)?);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(ctas)?, 1, 1),
             block_dim: (to_u32(SCORE_THREADS)?, 1, 1),
             shared_mem_bytes: to_u32(smem)?,
         };
-        let mut b = self.stream.launch_builder(func);
-        b.arg(q)
-            .arg(meta.cu_seqlens_q())
-            .arg(&pool.data)
-            .arg(slots)
-            .arg(meta.seq_lens_kv())
-            .arg(&args)
-            .arg(&items)
-            .arg(&per_cta)
-            .arg(&mut out.scores);
-        // SAFETY: the arguments follow `quest_score_*` in kernels/select.cu; q holds
-        // total_q * q_heads * d elements and every sequence has a query row; the pool's shape
-        // and extent were checked against the batch; scores hold score_stride keys per
-        // selection row, at least every page of the longest sequence; the dynamic shared
-        // memory holds the group's g d queries, their g d element-sized masks and two tiles
-        // of SCORE_THREADS / tpp padded rows (within the limit set at load); slots are
-        // range-checked in the kernel.
-        unsafe { b.launch(cfg) }.map_err(device_err)?;
-        Ok(())
+        self.launch_scores(func, inputs, out, (tpp, tiles), (items, per_cta), cfg)
     }
 
     /// The tensor-core scoring kernel for `T`, a group of `g` query heads and head dim `d`, if
@@ -904,17 +868,9 @@ impl SelectKernels {
         inputs: &Inputs<'_, T>,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
-        let Inputs {
-            quest,
-            q,
-            q_heads,
-            meta,
-            layer,
-            slots,
-            pool,
-        } = *inputs;
+        let Inputs { quest, meta, .. } = *inputs;
         let c = quest.config();
-        let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
+        let kvh = meta.layout().kv_heads;
         let heads = if c.shared_heads { kvh } else { 1 };
         let tiles = meta
             .max_kv_len()
@@ -925,27 +881,53 @@ impl SelectKernels {
         let items = out.sel_rows * heads * tiles;
         let per_warp = items.div_ceil(self.tc_resident_warps);
         let ctas = items.div_ceil(per_warp).div_ceil(TC_WARPS);
-        let args = ScoreArgs {
-            q_heads: to_i32(q_heads)?,
-            layer: to_i32(layer)?,
-            num_slots: to_i32(pool.slots)?,
-            max_pages: to_i32(pool.max_pages)?,
-            kvh: to_i32(kvh)?,
-            d: to_i32(d)?,
-            ps: to_i32(c.page_size)?,
-            budget: to_i32(quest.budget_pages())?,
-            sink_tokens: to_i32(c.always.sink_tokens as usize)?,
-            recent_tokens: to_i32(c.always.recent_tokens as usize)?,
-            shared: i32::from(c.shared_heads),
-            tpp: 1,
-            score_stride: to_i32(out.score_stride)?,
-            tiles: to_i32(tiles)?,
-        };
         let (items, per_warp) = (to_i32(items)?, to_i32(per_warp)?);
         let cfg = LaunchConfig {
             grid_dim: (to_u32(ctas)?, 1, 1),
             block_dim: (to_u32(TC_WARPS * 32)?, 1, 1),
             shared_mem_bytes: 0,
+        };
+        // tpp is unused there: a warp scores whole pages.
+        self.launch_scores(func, inputs, out, (1, tiles), (items, per_warp), cfg)
+    }
+
+    /// Launches a Quest scoring kernel (`func`: `quest_score_*` or `quest_score_tc_*`, one
+    /// signature) with `tpp` threads per page and `tiles` tiles per (row, head), each CTA
+    /// (`quest_score_*`) or warp (`quest_score_tc_*`) taking `per` of the `items`.
+    fn launch_scores<T: CudaElement>(
+        &self,
+        func: &CudaFunction,
+        inputs: &Inputs<'_, T>,
+        out: &mut DeviceTopK,
+        (tpp, tiles): (usize, usize),
+        (items, per): (i32, i32),
+        cfg: LaunchConfig,
+    ) -> Result<(), AlgoError> {
+        let Inputs {
+            quest,
+            q,
+            q_heads,
+            meta,
+            layer,
+            slots,
+            pool,
+        } = *inputs;
+        let c = quest.config();
+        let args = ScoreArgs {
+            q_heads: to_i32(q_heads)?,
+            layer: to_i32(layer)?,
+            num_slots: to_i32(pool.slots)?,
+            max_pages: to_i32(pool.max_pages)?,
+            kvh: to_i32(meta.layout().kv_heads)?,
+            d: to_i32(meta.layout().head_dim)?,
+            ps: to_i32(c.page_size)?,
+            budget: to_i32(quest.budget_pages())?,
+            sink_tokens: to_i32(c.always.sink_tokens as usize)?,
+            recent_tokens: to_i32(c.always.recent_tokens as usize)?,
+            shared: i32::from(c.shared_heads),
+            tpp: to_i32(tpp)?,
+            score_stride: to_i32(out.score_stride)?,
+            tiles: to_i32(tiles)?,
         };
         let mut b = self.stream.launch_builder(func);
         b.arg(q)
@@ -955,14 +937,18 @@ impl SelectKernels {
             .arg(meta.seq_lens_kv())
             .arg(&args)
             .arg(&items)
-            .arg(&per_warp)
+            .arg(&per)
             .arg(&mut out.scores);
-        // SAFETY: the arguments follow `quest_score_tc_*` in kernels/select.cu, compiled for
-        // this element type and head dim (`tc_kernel`); q holds total_q * q_heads * d elements
-        // and every sequence has a query row; the group has at most 8 heads; the pool's shape
-        // and extent were checked against the batch, and the kernel reads only pages below the
-        // row's mid end; scores hold score_stride keys per selection row and the kernel writes
-        // below min(mid, score_stride); slots are range-checked in the kernel.
+        // SAFETY: the arguments follow `quest_score_*` and `quest_score_tc_*` in
+        // kernels/select.cu (the latter compiled for this element type and head dim, with at
+        // most 8 heads per group: `tc_kernel`); q holds total_q * q_heads * d elements and
+        // every sequence has a query row; the pool's shape and extent were checked against the
+        // batch, and the kernels read only pages below a row's mid end; scores hold
+        // score_stride keys per selection row and the kernels write below min(mid,
+        // score_stride); the callers sized the dynamic shared memory of `quest_score_*` for the
+        // group's g d queries, their g d element-sized masks and two tiles of SCORE_THREADS /
+        // tpp padded rows (within the limit set at load); slots are range-checked in the
+        // kernels.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }

@@ -135,35 +135,13 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         if profile {
             continue;
         }
-        // The sweep: kernel variants and wave targets, defaults restored after.
-        for variant in ["tc", "tc2", "r4", "r4_u4", "r4_u4p", "r4_u1p"] {
-            for waves in [1, 2, 4] {
-                gpu.set_variant(Some(variant))?;
-                gpu.set_waves(waves);
-                let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
-                sweep.push(format!(
-                    "sweep B{b} L{}K {variant:<6} waves {waves}: dense {:.4} ms ({:.2} of copy), \
-                     sparse {:.4} ms ({:.2} x floor); queued {:.4} / {:.4} ms",
-                    ctx / 1024,
-                    dense.synced,
-                    kv_bytes / dense.synced * 1e3 / bw,
-                    sparse.synced,
-                    sparse.synced / floor,
-                    dense.queued,
-                    sparse.queued,
-                ));
-            }
-        }
-        gpu.set_variant(None)?;
-        gpu.set_waves(1);
-        // Shorter and longer splits than the default (128 keys at least): more or fewer CTAs,
-        // each walking fewer or more tiles, with more or fewer partials to merge.
-        for min_chunk in [64, 256, 512] {
-            gpu.set_min_chunk(min_chunk);
-            let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
-            sweep.push(format!(
-                "sweep B{b} L{}K tc     chunk >= {min_chunk}: dense {:.4} ms ({:.2} of copy), \
-                 sparse {:.4} ms ({:.2} x floor); queued {:.4} / {:.4} ms",
+        // The sweep: kernel variants and wave targets, then shorter and longer splits than
+        // the default (128 keys at least: more or fewer CTAs, each walking fewer or more tiles,
+        // with more or fewer partials to merge); defaults restored after.
+        let line = |what: String, dense: Timing, sparse: Timing| {
+            format!(
+                "sweep B{b} L{}K {what}: dense {:.4} ms ({:.2} of copy), sparse {:.4} ms ({:.2} \
+                 x floor); queued {:.4} / {:.4} ms",
                 ctx / 1024,
                 dense.synced,
                 kv_bytes / dense.synced * 1e3 / bw,
@@ -171,7 +149,22 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
                 sparse.synced / floor,
                 dense.queued,
                 sparse.queued,
-            ));
+            )
+        };
+        for variant in ["tc", "tc2", "r4", "r4_u4", "r4_u4p", "r4_u1p"] {
+            for waves in [1, 2, 4] {
+                gpu.set_variant(Some(variant))?;
+                gpu.set_waves(waves);
+                let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
+                sweep.push(line(format!("{variant:<6} waves {waves}"), dense, sparse));
+            }
+        }
+        gpu.set_variant(None)?;
+        gpu.set_waves(1);
+        for min_chunk in [64, 256, 512] {
+            gpu.set_min_chunk(min_chunk);
+            let (dense, sparse) = step.time_pair(gpu, &mut out, &mut lse)?;
+            sweep.push(line(format!("tc     chunk >= {min_chunk}"), dense, sparse));
         }
         gpu.set_min_chunk(128);
     }

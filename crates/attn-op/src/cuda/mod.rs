@@ -33,7 +33,10 @@ pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection};
 pub use timing::{StageClock, Timing};
 
 /// The CUDA C source of every kernel, embedded at build time.
-pub const KERNEL_SOURCE: &str = include_str!("../../../../kernels/attn.cu");
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("../../../../kernels/mma.cuh"),
+    include_str!("../../../../kernels/attn.cu")
+);
 
 /// Device memory, as [`Memory`] types: cudarc slices.
 #[derive(Clone, Copy, Debug)]
