@@ -173,6 +173,7 @@ fn attend_body<T: Element, const ISA: u8>(
     let mut vbuf = vec![0.0f32; scratch];
     let mut scores = vec![0.0f32; group * C];
     let mut wbuf = vec![0.0f32; group];
+    let mut vals: Vec<(usize, &[T])> = Vec::with_capacity(C);
     // The chunk's tokens: logical position and physical slot, in order.
     let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
     let pmax = pos.iter().copied().max().unwrap_or(-1);
@@ -257,19 +258,27 @@ fn attend_body<T: Element, const ISA: u8>(
                 part.m[r] = m_new;
             }
             let accs = &mut part.acc[b * d..(b + group) * d];
-            for (t, &(_, slot)) in toks.iter().enumerate() {
-                (0..group).for_each(|g| wbuf[g] = scores[g * C + t]);
-                if wbuf.iter().all(|&w| w == 0.0) {
-                    continue;
-                }
-                if ISA == simd::PORTABLE {
+            if ISA == simd::PORTABLE {
+                for t in 0..len {
+                    (0..group).for_each(|g| wbuf[g] = scores[g * C + t]);
+                    if wbuf.iter().all(|&w| w == 0.0) {
+                        continue;
+                    }
                     let o = (t * nh + h - h0) * d;
                     for (g, acc) in accs.chunks_exact_mut(d).enumerate() {
                         simd::axpy(acc, wbuf[g], &vbuf[o..o + d]);
                     }
-                } else {
-                    simd::axpy_rows::<T, ISA>(accs, d, &wbuf, kv.v_at(slot, h));
                 }
+            } else {
+                // The chunk's tokens that weigh anything, summed in registers.
+                vals.clear();
+                vals.extend(
+                    toks.iter()
+                        .enumerate()
+                        .filter(|&(t, _)| (0..group).any(|g| scores[g * C + t] != 0.0))
+                        .map(|(t, &(_, slot))| (t, kv.v_at(slot, h))),
+                );
+                simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group);
             }
         }
     }

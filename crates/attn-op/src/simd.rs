@@ -107,32 +107,42 @@ pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], 
     }
 }
 
-/// `acc_g += w[g] * v` for the `w.len()` rows of `acc` (row-major, `n` per row), widening each
-/// chunk of `v` once for all rows (SIMD builds only).
+/// `acc_g += sum over (t, v) in vs of w[g * stride + t] * v` for the `rows` rows of `acc`
+/// (row-major, `n` per row): one chunk's weighted values, summed in token order in registers
+/// and added to each accumulator once (SIMD builds), or token by token (portable build).
 #[inline(always)]
-pub(crate) fn axpy_rows<T: Element, const ISA: u8>(acc: &mut [f32], n: usize, w: &[f32], v: &[T]) {
-    let rows = w.len();
+pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
+    acc: &mut [f32],
+    n: usize,
+    (w, stride): (&[f32], usize),
+    vs: &[(usize, &[T])],
+    rows: usize,
+) {
     assert!(
-        acc.len() >= rows * n && v.len() >= n,
+        acc.len() >= rows * n
+            && vs.iter().all(|&(t, v)| v.len() >= n
+                && t < stride
+                && (rows == 0 || w.len() > (rows - 1) * stride + t)),
         "invariant: callers pass whole rows"
     );
-    let vp = v.as_ptr().cast::<u8>();
     #[cfg(target_arch = "x86_64")]
     if ISA != PORTABLE {
         let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
         // SAFETY: the assert above bounds every access; the module doc covers ISA.
         unsafe {
             if ISA == AVX512 {
-                avx512::axpy_rows(ap, n, wp, vp, T::DTYPE, rows);
+                avx512::axpy_rows(ap, n, (wp, stride), vs, rows);
             } else {
-                avx2::axpy_rows(ap, n, wp, vp, T::DTYPE, rows);
+                avx2::axpy_rows(ap, n, (wp, stride), vs, rows);
             }
         }
         return;
     }
-    for (g, a) in acc.chunks_exact_mut(n).take(rows).enumerate() {
-        for (x, y) in a.iter_mut().zip(v) {
-            *x += w[g] * y.to_f32();
+    for &(t, v) in vs {
+        for (g, a) in acc.chunks_exact_mut(n).take(rows).enumerate() {
+            for (x, y) in a.iter_mut().zip(v) {
+                *x += w[g * stride + t] * y.to_f32();
+            }
         }
     }
 }
@@ -203,7 +213,7 @@ const EXP_POLY: [f32; 6] = [
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use crate::DType;
+    use crate::{DType, Element};
 
     use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail};
 
@@ -341,34 +351,56 @@ mod avx2 {
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acc` must hold `R * n` f32, `w` `R` f32, `v` `n`
-    /// elements of `dtype`.
+    /// The CPU must support AVX2, FMA and F16C; `acc` must hold `R * n` f32, `w` rows `R` of
+    /// `stride` weights with every token index of `vs` below `stride`, and each value `n`
+    /// elements.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_rows_r<const R: usize>(
+    unsafe fn axpy_rows_r<T: Element, const R: usize>(
         acc: *mut f32,
         n: usize,
-        w: *const f32,
-        v: *const u8,
-        dtype: DType,
+        (w, stride): (*const f32, usize),
+        vs: &[(usize, &[T])],
     ) {
-        // SAFETY: `w` holds `R` weights.
-        let ws: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(unsafe { *w.add(r) }));
+        let dtype = T::DTYPE;
+        // Two vectors of each row at a time, summed over the tokens in registers.
         let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`: within `v` and within each of the `R` rows of `acc`.
-            unsafe {
-                let vv = load8(v, dtype, i);
-                for (r, wr) in ws.iter().enumerate() {
-                    let p = acc.add(r * n + i);
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(*wr, vv, _mm256_loadu_ps(p)));
+        while i + 16 <= n {
+            let mut a0 = [_mm256_setzero_ps(); R];
+            let mut a1 = [_mm256_setzero_ps(); R];
+            for &(t, v) in vs {
+                let vp = v.as_ptr().cast::<u8>();
+                // SAFETY: `i + 16 <= n` elements of `v`; weight `r * stride + t` is within
+                // the caller's `R` rows of `stride`.
+                unsafe {
+                    let (v0, v1) = (load8(vp, dtype, i), load8(vp, dtype, i + 8));
+                    for r in 0..R {
+                        let wr = _mm256_set1_ps(*w.add(r * stride + t));
+                        a0[r] = _mm256_fmadd_ps(wr, v0, a0[r]);
+                        a1[r] = _mm256_fmadd_ps(wr, v1, a1[r]);
+                    }
                 }
             }
-            i += 8;
+            for r in 0..R {
+                // SAFETY: `i + 16 <= n`: within row `r` of `acc`.
+                unsafe {
+                    let p = acc.add(r * n + i);
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a0[r]));
+                    _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), a1[r]));
+                }
+            }
+            i += 16;
         }
-        for r in 0..R {
-            for j in i..n {
+        for j in i..n {
+            for r in 0..R {
+                let mut x = 0.0f32;
+                for &(t, v) in vs {
+                    // SAFETY: `j < n`, `r < R`, `t < stride`.
+                    x += unsafe {
+                        *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
+                    };
+                }
                 // SAFETY: `j < n`, `r < R`.
-                unsafe { *acc.add(r * n + j) += *w.add(r) * super::load_one(v, dtype, j) };
+                unsafe { *acc.add(r * n + j) += x };
             }
         }
     }
@@ -376,23 +408,22 @@ mod avx2 {
     /// # Safety
     /// As `axpy_rows_r`, for `rows` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_rows(
+    pub(super) unsafe fn axpy_rows<T: Element>(
         acc: *mut f32,
         n: usize,
-        w: *const f32,
-        v: *const u8,
-        dtype: DType,
+        (w, stride): (*const f32, usize),
+        vs: &[(usize, &[T])],
         rows: usize,
     ) {
         super::row_blocks(rows, |r, block| {
             // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
             unsafe {
-                let (acc, w) = (acc.add(r * n), w.add(r));
+                let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
                 match block {
-                    8 => axpy_rows_r::<8>(acc, n, w, v, dtype),
-                    4 => axpy_rows_r::<4>(acc, n, w, v, dtype),
-                    2 => axpy_rows_r::<2>(acc, n, w, v, dtype),
-                    _ => axpy_rows_r::<1>(acc, n, w, v, dtype),
+                    8 => axpy_rows_r::<T, 8>(acc, n, w, vs),
+                    4 => axpy_rows_r::<T, 4>(acc, n, w, vs),
+                    2 => axpy_rows_r::<T, 2>(acc, n, w, vs),
+                    _ => axpy_rows_r::<T, 1>(acc, n, w, vs),
                 }
             }
         });
@@ -403,7 +434,7 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use crate::DType;
+    use crate::{DType, Element};
 
     use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail};
 
@@ -534,34 +565,55 @@ mod avx512 {
     }
 
     /// # Safety
-    /// The CPU must support AVX-512F; `acc` must hold `R * n` f32, `w` `R` f32, `v` `n`
-    /// elements of `dtype`.
+    /// The CPU must support AVX-512F; `acc` must hold `R * n` f32, `w` rows `R` of `stride`
+    /// weights with every token index of `vs` below `stride`, and each value `n` elements.
     #[target_feature(enable = "avx512f")]
-    unsafe fn axpy_rows_r<const R: usize>(
+    unsafe fn axpy_rows_r<T: Element, const R: usize>(
         acc: *mut f32,
         n: usize,
-        w: *const f32,
-        v: *const u8,
-        dtype: DType,
+        (w, stride): (*const f32, usize),
+        vs: &[(usize, &[T])],
     ) {
-        // SAFETY: `w` holds `R` weights.
-        let ws: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(unsafe { *w.add(r) }));
+        let dtype = T::DTYPE;
+        // Two vectors of each row at a time, summed over the tokens in registers.
         let mut i = 0;
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`: within `v` and within each of the `R` rows of `acc`.
-            unsafe {
-                let vv = load16(v, dtype, i);
-                for (r, wr) in ws.iter().enumerate() {
-                    let p = acc.add(r * n + i);
-                    _mm512_storeu_ps(p, _mm512_fmadd_ps(*wr, vv, _mm512_loadu_ps(p)));
+        while i + 32 <= n {
+            let mut a0 = [_mm512_setzero_ps(); R];
+            let mut a1 = [_mm512_setzero_ps(); R];
+            for &(t, v) in vs {
+                let vp = v.as_ptr().cast::<u8>();
+                // SAFETY: `i + 32 <= n` elements of `v`; weight `r * stride + t` is within
+                // the caller's `R` rows of `stride`.
+                unsafe {
+                    let (v0, v1) = (load16(vp, dtype, i), load16(vp, dtype, i + 16));
+                    for r in 0..R {
+                        let wr = _mm512_set1_ps(*w.add(r * stride + t));
+                        a0[r] = _mm512_fmadd_ps(wr, v0, a0[r]);
+                        a1[r] = _mm512_fmadd_ps(wr, v1, a1[r]);
+                    }
                 }
             }
-            i += 16;
+            for r in 0..R {
+                // SAFETY: `i + 32 <= n`: within row `r` of `acc`.
+                unsafe {
+                    let p = acc.add(r * n + i);
+                    _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), a0[r]));
+                    _mm512_storeu_ps(p.add(16), _mm512_add_ps(_mm512_loadu_ps(p.add(16)), a1[r]));
+                }
+            }
+            i += 32;
         }
-        for r in 0..R {
-            for j in i..n {
+        for j in i..n {
+            for r in 0..R {
+                let mut x = 0.0f32;
+                for &(t, v) in vs {
+                    // SAFETY: `j < n`, `r < R`, `t < stride`.
+                    x += unsafe {
+                        *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
+                    };
+                }
                 // SAFETY: `j < n`, `r < R`.
-                unsafe { *acc.add(r * n + j) += *w.add(r) * super::load_one(v, dtype, j) };
+                unsafe { *acc.add(r * n + j) += x };
             }
         }
     }
@@ -569,23 +621,22 @@ mod avx512 {
     /// # Safety
     /// As `axpy_rows_r`, for `rows` rows.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn axpy_rows(
+    pub(super) unsafe fn axpy_rows<T: Element>(
         acc: *mut f32,
         n: usize,
-        w: *const f32,
-        v: *const u8,
-        dtype: DType,
+        (w, stride): (*const f32, usize),
+        vs: &[(usize, &[T])],
         rows: usize,
     ) {
         super::row_blocks(rows, |r, block| {
             // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
             unsafe {
-                let (acc, w) = (acc.add(r * n), w.add(r));
+                let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
                 match block {
-                    8 => axpy_rows_r::<8>(acc, n, w, v, dtype),
-                    4 => axpy_rows_r::<4>(acc, n, w, v, dtype),
-                    2 => axpy_rows_r::<2>(acc, n, w, v, dtype),
-                    _ => axpy_rows_r::<1>(acc, n, w, v, dtype),
+                    8 => axpy_rows_r::<T, 8>(acc, n, w, vs),
+                    4 => axpy_rows_r::<T, 4>(acc, n, w, vs),
+                    2 => axpy_rows_r::<T, 2>(acc, n, w, vs),
+                    _ => axpy_rows_r::<T, 1>(acc, n, w, vs),
                 }
             }
         });
