@@ -209,6 +209,94 @@ const EXP_POLY: [f32; 6] = [
     0.5,
 ];
 
+/// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
+/// `$isa`: their names for the docs; `$w` f32 lanes a vector; the build's intrinsics and its
+/// widening load `$load`): `axpy_rows_r` keeps two vectors of each of `R` rows in registers
+/// over a chunk's tokens, and `axpy_rows` runs it over row blocks.
+macro_rules! chunk_axpy {
+    ($feat:literal, $isa:literal, $w:literal, $zero:ident, $set1:ident, $fma:ident, $ldu:ident,
+     $stu:ident, $add:ident, $load:ident) => {
+        #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
+        #[doc = "`w` rows `R` of `stride` weights with every token index of `vs` below `stride`,"]
+        #[doc = "and each value `n` elements."]
+        #[target_feature(enable = $feat)]
+        unsafe fn axpy_rows_r<T: Element, const R: usize>(
+            acc: *mut f32,
+            n: usize,
+            (w, stride): (*const f32, usize),
+            vs: &[(usize, &[T])],
+        ) {
+            let dtype = T::DTYPE;
+            // Two vectors of each row at a time, summed over the tokens in registers.
+            let mut i = 0;
+            while i + 2 * $w <= n {
+                let mut a0 = [$zero(); R];
+                let mut a1 = [$zero(); R];
+                for &(t, v) in vs {
+                    let vp = v.as_ptr().cast::<u8>();
+                    // SAFETY: `i + 2 * $w <= n` elements of `v`; weight `r * stride + t` is
+                    // within the caller's `R` rows of `stride`.
+                    unsafe {
+                        let (v0, v1) = ($load(vp, dtype, i), $load(vp, dtype, i + $w));
+                        for r in 0..R {
+                            let wr = $set1(*w.add(r * stride + t));
+                            a0[r] = $fma(wr, v0, a0[r]);
+                            a1[r] = $fma(wr, v1, a1[r]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    // SAFETY: `i + 2 * $w <= n`: within row `r` of `acc`.
+                    unsafe {
+                        let p = acc.add(r * n + i);
+                        $stu(p, $add($ldu(p), a0[r]));
+                        $stu(p.add($w), $add($ldu(p.add($w)), a1[r]));
+                    }
+                }
+                i += 2 * $w;
+            }
+            for j in i..n {
+                for r in 0..R {
+                    let mut x = 0.0f32;
+                    for &(t, v) in vs {
+                        // SAFETY: `j < n`, `r < R`, `t < stride`.
+                        x += unsafe {
+                            *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
+                        };
+                    }
+                    // SAFETY: `j < n`, `r < R`.
+                    unsafe { *acc.add(r * n + j) += x };
+                }
+            }
+        }
+
+        /// # Safety
+        /// As `axpy_rows_r`, for `rows` rows.
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn axpy_rows<T: Element>(
+            acc: *mut f32,
+            n: usize,
+            (w, stride): (*const f32, usize),
+            vs: &[(usize, &[T])],
+            rows: usize,
+        ) {
+            super::row_blocks(rows, |r, block| {
+                // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's
+                // contract.
+                unsafe {
+                    let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
+                    match block {
+                        8 => axpy_rows_r::<T, 8>(acc, n, w, vs),
+                        4 => axpy_rows_r::<T, 4>(acc, n, w, vs),
+                        2 => axpy_rows_r::<T, 2>(acc, n, w, vs),
+                        _ => axpy_rows_r::<T, 1>(acc, n, w, vs),
+                    }
+                }
+            });
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -350,84 +438,18 @@ mod avx2 {
         });
     }
 
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acc` must hold `R * n` f32, `w` rows `R` of
-    /// `stride` weights with every token index of `vs` below `stride`, and each value `n`
-    /// elements.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_rows_r<T: Element, const R: usize>(
-        acc: *mut f32,
-        n: usize,
-        (w, stride): (*const f32, usize),
-        vs: &[(usize, &[T])],
-    ) {
-        let dtype = T::DTYPE;
-        // Two vectors of each row at a time, summed over the tokens in registers.
-        let mut i = 0;
-        while i + 16 <= n {
-            let mut a0 = [_mm256_setzero_ps(); R];
-            let mut a1 = [_mm256_setzero_ps(); R];
-            for &(t, v) in vs {
-                let vp = v.as_ptr().cast::<u8>();
-                // SAFETY: `i + 16 <= n` elements of `v`; weight `r * stride + t` is within
-                // the caller's `R` rows of `stride`.
-                unsafe {
-                    let (v0, v1) = (load8(vp, dtype, i), load8(vp, dtype, i + 8));
-                    for r in 0..R {
-                        let wr = _mm256_set1_ps(*w.add(r * stride + t));
-                        a0[r] = _mm256_fmadd_ps(wr, v0, a0[r]);
-                        a1[r] = _mm256_fmadd_ps(wr, v1, a1[r]);
-                    }
-                }
-            }
-            for r in 0..R {
-                // SAFETY: `i + 16 <= n`: within row `r` of `acc`.
-                unsafe {
-                    let p = acc.add(r * n + i);
-                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a0[r]));
-                    _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), a1[r]));
-                }
-            }
-            i += 16;
-        }
-        for j in i..n {
-            for r in 0..R {
-                let mut x = 0.0f32;
-                for &(t, v) in vs {
-                    // SAFETY: `j < n`, `r < R`, `t < stride`.
-                    x += unsafe {
-                        *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
-                    };
-                }
-                // SAFETY: `j < n`, `r < R`.
-                unsafe { *acc.add(r * n + j) += x };
-            }
-        }
-    }
-
-    /// # Safety
-    /// As `axpy_rows_r`, for `rows` rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_rows<T: Element>(
-        acc: *mut f32,
-        n: usize,
-        (w, stride): (*const f32, usize),
-        vs: &[(usize, &[T])],
-        rows: usize,
-    ) {
-        super::row_blocks(rows, |r, block| {
-            // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
-            unsafe {
-                let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
-                match block {
-                    8 => axpy_rows_r::<T, 8>(acc, n, w, vs),
-                    4 => axpy_rows_r::<T, 4>(acc, n, w, vs),
-                    2 => axpy_rows_r::<T, 2>(acc, n, w, vs),
-                    _ => axpy_rows_r::<T, 1>(acc, n, w, vs),
-                }
-            }
-        });
-    }
+    chunk_axpy!(
+        "avx2,fma,f16c",
+        "AVX2, FMA and F16C",
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_add_ps,
+        load8
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -564,81 +586,16 @@ mod avx512 {
         });
     }
 
-    /// # Safety
-    /// The CPU must support AVX-512F; `acc` must hold `R * n` f32, `w` rows `R` of `stride`
-    /// weights with every token index of `vs` below `stride`, and each value `n` elements.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn axpy_rows_r<T: Element, const R: usize>(
-        acc: *mut f32,
-        n: usize,
-        (w, stride): (*const f32, usize),
-        vs: &[(usize, &[T])],
-    ) {
-        let dtype = T::DTYPE;
-        // Two vectors of each row at a time, summed over the tokens in registers.
-        let mut i = 0;
-        while i + 32 <= n {
-            let mut a0 = [_mm512_setzero_ps(); R];
-            let mut a1 = [_mm512_setzero_ps(); R];
-            for &(t, v) in vs {
-                let vp = v.as_ptr().cast::<u8>();
-                // SAFETY: `i + 32 <= n` elements of `v`; weight `r * stride + t` is within
-                // the caller's `R` rows of `stride`.
-                unsafe {
-                    let (v0, v1) = (load16(vp, dtype, i), load16(vp, dtype, i + 16));
-                    for r in 0..R {
-                        let wr = _mm512_set1_ps(*w.add(r * stride + t));
-                        a0[r] = _mm512_fmadd_ps(wr, v0, a0[r]);
-                        a1[r] = _mm512_fmadd_ps(wr, v1, a1[r]);
-                    }
-                }
-            }
-            for r in 0..R {
-                // SAFETY: `i + 32 <= n`: within row `r` of `acc`.
-                unsafe {
-                    let p = acc.add(r * n + i);
-                    _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), a0[r]));
-                    _mm512_storeu_ps(p.add(16), _mm512_add_ps(_mm512_loadu_ps(p.add(16)), a1[r]));
-                }
-            }
-            i += 32;
-        }
-        for j in i..n {
-            for r in 0..R {
-                let mut x = 0.0f32;
-                for &(t, v) in vs {
-                    // SAFETY: `j < n`, `r < R`, `t < stride`.
-                    x += unsafe {
-                        *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
-                    };
-                }
-                // SAFETY: `j < n`, `r < R`.
-                unsafe { *acc.add(r * n + j) += x };
-            }
-        }
-    }
-
-    /// # Safety
-    /// As `axpy_rows_r`, for `rows` rows.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn axpy_rows<T: Element>(
-        acc: *mut f32,
-        n: usize,
-        (w, stride): (*const f32, usize),
-        vs: &[(usize, &[T])],
-        rows: usize,
-    ) {
-        super::row_blocks(rows, |r, block| {
-            // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's contract.
-            unsafe {
-                let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
-                match block {
-                    8 => axpy_rows_r::<T, 8>(acc, n, w, vs),
-                    4 => axpy_rows_r::<T, 4>(acc, n, w, vs),
-                    2 => axpy_rows_r::<T, 2>(acc, n, w, vs),
-                    _ => axpy_rows_r::<T, 1>(acc, n, w, vs),
-                }
-            }
-        });
-    }
+    chunk_axpy!(
+        "avx512f",
+        "AVX-512F",
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_add_ps,
+        load16
+    );
 }
