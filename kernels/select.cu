@@ -327,6 +327,31 @@ struct ScoreArgs {
         shared, tpp, score_stride, tiles;
 };
 
+// A (selection row, head) of the scoring kernels, numbered rh = row * heads + head: its
+// selection row, sequence, KV head, scored mid pages (0: none; at most score_stride) and the
+// first element of its first mid page's min/max row.
+struct RowFacts {
+    int row, s, h, npg;
+    size_t rep0;
+    __device__ RowFacts(int rh, const ScoreArgs& a, const i32* __restrict__ seq_lens,
+                        const i32* __restrict__ slots) {
+        const int heads = a.shared ? a.kvh : 1;
+        row = rh / heads;
+        s = a.shared ? row : row / a.kvh;
+        h = a.shared ? rh % heads : row % a.kvh;
+        npg = 0;
+        rep0 = 0;
+        const int len = seq_lens[s];
+        const int slot = slots[s];
+        if (len <= 0 || slot < 0 || slot >= a.num_slots) return;
+        const Plan plan(len, a.ps, a.budget, a.sink_tokens, a.recent_tokens);
+        if (plan.pick <= 0) return;
+        npg = min(plan.mid(), a.score_stride);
+        rep0 = ((((size_t)a.layer * a.num_slots + slot) * a.max_pages + plan.head_end) * a.kvh +
+                h) * 2 * a.d;
+    }
+};
+
 // A scoring item's coordinates: selection row, KV head, sequence, the tile's first mid page and
 // page count (0: nothing to score), and the first element of its min/max rows.
 struct Item {
@@ -344,7 +369,6 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
     // weights max(q, 0) and min(q, 0) read it), their masks, then two tile buffers.
     extern __shared__ float w[];
     const int g = a.q_heads / a.kvh;
-    const int heads = a.shared ? a.kvh : 1;
     const int tile_pages = SCORE_THREADS / a.tpp;
     const int row_bytes = 2 * a.d * (int)sizeof(T);
     const int pitch = row_bytes + 16;
@@ -360,23 +384,14 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
     const int step_r = SCORE_THREADS / vr, step_c = SCORE_THREADS % vr;
 
     auto locate = [&](int it) {
+        const RowFacts f(it / a.tiles, a, seq_lens, slots);
         Item m;
-        const int tile = it % a.tiles;
-        const int rh = it / a.tiles;
-        m.row = rh / heads;
-        m.s = a.shared ? m.row : m.row / a.kvh;
-        m.h = a.shared ? rh % heads : m.row % a.kvh;
-        m.i0 = tile * tile_pages;
-        m.npg = 0;
-        m.rep0 = 0;
-        const int len = seq_lens[m.s];
-        const int slot = slots[m.s];
-        if (len <= 0 || slot < 0 || slot >= a.num_slots) return m;
-        const Plan plan(len, a.ps, a.budget, a.sink_tokens, a.recent_tokens);
-        if (plan.pick <= 0) return m;
-        m.npg = max(0, min(tile_pages, min(plan.mid(), a.score_stride) - m.i0));
-        m.rep0 = ((((size_t)a.layer * a.num_slots + slot) * a.max_pages + plan.head_end + m.i0) *
-                      a.kvh + m.h) * 2 * a.d;
+        m.row = f.row;
+        m.s = f.s;
+        m.h = f.h;
+        m.i0 = (it % a.tiles) * tile_pages;
+        m.npg = max(0, min(tile_pages, f.npg - m.i0));
+        m.rep0 = f.npg > 0 ? f.rep0 + (size_t)m.i0 * page_stride : 0;
         return m;
     };
     // Issues the copies of item m's tile into buffer `buf`.
@@ -558,7 +573,6 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
     const int gl = lane >> 2;  // A: pages gl and gl + 8; B: head gl of the group
     const int t = lane & 3;
     const int g = a.q_heads / a.kvh;
-    const int heads = a.shared ? a.kvh : 1;
     const size_t page_stride = (size_t)a.kvh * 2 * D;
     const long warp_id = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const long first = warp_id * per_warp;
@@ -574,23 +588,13 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
         const int rh = (int)(it / a.tiles);
         if (rh != have) {
             have = rh;
-            row = rh / heads;
-            const int s = a.shared ? row : row / a.kvh;
-            const int h = a.shared ? rh % heads : row % a.kvh;
-            const int len = seq_lens[s];
-            const int slot = slots[s];
-            npg_all = 0;
-            if (len > 0 && slot >= 0 && slot < a.num_slots) {
-                const Plan plan(len, a.ps, a.budget, a.sink_tokens, a.recent_tokens);
-                if (plan.pick > 0) {
-                    npg_all = min(plan.mid(), a.score_stride);
-                    rep_row0 = ((((size_t)a.layer * a.num_slots + slot) * a.max_pages +
-                                 plan.head_end) * a.kvh + h) * 2 * D;
-                }
-            }
+            const RowFacts f(rh, a, seq_lens, slots);
+            row = f.row;
+            npg_all = f.npg;
+            rep_row0 = f.rep0;
             if (npg_all > 0) {
                 const T* qrow =
-                    q + ((size_t)(cu_q[s + 1] - 1) * a.q_heads + (size_t)h * g + gl) * D;
+                    q + ((size_t)(cu_q[f.s + 1] - 1) * a.q_heads + (size_t)f.h * g + gl) * D;
 #pragma unroll
                 for (int i = 0; i < KC; i++) {
                     uint4 v = make_uint4(0u, 0u, 0u, 0u);

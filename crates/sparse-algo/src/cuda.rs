@@ -648,11 +648,13 @@ impl SelectKernels {
             slots,
             pool,
         };
-        match self.tc_kernel::<T>(q_heads / kvh, d) {
-            Some(f) if self.scoring == QuestScoring::TensorCores => {
-                self.launch_score_tc(f, &inputs, out)?;
-            }
-            _ => self.launch_score(&inputs, out)?,
+        let tc = match self.scoring {
+            QuestScoring::TensorCores => self.tc_kernel::<T>(q_heads / kvh, d),
+            QuestScoring::Exact => None,
+        };
+        match tc {
+            Some(f) => self.launch_score_tc(f, &inputs, out)?,
+            None => self.launch_score(&inputs, out)?,
         }
         let rule = Rule {
             page_size: c.page_size,

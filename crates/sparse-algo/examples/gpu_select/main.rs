@@ -544,12 +544,12 @@ fn compare_rows(
 /// scores within that of all the others. Swapped pages cover whole pages (only mid pages are
 /// scored, and those are never a sequence's last), so the covered tokens still agree.
 fn near_tie(want: &[i32], got: &[i32], score: impl Fn(i32) -> (f64, f64)) -> bool {
-    let only_want = want.iter().filter(|p| got.binary_search(p).is_err());
-    let only_got = got.iter().filter(|p| want.binary_search(p).is_err());
-    let odd: Vec<i32> = only_want.chain(only_got).copied().collect();
     if got.windows(2).any(|w| w[0] >= w[1]) || got.iter().any(|&p| p < 0) {
         return false;
     }
+    let only_want = want.iter().filter(|p| got.binary_search(p).is_err());
+    let only_got = got.iter().filter(|p| want.binary_search(p).is_err());
+    let odd: Vec<i32> = only_want.chain(only_got).copied().collect();
     let scored: Vec<(f64, f64)> = odd.iter().map(|&p| score(p)).collect();
     let lo = scored.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
     let hi = scored.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
