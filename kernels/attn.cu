@@ -496,6 +496,7 @@ __device__ __forceinline__ void attn_core(
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
         i32 total_rows) {                                                                      \
+        pdl_enter();                                                                           \
         const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
                      total_rows};                                                              \
         attn_core<T, D, ROWS, U, PIPE>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,            \
@@ -746,6 +747,7 @@ __device__ __forceinline__ void attn_mma_core(
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
         i32 total_rows) {                                                                      \
+        pdl_enter();                                                                           \
         const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
                      total_rows};                                                              \
         attn_mma_core<T, D, KT>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks, num_blocks,     \

@@ -653,6 +653,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
     i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies) {
     extern __shared__ u32 sk[];
+    pdl_enter();
     const int row = blockIdx.x;
     const int s = shared ? row : row / kvh;
     const int len = seq_lens[s];
@@ -792,6 +793,7 @@ __device__ void dsa_body(const float* __restrict__ q, const float* __restrict__ 
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
         i32 items, i32 per_cta, u32* __restrict__ scores) {                                      \
+        pdl_enter();                                                                             \
         score_body<T>(q, cu_q, reps, slots, seq_lens, a, items, per_cta, scores);               \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(DSA_THREADS) dsa_score_##NAME(                  \
@@ -810,6 +812,7 @@ SELECT_KERNELS(bf16, __nv_bfloat16)
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
         i32 items, i32 per_warp, u32* __restrict__ scores) {                                     \
+        pdl_enter();                                                                             \
         score_tc_body<T, D>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores);         \
     }
 

@@ -18,7 +18,8 @@
 use std::sync::Arc;
 
 use attn_op::cuda::{
-    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, compile_source,
+    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, KernelValue, Launch,
+    compile_source,
 };
 use attn_op::{AttnError, DType, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
@@ -29,10 +30,11 @@ use cudarc::driver::{
 use crate::pool::pool_extent;
 use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, minmax};
 
-/// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, `kernels/mma.cuh`, then
-/// `kernels/select.cu`), embedded at build time.
+/// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, `kernels/pdl.cuh`,
+/// `kernels/mma.cuh`, then `kernels/select.cu`), embedded at build time.
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../kernels/common.cuh"),
+    include_str!("../../../kernels/pdl.cuh"),
     include_str!("../../../kernels/mma.cuh"),
     include_str!("../../../kernels/select.cu")
 );
@@ -106,6 +108,9 @@ pub struct SelectKernels {
     pick_smem_max: usize,
     /// Streaming multiprocessors of the device.
     sms: usize,
+    /// Whether the scoring and selecting kernels are programmatic dependent launches
+    /// ([`Gpu::dependent_launches`]).
+    dependent: bool,
 }
 
 /// `ScoreArgs` of kernels/select.cu: `quest_score_*`'s integer arguments, in its field order.
@@ -131,6 +136,9 @@ struct ScoreArgs {
 // SAFETY: `ScoreArgs` is `#[repr(C)]` plain data of i32 fields, laid out as the kernel's
 // struct of the same fields in the same order.
 unsafe impl DeviceRepr for ScoreArgs {}
+
+// SAFETY: as above: the kernel's parameter of this type expects exactly these bytes.
+unsafe impl KernelValue for ScoreArgs {}
 
 /// `DsaArgs` of kernels/select.cu: `dsa_score_*`'s integer arguments, in its field order.
 #[repr(C)]
@@ -498,7 +506,15 @@ impl SelectKernels {
             dsa_smem_max,
             pick_smem_max,
             sms,
+            dependent: gpu.dependent_launches(),
         })
+    }
+
+    /// Turns programmatic dependent launches of the Quest scoring and selecting kernels on or
+    /// off (for the bench's comparison); they start as [`Gpu::dependent_launches`] says, and
+    /// stay off on a device without them.
+    pub fn set_dependent_launches(&mut self, gpu: &Gpu, on: bool) {
+        self.dependent = on && gpu.has_sm90_features();
     }
 
     /// How [`quest_topk`](Self::quest_topk) scores from now on.
@@ -931,7 +947,8 @@ impl SelectKernels {
             score_stride: to_i32(out.score_stride)?,
             tiles: to_i32(tiles)?,
         };
-        let mut b = self.stream.launch_builder(func);
+        let mut b = Launch::new(&self.stream, func);
+        b.dependent(self.dependent);
         b.arg(q)
             .arg(meta.cu_seqlens_q())
             .arg(&pool.data)
@@ -951,7 +968,7 @@ impl SelectKernels {
         // group's g d queries, their g d element-sized masks and two tiles of SCORE_THREADS /
         // tpp padded rows (within the limit set at load); slots are range-checked in the
         // kernels.
-        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 
@@ -990,7 +1007,8 @@ impl SelectKernels {
         let ints = ints_ok(ints)?;
         // A null pointer where the rows take no slots.
         let no_slots: u64 = 0;
-        let mut b = self.stream.launch_builder(&self.pick);
+        let mut b = Launch::new(&self.stream, &self.pick);
+        b.dependent(self.dependent);
         match slots {
             Some((s, _)) => b.arg(s),
             None => b.arg(&no_slots),
@@ -1017,7 +1035,7 @@ impl SelectKernels {
         // of max_len; with keys_smem the dynamic shared memory holds a row of keys (within the
         // limit set at load); slots, where given, hold num_seqs entries and are range-checked
         // in the kernel, and a null pointer is never read.
-        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 

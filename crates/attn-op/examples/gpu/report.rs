@@ -40,8 +40,13 @@ pub(crate) fn tool_main<E: std::fmt::Display>(
 
 /// The file after `--json` in a command line, if any.
 pub(crate) fn json_arg(args: &[String]) -> Option<&str> {
+    flag_value(args, "--json")
+}
+
+/// The value after `flag` in `args`, if any.
+pub(crate) fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
     args.iter()
-        .position(|a| a == "--json")
+        .position(|a| a == flag)
         .and_then(|i| args.get(i + 1))
         .map(String::as_str)
 }

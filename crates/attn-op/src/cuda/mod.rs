@@ -11,6 +11,7 @@
 //! Kernel indices read from device memory are range-checked before they address memory, so a
 //! bad id produced on the device is skipped, never dereferenced.
 
+mod launch;
 mod meta;
 mod ops;
 mod timing;
@@ -29,11 +30,13 @@ use half::{bf16, f16};
 use crate::kv::Memory;
 use crate::{AttnError, DType, Element, KvCache, KvLayout};
 
+pub use launch::{KernelValue, Launch};
 pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection};
 pub use timing::{StageClock, Timing};
 
 /// The CUDA C source of every kernel, embedded at build time.
 pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("../../../../kernels/pdl.cuh"),
     include_str!("../../../../kernels/mma.cuh"),
     include_str!("../../../../kernels/attn.cu")
 );
@@ -247,6 +250,8 @@ pub struct Gpu {
     variant: Option<&'static str>,
     /// The NVRTC architecture the kernels were compiled for.
     arch: &'static str,
+    /// Whether the kernels that support it are launched as programmatic dependent launches.
+    dependent: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -325,6 +330,7 @@ impl Gpu {
             min_chunk: MIN_CHUNK,
             variant: None,
             arch,
+            dependent: major >= 9,
         })
     }
 
@@ -355,6 +361,29 @@ impl Gpu {
     /// longer CTAs against more, shorter ones where a launch has few (sequence, KV head) units.
     pub fn set_min_chunk(&mut self, keys: usize) {
         self.min_chunk = keys.max(16).div_ceil(16) * 16;
+    }
+
+    /// Whether kernels that wait for their predecessor inside (attention, and the selection
+    /// kernels of sparse-algo that ask) are launched as programmatic dependent launches, which
+    /// lets each start while the kernel before it finishes. On by default from compute
+    /// capability 9.0 (Hopper), where the hardware has it; off before.
+    pub fn dependent_launches(&self) -> bool {
+        self.dependent
+    }
+
+    /// Turns programmatic dependent launches on or off (for the bench's comparison); asking
+    /// for them below compute capability 9.0 leaves them off.
+    pub fn set_dependent_launches(&mut self, on: bool) {
+        self.dependent = on && self.has_sm90_features();
+    }
+
+    /// Whether the device has what compute capability 9.0 (Hopper) brought that the kernels
+    /// use: programmatic dependent launches and clusters of CTAs sharing their shared memory.
+    pub fn has_sm90_features(&self) -> bool {
+        self.arch
+            .strip_prefix("sm_")
+            .and_then(|n| n.parse::<u32>().ok())
+            .is_some_and(|n| n >= 90)
     }
 
     /// Picks the attention kernel by the suffix of its name, for benchmarking: `tc` (tensor
@@ -394,6 +423,7 @@ impl Gpu {
             min_chunk: self.min_chunk,
             variant: self.variant,
             arch: self.arch,
+            dependent: self.dependent,
         })
     }
 

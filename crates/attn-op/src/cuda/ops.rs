@@ -3,7 +3,9 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu};
+use super::{
+    CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu, Launch,
+};
 use super::{Scratch, WARPS, to_i32, to_u32};
 use crate::ops::check_keep;
 use crate::{AttnError, AttnParams, KvCache, Selection};
@@ -227,7 +229,8 @@ impl Gpu {
                 });
             }
         }
-        let mut b = self.stream.launch_builder(&kernel.func);
+        let mut b = Launch::new(&self.stream, &kernel.func);
+        b.dependent(self.dependent);
         b.arg(q)
             .arg(kv.k())
             .arg(kv.v())

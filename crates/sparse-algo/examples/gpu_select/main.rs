@@ -8,11 +8,13 @@
 //!   [`StreamingLlm`]'s, and the DSA indexer's device scores + token top-k against [`Dsa`]'s
 //!   with a trained indexer (f32/f16/bf16 keys, tied scores, rows longer than shared memory);
 //!   exits 1 on any mismatch.
-//! - `gpu_select bench [--json FILE]`: bf16, 32 query / 8 KV heads, D 128, pages of 16, a 2K
-//!   budget: min/max construction, the fused estimate + top-k, and estimate + top-k + sparse
-//!   attention at B8 L32K and B1 L128K, with our dense decode in the same run; StreamingLLM's
+//! - `gpu_select bench [--json FILE] [--only B1|B8]`: bf16, 32 query / 8 KV heads, D 128, pages
+//!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
+//!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
+//!   programmatic dependent launches), with our dense decode in the same run; StreamingLLM's
 //!   rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token
-//!   attention.
+//!   attention. `--only` keeps the shapes whose tag starts with its value (for profiling one
+//!   shape).
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -44,13 +46,14 @@ fn main() {
 }
 
 fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
-    let gpu = Gpu::new(0)?;
+    let mut gpu = Gpu::new(0)?;
     println!("device: {}", gpu.name()?);
     let mut sk = SelectKernels::new(&gpu)?;
     match cmd {
         "check" => check(&gpu, &mut sk),
         "bench" => {
-            bench(&gpu, &mut sk, report::json_arg(args))?;
+            let only = report::flag_value(args, "--only");
+            bench(&mut gpu, &mut sk, report::json_arg(args), only)?;
             Ok(0)
         }
         other => {
@@ -837,7 +840,12 @@ const PS: usize = 16;
 const POOL_BLOCKS: usize = 32 * 1024;
 const RUNS: usize = 50;
 
-fn bench(gpu: &Gpu, sk: &mut SelectKernels, json: Option<&str>) -> Result<(), AlgoError> {
+fn bench(
+    gpu: &mut Gpu,
+    sk: &mut SelectKernels,
+    json: Option<&str>,
+    only: Option<&str>,
+) -> Result<(), AlgoError> {
     let mut rows = Vec::new();
     let n = 1usize << 28;
     let src = gpu.zeros::<u32>(n)?;
@@ -870,6 +878,9 @@ fn bench(gpu: &Gpu, sk: &mut SelectKernels, json: Option<&str>) -> Result<(), Al
     let mut rng = Rng::new(11);
     for (b, ctx) in [(8usize, 32 * 1024usize), (1, 128 * 1024)] {
         let tag = format!("B{b} L{}K", ctx / 1024);
+        if only.is_some_and(|o| !tag.starts_with(o)) {
+            continue;
+        }
         let blocks = ctx / PS;
         let perm = rng.permutation(POOL_BLOCKS);
         let table: Vec<i32> = (0..b * blocks).map(|i| perm[i] as i32).collect();
@@ -921,7 +932,6 @@ fn bench(gpu: &Gpu, sk: &mut SelectKernels, json: Option<&str>) -> Result<(), Al
             let mut exact_ids: Vec<i32> = Vec::new();
             for scoring in [QuestScoring::Exact, QuestScoring::TensorCores] {
                 sk.set_quest_scoring(scoring);
-                let sk = &*sk;
                 let how = match scoring {
                     QuestScoring::Exact => "",
                     QuestScoring::TensorCores => " tc",
@@ -958,6 +968,33 @@ fn bench(gpu: &Gpu, sk: &mut SelectKernels, json: Option<&str>) -> Result<(), Al
                     bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
                     note: "estimate, top-k, attention over the selection".to_owned(),
                 });
+                if scoring == QuestScoring::TensorCores && gpu.dependent_launches() {
+                    // The same pipeline with every kernel waiting for the one before it to
+                    // finish: what the programmatic dependent launches save.
+                    gpu.set_dependent_launches(false);
+                    sk.set_dependent_launches(gpu, false);
+                    let t = gpu.time(RUNS, || {
+                        sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)?;
+                        gpu.sparse_page_attention(
+                            &q,
+                            &kv,
+                            &decode,
+                            &top.sel,
+                            &params,
+                            &mut out_attn,
+                            None,
+                        )?;
+                        Ok::<(), AlgoError>(())
+                    })?;
+                    gpu.set_dependent_launches(true);
+                    sk.set_dependent_launches(gpu, true);
+                    rows.push(Row {
+                        name: format!("quest+sparse attn 2K{how}{mode} serialized {tag}"),
+                        t,
+                        bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
+                        note: "the same, without programmatic dependent launches".to_owned(),
+                    });
+                }
                 let ids = gpu.download(&top.sel.ids)?;
                 if scoring == QuestScoring::Exact {
                     exact_ids = ids;
