@@ -8,6 +8,8 @@
 //!   so its bytes/s over dense's is the sparse/dense speedup.
 //! - bf16 at batch 1 sweeps the context from 4K to 128K, dense and sparse at each, for the
 //!   report's speedup-against-context plot.
+//! - `decode/bf16-dot` and `sparse_decode/bf16-dot`: bf16 with `Simd::Avx512Bf16` (bf16 dot
+//!   products where the CPU has them; the same as bf16 elsewhere).
 //!
 //! `cargo xtask bench` prints the fractions and ratios from criterion's estimates.
 #![allow(missing_docs)]
@@ -15,8 +17,8 @@
 use std::hint::black_box;
 
 use attn_op::{
-    AttnOut, AttnParams, BatchMeta, Element, KvLayout, PagedKv, Selection, gather_page_offsets,
-    paged_attention, sparse_page_attention,
+    AttnOut, AttnParams, BatchMeta, Element, KvLayout, PagedKv, Selection, Simd,
+    gather_page_offsets, paged_attention, sparse_page_attention,
 };
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::{bf16, f16};
@@ -87,8 +89,9 @@ fn stream_read(c: &mut Criterion) {
     g.finish();
 }
 
-fn decode_dtype<T: Element>(c: &mut Criterion, name: &str) {
-    let params = AttnParams::new(Q_HEADS, D);
+fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
+    let mut params = AttnParams::new(Q_HEADS, D);
+    params.simd = simd;
     for batch in [1usize, 8] {
         let sweep = name == "bf16" && batch == 1;
         let contexts: &[usize] = if sweep {
@@ -173,8 +176,11 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str) {
 }
 
 fn decode(c: &mut Criterion) {
-    decode_dtype::<f16>(c, "f16");
-    decode_dtype::<bf16>(c, "bf16");
+    decode_dtype::<f16>(c, "f16", Simd::Auto);
+    decode_dtype::<bf16>(c, "bf16", Simd::Auto);
+    // Where the CPU has AVX-512 BF16 (elsewhere the same as bf16): bf16 dot products, with
+    // queries and weights rounded to bf16.
+    decode_dtype::<bf16>(c, "bf16-dot", Simd::Avx512Bf16);
 }
 
 criterion_group!(benches, stream_read, decode);

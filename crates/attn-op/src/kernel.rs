@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::meta::Seq;
 use crate::simd;
-use crate::{AttnParams, Element, PagedKv};
+use crate::{AttnParams, DType, Element, PagedKv};
 
 /// Consecutive tokens that are consecutive in one block: logical positions `pos..pos + len` at
 /// physical slots `slot..slot + len`, inside chunk `chunk` of their list (set by
@@ -113,9 +113,18 @@ fn attend<T: Element>(
 ) -> Partial {
     #[cfg(target_arch = "x86_64")]
     match isa {
-        // SAFETY: `resolve` caps `isa` by the features the CPU has, which are the ones each
-        // function is compiled for.
-        simd::AVX512 => return unsafe { attend_avx512(kv, heads, group, q, pos, params, runs) },
+        simd::AVX512_BF16
+            if T::DTYPE == DType::BF16 && kv.layout_ref().head_dim.is_multiple_of(32) =>
+        {
+            // SAFETY: `resolve` caps `isa` by the features the CPU has, which are the ones
+            // each function is compiled for; this build reads the cache as bf16 in rows of
+            // 32, which the guard checks.
+            return unsafe { attend_avx512bf16(kv, heads, group, q, pos, params, runs) };
+        }
+        simd::AVX512 | simd::AVX512_BF16 => {
+            // SAFETY: as above (a CPU with the bf16 build has AVX-512F).
+            return unsafe { attend_avx512(kv, heads, group, q, pos, params, runs) };
+        }
         // SAFETY: as above.
         simd::AVX2 => return unsafe { attend_avx2(kv, heads, group, q, pos, params, runs) },
         _ => {}
@@ -146,6 +155,11 @@ macro_rules! attend_with {
 
 attend_with!(attend_avx2, "avx2,fma,f16c", simd::AVX2);
 attend_with!(attend_avx512, "avx512f,avx2,fma,f16c", simd::AVX512);
+attend_with!(
+    attend_avx512bf16,
+    "avx512f,avx512bw,avx512bf16,avx2,fma,f16c",
+    simd::AVX512_BF16
+);
 
 /// Attention of query rows (`q`: `rows x d`, already scaled; `pos`: each row's absolute
 /// position; rows ordered (query, KV head, head in group)) over `runs` of KV heads `h0..h1`
@@ -174,15 +188,39 @@ fn attend_body<T: Element, const ISA: u8>(
     let mut scores = vec![0.0f32; group * C];
     let mut wbuf = vec![0.0f32; group];
     let mut vals: Vec<(usize, &[T])> = Vec::with_capacity(C);
+    // The bf16 build: the rows rounded to bf16 once, and each chunk's keys and values as bf16
+    // bits (`attend` enters it for bf16 caches only).
+    #[cfg(target_arch = "x86_64")]
+    let bf16_rows: Vec<u16> = if ISA == simd::AVX512_BF16 {
+        // SAFETY: this build runs only on CPUs with its features (`attend`).
+        unsafe { simd::avx512bf16::round(q) }
+    } else {
+        Vec::new()
+    };
+    let mut key_bits: Vec<*const u16> = Vec::with_capacity(C);
+    let mut val_bits: Vec<(usize, *const u16)> = Vec::with_capacity(C);
     // The chunk's tokens: logical position and physical slot, in order.
     let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
     let pmax = pos.iter().copied().max().unwrap_or(-1);
     let pmin = pos.iter().copied().min().unwrap_or(-1);
     let contiguous = nh == layout.kv_heads;
-    for chunk in runs.chunk_by(|a, b| a.chunk == b.chunk) {
+    let chunks: Vec<&[Run]> = runs.chunk_by(|a, b| a.chunk == b.chunk).collect();
+    let mut ahead: Vec<usize> = Vec::with_capacity(C);
+    for (ci, &chunk) in chunks.iter().enumerate() {
         let start = i64::from(chunk[0].pos);
         if start > pmax {
             continue;
+        }
+        // The slots of the next chunk, whose keys and values each head block below asks the
+        // cache for while it computes (`simd::prefetch_l2`): a chunk's tokens are strided by
+        // every head's row, which the hardware's prefetchers do not follow across pages.
+        ahead.clear();
+        if ISA != simd::PORTABLE
+            && let Some(next) = chunks.get(ci + 1)
+        {
+            for run in *next {
+                ahead.extend((0..run.len as usize).map(|t| run.slot as usize + t));
+            }
         }
         toks.clear();
         for run in chunk {
@@ -224,11 +262,41 @@ fn attend_body<T: Element, const ISA: u8>(
             let (p, h) = (pos[b], h0 + (b / group) % nh);
             let qb = &q[b * d..(b + group) * d];
             let mut any = false;
+            if ISA != simd::PORTABLE && b / group < nh {
+                for &slot in &ahead {
+                    simd::prefetch_l2(kv.k_at(slot, h));
+                    simd::prefetch_l2(kv.v_at(slot, h));
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if ISA == simd::AVX512_BF16 {
+                key_bits.clear();
+                key_bits.extend(
+                    toks.iter()
+                        .map(|&(_, slot)| kv.k_at(slot, h).as_ptr().cast::<u16>()),
+                );
+                // Every token's dot products at once; masked ones are overwritten below.
+                // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
+                // (`attend`), on a CPU with its features; the rows hold `group` rows of `d`
+                // and each key `d` elements; `scores` holds `group` rows of `C` (16).
+                unsafe {
+                    simd::avx512bf16::qk_chunk(
+                        bf16_rows.as_ptr().add(b * d),
+                        d,
+                        group,
+                        &key_bits,
+                        scores.as_mut_ptr(),
+                        C,
+                    );
+                }
+            }
             for (t, &(tp, slot)) in toks.iter().enumerate() {
                 let visible = all_visible || params.visible(tp, p);
                 any |= visible;
                 if !visible {
                     (0..group).for_each(|g| scores[g * C + t] = f32::NEG_INFINITY);
+                } else if ISA == simd::AVX512_BF16 {
+                    // Computed above.
                 } else if ISA == simd::PORTABLE {
                     let o = (t * nh + h - h0) * d;
                     for g in 0..group {
@@ -278,6 +346,23 @@ fn attend_body<T: Element, const ISA: u8>(
                         .filter(|&(t, _)| (0..group).any(|g| scores[g * C + t] != 0.0))
                         .map(|(t, &(_, slot))| (t, kv.v_at(slot, h))),
                 );
+                #[cfg(target_arch = "x86_64")]
+                if ISA == simd::AVX512_BF16 {
+                    val_bits.clear();
+                    val_bits.extend(vals.iter().map(|&(t, v)| (t, v.as_ptr().cast::<u16>())));
+                    // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
+                    // scores `group` rows of `C` with every token index below `C`.
+                    unsafe {
+                        simd::avx512bf16::pv_chunk(
+                            accs.as_mut_ptr(),
+                            d,
+                            group,
+                            (scores.as_ptr(), C),
+                            &val_bits,
+                        );
+                    }
+                    continue;
+                }
                 simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group);
             }
         }

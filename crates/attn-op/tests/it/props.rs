@@ -15,6 +15,13 @@ use crate::oracle::{Case, Rng, Shape, assert_close};
 /// the storage type.
 const TOL: f64 = 2e-5;
 
+/// The bf16 dot-product build (`Simd::Avx512Bf16`, bf16 caches, head dims a multiple of 32).
+/// Queries times a power-of-two scale are exact in bf16 here, so only the softmax weights are
+/// rounded for the values' products: by at most 2^-9 relatively, which moves an output by at
+/// most 2^-9 of the largest value (values lie in [-1, 1]); the log-sum-exp uses the unrounded
+/// weights. This bound is 2^-8.
+const TOL_BF16_DOT: f64 = 1.0 / 256.0;
+
 fn shape() -> impl Strategy<Value = Shape> {
     (
         1..4usize,
@@ -74,11 +81,16 @@ fn dense_matches_oracle<T: Element>(shape: Shape, seed: u64) {
     decorate(&mut case, &mut rng, true);
     let (want_out, want_lse) = case.oracle(&|_, _, _| true);
     // Every build of the inner loops (those this CPU lacks fall back to narrower ones).
-    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512, Simd::Avx512Bf16] {
         case.params.simd = simd;
         let (out, lse) = dense(&case);
-        assert_close(&format!("{simd:?} out"), &out, &want_out, TOL);
-        assert_close(&format!("{simd:?} lse"), &lse, &want_lse, TOL);
+        let tol = if simd == Simd::Avx512Bf16 {
+            TOL_BF16_DOT
+        } else {
+            TOL
+        };
+        assert_close(&format!("{simd:?} out"), &out, &want_out, tol);
+        assert_close(&format!("{simd:?} lse"), &lse, &want_lse, tol);
     }
 }
 
@@ -169,22 +181,26 @@ fn sparse_properties<T: Element>(shape: Shape, seed: u64) {
             "effective length of a full selection"
         );
     }
-    let (dense_out, dense_lse) = dense(&case);
-    let (sparse_out, sparse_lse) = sparse_run(&case, &all);
-    assert!(
-        dense_out
-            .iter()
-            .zip(&sparse_out)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "out differs from dense"
-    );
-    assert!(
-        dense_lse
-            .iter()
-            .zip(&sparse_lse)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "lse differs from dense"
-    );
+    // In the default build and in the bf16 dot-product one.
+    for simd in [Simd::Avx512Bf16, Simd::Auto] {
+        case.params.simd = simd;
+        let (dense_out, dense_lse) = dense(&case);
+        let (sparse_out, sparse_lse) = sparse_run(&case, &all);
+        assert!(
+            dense_out
+                .iter()
+                .zip(&sparse_out)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{simd:?} out differs from dense"
+        );
+        assert!(
+            dense_lse
+                .iter()
+                .zip(&sparse_lse)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{simd:?} lse differs from dense"
+        );
+    }
     // A random subset: the oracle restricted to the gathered pages.
     let (ids, lens, max_len) = random_selection(&case.lens, l.kv_heads, sel_bs, &mut rng, false);
     let sel = Selection {
@@ -511,5 +527,32 @@ fn long_context_splits_merge_to_the_oracle() {
     };
     for seed in 0..3 {
         dense_matches_oracle::<bf16>(shape, seed);
+    }
+}
+
+#[test]
+fn bf16_dot_products_match_the_oracle_at_head_dim_128() {
+    // The shape of record's head dim, GQA 4 and 8 (row blocks of 4 and 8), chunks with an odd
+    // number of weighted tokens and masked ones (windows); a power-of-two scale keeps the
+    // queries exact in bf16, as TOL_BF16_DOT assumes.
+    for (seed, group) in [(0, 4), (1, 8), (2, 4), (3, 8)] {
+        let shape = Shape {
+            seqs: 2,
+            block_size: 16,
+            kv_heads: 2,
+            group,
+            head_dim: 128,
+            max_kv: 700,
+            mode: 0,
+        };
+        let mut rng = Rng::new(seed);
+        let mut case = Case::<bf16>::random(shape, &mut rng);
+        decorate(&mut case, &mut rng, true);
+        case.params.scale = 1.0 / 16.0;
+        let (want_out, want_lse) = case.oracle(&|_, _, _| true);
+        case.params.simd = Simd::Avx512Bf16;
+        let (out, lse) = dense(&case);
+        assert_close("bf16 dot out", &out, &want_out, TOL_BF16_DOT);
+        assert_close("bf16 dot lse", &lse, &want_lse, TOL_BF16_DOT);
     }
 }
