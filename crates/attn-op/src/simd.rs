@@ -46,8 +46,9 @@ fn detect() -> u8 {
 }
 
 /// Asks the CPU to bring `data` into its level-2 cache (every 64-byte line; a hint, never a
-/// fault). Measured on the dev box's EPYC, spread over a chunk's head blocks one chunk ahead:
-/// into level 2 sped dense decode up by a quarter, into level 1 (T0) slowed it.
+/// fault). Measured on the dev box's EPYC (dense bf16 decode B8 L32K), one chunk ahead, head
+/// block by head block: 103 ms without, 66 ms with; into level 1 (T0) instead measured slower
+/// than none.
 #[inline(always)]
 pub(crate) fn prefetch_l2<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
