@@ -52,12 +52,17 @@ pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
     }
     let mut derived = String::new();
     let gibs = |b: &Bench| b.bytes.map(|x| x / b.mean_ns * 1e9 / (1u64 << 30) as f64);
-    if let Some(stream) = benches.get("stream_read/sum_1GiB").and_then(gibs) {
+    // The better of the reads before and after the decode benches: the box's bandwidth drifts.
+    let stream = ["stream_read/sum_1GiB", "stream_read/sum_1GiB_after"]
+        .iter()
+        .filter_map(|id| benches.get(*id).and_then(gibs))
+        .reduce(f64::max);
+    if let Some(stream) = stream {
         for (id, b) in benches.iter().filter(|(id, _)| id.starts_with("decode/")) {
             if let Some(g) = gibs(b) {
                 let _ = writeln!(
                     derived,
-                    "| {id}: fraction of read bandwidth ({stream:.1} GiB/s) | {:.2} (goal 0.80) |",
+                    "| {id}: fraction of read bandwidth ({stream:.1} GiB/s, the better of two reads) | {:.2} (goal 0.80) |",
                     g / stream
                 );
             }
