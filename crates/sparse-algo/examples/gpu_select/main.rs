@@ -949,30 +949,15 @@ fn bench(
                         rep_bytes / t.queued / 1e6 / bw
                     ),
                 });
-                let t = gpu.time(RUNS, || {
-                    sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)?;
-                    gpu.sparse_page_attention(
-                        &q,
-                        &kv,
-                        &decode,
-                        &top.sel,
-                        &params,
-                        &mut out_attn,
-                        None,
-                    )?;
-                    Ok::<(), AlgoError>(())
-                })?;
-                rows.push(Row {
-                    name: format!("quest+sparse attn 2K{how}{mode} {tag}"),
-                    t,
-                    bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
-                    note: "estimate, top-k, attention over the selection".to_owned(),
-                });
-                if scoring == QuestScoring::TensorCores && gpu.dependent_launches() {
-                    // The same pipeline with every kernel waiting for the one before it to
-                    // finish: what the programmatic dependent launches save.
-                    gpu.set_dependent_launches(false);
-                    sk.set_dependent_launches(gpu, false);
+                // With programmatic dependent launches where the device has them (the
+                // default), then, for the tensor-core scoring, serialized: what they save.
+                let serial_too = scoring == QuestScoring::TensorCores && gpu.dependent_launches();
+                for serialized in [false, true] {
+                    if serialized && !serial_too {
+                        continue;
+                    }
+                    gpu.set_dependent_launches(!serialized);
+                    sk.set_dependent_launches(gpu, !serialized);
                     let t = gpu.time(RUNS, || {
                         sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)?;
                         gpu.sparse_page_attention(
@@ -985,14 +970,22 @@ fn bench(
                             None,
                         )?;
                         Ok::<(), AlgoError>(())
-                    })?;
+                    });
                     gpu.set_dependent_launches(true);
                     sk.set_dependent_launches(gpu, true);
+                    let (tag2, note) = if serialized {
+                        (
+                            " serialized",
+                            "the same, without programmatic dependent launches",
+                        )
+                    } else {
+                        ("", "estimate, top-k, attention over the selection")
+                    };
                     rows.push(Row {
-                        name: format!("quest+sparse attn 2K{how}{mode} serialized {tag}"),
-                        t,
+                        name: format!("quest+sparse attn 2K{how}{mode}{tag2} {tag}"),
+                        t: t?,
                         bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
-                        note: "the same, without programmatic dependent launches".to_owned(),
+                        note: note.to_owned(),
                     });
                 }
                 let ids = gpu.download(&top.sel.ids)?;
@@ -1000,7 +993,8 @@ fn bench(
                     exact_ids = ids;
                 } else {
                     let (same, all) = same_ids(&exact_ids, &ids, top.sel.max_len);
-                    if let Some(r) = rows.iter_mut().rev().nth(1) {
+                    let estimate = format!("quest estimate+top-k{how}{mode} {tag}");
+                    if let Some(r) = rows.iter_mut().rev().find(|r| r.name == estimate) {
                         r.note.push_str(&format!("; ids as exact: {same} of {all}"));
                     }
                 }
