@@ -198,7 +198,7 @@ fn attend_body<T: Element, const ISA: u8>(
         Vec::new()
     };
     let mut key_bits: Vec<*const u16> = Vec::with_capacity(C);
-    let mut val_bits: Vec<(usize, *const u16)> = Vec::with_capacity(C);
+    let mut val_bits: Vec<*const u16> = Vec::with_capacity(C);
     // The chunk's tokens: logical position and physical slot, in order.
     let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
     let pmax = pos.iter().copied().max().unwrap_or(-1);
@@ -314,7 +314,7 @@ fn attend_body<T: Element, const ISA: u8>(
             for g in 0..group {
                 let r = b + g;
                 let row = &mut scores[g * C..g * C + len];
-                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mx = simd::row_max::<ISA>(row);
                 let m_new = part.m[r].max(mx);
                 if part.m[r] != m_new {
                     let alpha = (part.m[r] - m_new).exp();
@@ -345,6 +345,29 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
             } else {
                 // The chunk's tokens that weigh anything, summed in registers.
+                #[cfg(target_arch = "x86_64")]
+                if ISA == simd::AVX512_BF16 {
+                    val_bits.clear();
+                    val_bits.extend(
+                        toks.iter()
+                            .map(|&(_, slot)| kv.v_at(slot, h).as_ptr().cast::<u16>()),
+                    );
+                    // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
+                    // scores `group` rows of `C` (16), and every token of the chunk has a
+                    // value of `d` elements.
+                    unsafe {
+                        let live = simd::avx512bf16::live_tokens(scores.as_ptr(), C, group, len);
+                        simd::avx512bf16::pv_chunk(
+                            accs.as_mut_ptr(),
+                            d,
+                            group,
+                            (scores.as_ptr(), C),
+                            &val_bits,
+                            live,
+                        );
+                    }
+                    continue;
+                }
                 vals.clear();
                 vals.extend(
                     toks.iter()
@@ -352,23 +375,6 @@ fn attend_body<T: Element, const ISA: u8>(
                         .filter(|&(t, _)| (0..group).any(|g| scores[g * C + t] != 0.0))
                         .map(|(t, &(_, slot))| (t, kv.v_at(slot, h))),
                 );
-                #[cfg(target_arch = "x86_64")]
-                if ISA == simd::AVX512_BF16 {
-                    val_bits.clear();
-                    val_bits.extend(vals.iter().map(|&(t, v)| (t, v.as_ptr().cast::<u16>())));
-                    // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
-                    // scores `group` rows of `C` with every token index below `C`.
-                    unsafe {
-                        simd::avx512bf16::pv_chunk(
-                            accs.as_mut_ptr(),
-                            d,
-                            group,
-                            (scores.as_ptr(), C),
-                            &val_bits,
-                        );
-                    }
-                    continue;
-                }
                 simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group);
             }
         }

@@ -106,6 +106,17 @@ pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
     exp_tail(scores, m)
 }
 
+/// The largest of `row`, NaN ignored (as `f32::max` folds), -inf when empty.
+#[inline(always)]
+pub(crate) fn row_max<const ISA: u8>(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if ISA >= AVX512 {
+        // SAFETY: see the module doc.
+        return unsafe { avx512::row_max(row) };
+    }
+    row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// `out[g] = q_g · k` for the `out.len()` rows of `q` (row-major, `n` per row), widening each
 /// chunk of `k` once for all rows (SIMD builds only).
 #[inline(always)]
@@ -343,6 +354,7 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps::<1>(x, x)))
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn exp8(x: __m256) -> __m256 {
         let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_CLAMP));
@@ -366,6 +378,7 @@ mod avx2 {
 
     /// # Safety
     /// The CPU must support AVX2 and FMA.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp_weights(scores: &mut [f32], m: f32) -> f32 {
         let n = scores.len();
@@ -491,6 +504,7 @@ mod avx512 {
 
     use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, exp_tail};
 
+    #[inline]
     #[target_feature(enable = "avx512f")]
     fn exp16(x: __m512) -> __m512 {
         let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_CLAMP));
@@ -514,6 +528,7 @@ mod avx512 {
 
     /// # Safety
     /// The CPU must support AVX-512F.
+    #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn exp_weights(scores: &mut [f32], m: f32) -> f32 {
         let n = scores.len();
@@ -533,6 +548,27 @@ mod avx512 {
             i += 16;
         }
         _mm512_reduce_add_ps(sum) + exp_tail(&mut scores[i..], m)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn row_max(row: &[f32]) -> f32 {
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut acc = ninf;
+        for part in row.chunks(16) {
+            let live: __mmask16 = if part.len() == 16 {
+                0xffff
+            } else {
+                (1u16 << part.len()) - 1
+            };
+            // SAFETY: the mask reads only `part`'s elements.
+            let x = unsafe { _mm512_mask_loadu_ps(ninf, live, part.as_ptr()) };
+            // `max(x, acc)` keeps `acc` where `x` is NaN, as `f32::max` ignores NaN.
+            acc = _mm512_max_ps(x, acc);
+        }
+        _mm512_reduce_max_ps(acc)
     }
 
     /// 16 lanes of a buffer of `dtype` from element `i`, widened to f32.
@@ -693,28 +729,59 @@ pub(crate) mod avx512bf16 {
         }
     }
 
-    /// `acc_r[0..n) += sum over (t, v) in vals of w[r * stride + t] * v` for the `rows` rows
-    /// of `acc` (f32, `n` per row), the values bf16 bits (`n` each) and the weights rounded to
-    /// bf16. Tokens go in pairs, in order, one `vdpbf16ps` per pair (an odd last token pairs
-    /// with itself at weight 0); 32 elements of each row at a time are summed over the chunk
-    /// in registers, then added to `acc` once.
+    /// The tokens `t < len` whose weight is not 0 in any of the `rows` rows of `w` (`stride`
+    /// apart), as a lane mask.
+    ///
+    /// # Safety
+    /// As [`qk_chunk`]; `w` must hold rows `rows` of `stride >= 16` weights.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(crate) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len: usize) -> u16 {
+        debug_assert!(stride >= TOKENS && len <= TOKENS);
+        let mut live: __mmask16 = 0;
+        for r in 0..rows {
+            // SAFETY: row `r` holds 16 weights.
+            let x = unsafe { _mm512_loadu_ps(w.add(r * stride)) };
+            live |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(x, _mm512_setzero_ps());
+        }
+        let in_chunk: u16 = if len == TOKENS {
+            0xffff
+        } else {
+            (1u16 << len) - 1
+        };
+        live & in_chunk
+    }
+
+    /// `acc_r[0..n) += sum over live tokens t of w[r * stride + t] * vals[t]` for the `rows`
+    /// rows of `acc` (f32, `n` per row), the values bf16 bits (`n` each) and the weights
+    /// rounded to bf16. The live tokens (the set bits of `live`) go in pairs, in order, one
+    /// `vdpbf16ps` per pair (an odd last token pairs with itself at weight 0); 32 elements of
+    /// each row at a time are summed over the chunk in registers, then added to `acc` once.
     ///
     /// # Safety
     /// As [`qk_chunk`]: the CPU's features and `n` a multiple of 32; `acc` must hold `rows *
-    /// n` floats, `w` rows `rows` of `stride` weights with every token index of `vals` below
-    /// `stride`, and each value `n` elements.
+    /// n` floats, `w` rows `rows` of `stride >= 16` weights, and every value of a live token
+    /// (each bit of `live` below `vals.len()`) `n` elements.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(crate) unsafe fn pv_chunk(
         acc: *mut f32,
         n: usize,
         rows: usize,
         (w, stride): (*const f32, usize),
-        vals: &[(usize, *const u16)],
+        vals: &[*const u16],
+        live: u16,
     ) {
         debug_assert!(vals.len() <= TOKENS && n.is_multiple_of(32));
-        debug_assert!(stride >= TOKENS);
-        // The chunk's tokens that `vals` holds, as a lane mask (`vals` is in token order).
-        let mask = vals.iter().fold(0u16, |m, &(t, _)| m | 1 << t);
+        debug_assert!(stride >= TOKENS && (16 - live.leading_zeros()) as usize <= vals.len());
+        let mask = live;
+        let mut order = [std::ptr::null::<u16>(); TOKENS];
+        let mut count = 0;
+        let mut bits = live;
+        while bits != 0 {
+            order[count] = vals[bits.trailing_zeros() as usize];
+            count += 1;
+            bits &= bits - 1;
+        }
+        let vals = &order[..count];
         super::row_blocks(rows, |r0, block| {
             // Each row's weights of `vals`' tokens, in order, rounded to bf16 and read as
             // pairs: the pair's first token in the low half of a 32-bit lane, and 0 after
@@ -751,7 +818,7 @@ pub(crate) mod avx512bf16 {
         acc: *mut f32,
         n: usize,
         packed: &[[u32; TOKENS / 2]; 8],
-        vals: &[(usize, *const u16)],
+        vals: &[*const u16],
     ) {
         // Interleaving two tokens' 16-bit values within 128-bit lanes leaves the dot
         // products' lanes in the order (0-3, 8-11, 16-19, 24-27) for the low halves and
@@ -764,7 +831,7 @@ pub(crate) mod avx512bf16 {
             let mut lo = [_mm512_setzero_ps(); R];
             let mut hi = [_mm512_setzero_ps(); R];
             for (p, pair) in vals.chunks(2).enumerate() {
-                let (a, b) = (pair[0].1, pair.get(1).map_or(pair[0].1, |v| v.1));
+                let (a, b) = (pair[0], pair.get(1).copied().unwrap_or(pair[0]));
                 // SAFETY: `i + 32 <= n` elements of each value.
                 unsafe {
                     let va = _mm512_loadu_si512(a.add(i).cast::<__m512i>());
