@@ -9,37 +9,27 @@
 template <typename T>
 struct Mma;
 
-template <>
-struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], unsigned int a0, unsigned int a1,
-                                               unsigned int a2, unsigned int a3, unsigned int b0,
-                                               unsigned int b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const unsigned int*>(&v);
-    }
-};
+// One specialization per type: its PTX type name, its pair type and the pair's rounding.
+#define MMA_FOR(T, PTX, PAIR, TO_PAIR)                                                           \
+    template <>                                                                                 \
+    struct Mma<T> {                                                                             \
+        static __device__ __forceinline__ void run(float (&c)[4], unsigned int a0,             \
+                                                   unsigned int a1, unsigned int a2,           \
+                                                   unsigned int a3, unsigned int b0,           \
+                                                   unsigned int b1) {                          \
+            asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, "    \
+                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                      \
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                               \
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                       \
+        }                                                                                       \
+        static __device__ __forceinline__ unsigned int pack(float lo, float hi) {              \
+            const PAIR v = TO_PAIR(lo, hi);                                                     \
+            return *reinterpret_cast<const unsigned int*>(&v);                                  \
+        }                                                                                       \
+    };
 
-template <>
-struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], unsigned int a0, unsigned int a1,
-                                               unsigned int a2, unsigned int a3, unsigned int b0,
-                                               unsigned int b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-            "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ unsigned int pack(float lo, float hi) {
-        const __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const unsigned int*>(&v);
-    }
-};
+MMA_FOR(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
+MMA_FOR(__half, "f16", __half2, __floats2half2_rn)
 
 // The transpose of an 8x8 matrix of 16-bit elements held as a warp fragment (row lane / 4,
 // columns 2 (lane % 4) and 2 (lane % 4) + 1).

@@ -772,7 +772,6 @@ pub(crate) mod avx512bf16 {
     ) {
         debug_assert!(vals.len() <= TOKENS && n.is_multiple_of(32));
         debug_assert!(stride >= TOKENS && (16 - live.leading_zeros()) as usize <= vals.len());
-        let mask = live;
         let mut order = [std::ptr::null::<u16>(); TOKENS];
         let mut count = 0;
         let mut bits = live;
@@ -791,7 +790,7 @@ pub(crate) mod avx512bf16 {
                 // SAFETY: row `r0 + r` holds `stride >= 16` weights; `row` holds 16 bf16.
                 unsafe {
                     let ws =
-                        _mm512_maskz_compress_ps(mask, _mm512_loadu_ps(w.add((r0 + r) * stride)));
+                        _mm512_maskz_compress_ps(live, _mm512_loadu_ps(w.add((r0 + r) * stride)));
                     let bits: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(ws));
                     _mm256_storeu_si256(row.as_mut_ptr().cast::<__m256i>(), bits);
                 }

@@ -16,7 +16,7 @@ use safetensors::tensor::{Metadata, SafeTensors};
 use serde::Deserialize;
 
 use crate::gguf::{DType, Gguf, dequantize};
-use crate::linear::Linear;
+use crate::linear::{Linear, float_bytes};
 use crate::model::{Model, ModelConfig, Weights};
 use crate::{EngineError, Tokenizer};
 
@@ -408,17 +408,7 @@ pub fn export(
         if let Some(heads) = rope_heads(name, &c) {
             values = permute_rope(&values, heads, c.head_dim, true);
         }
-        let data: Vec<u8> = match dtype {
-            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::F16 => values
-                .iter()
-                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-                .collect(),
-            _ => values
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                .collect(),
-        };
+        let data = float_bytes(&values, dtype)?;
         let shape = info.dims.iter().rev().copied().collect();
         tensors.push((
             hf,

@@ -102,23 +102,7 @@ impl Linear {
     /// The same matrix stored as the float type `dtype` (F32, F16 or BF16), each weight
     /// rounded once (to nearest even) from its exact value.
     pub fn to_float(&self, dtype: DType) -> Result<Linear, EngineError> {
-        let exact = self.to_f32();
-        let data: Vec<u8> = match dtype {
-            DType::F32 => exact.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            DType::F16 => exact
-                .iter()
-                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                .collect(),
-            DType::BF16 => exact
-                .iter()
-                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                .collect(),
-            other => {
-                return Err(EngineError::Invalid(format!(
-                    "{other:?} is not a float type to store a matrix in"
-                )));
-            }
-        };
+        let data = float_bytes(&self.to_f32(), dtype)?;
         Linear::from_raw(dtype, self.rows, self.cols, data)
     }
 
@@ -311,4 +295,25 @@ fn isa() -> u8 {
         }
     }
     PORTABLE
+}
+
+/// `values` stored as the float type `dtype` (F32, F16 or BF16; little-endian), each rounded
+/// once to nearest even; other types are refused.
+pub(crate) fn float_bytes(values: &[f32], dtype: DType) -> Result<Vec<u8>, EngineError> {
+    Ok(match dtype {
+        DType::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        other => {
+            return Err(EngineError::Invalid(format!(
+                "{other:?} is not a float type to store values in"
+            )));
+        }
+    })
 }
