@@ -546,6 +546,136 @@ __device__ __forceinline__ uint4 load16(const void* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// The online-softmax state of one warp over the 8 rows of its CTA (rows 2t and 2t + 1 of
+// thread (g, t)), and the math of one tile of 16 keys on tensor cores, apart from the walk
+// over the keys (attn_mma_core) that feeds it.
+template <typename T, int D>
+struct WarpRows {
+    enum {
+        KVEC = D / 32,  // 16-byte vectors of K (and Q) per key and thread
+        VVEC = D / 64,  // 16-byte vectors of V per key and thread
+        STEPS = D / 16, // MMAs per product
+    };
+    float acc[STEPS][4];
+    float m[2];
+    float l[2];
+
+    __device__ __forceinline__ WarpRows() {
+#pragma unroll
+        for (int i = 0; i < STEPS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+        m[0] = m[1] = NEG_INF;
+        l[0] = l[1] = 0.f;
+    }
+
+    // One tile: kf = keys g and g + 8, vf = keys 2t, 2t + 1, 2t + 8, 2t + 9 (see above); kpos
+    // = positions of keys g and g + 8 (-1: none); rpos = positions of rows 2t and 2t + 1.
+    __device__ __forceinline__ void tile(const uint4 (&qf)[KVEC], const uint4 (&kf)[2][KVEC],
+                                         const uint4 (&vf)[4][VVEC], const int (&kpos)[2],
+                                         const int (&rpos)[2], float sl2, int window,
+                                         int sinks) {
+        // S^T = K Q^T: s[0], s[1] = key g, rows 2t, 2t+1; s[2], s[3] = key g + 8.
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < STEPS; j++) {
+            const int i = j / 2;
+            const int w = (j % 2) * 2;
+            Mma<T>::run(s, word(kf[0][i], w), word(kf[1][i], w), word(kf[0][i], w + 1),
+                        word(kf[1][i], w + 1), word(qf[i], w), word(qf[i], w + 1));
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s[e] = visible(kpos[e / 2], rpos[e % 2], window, sinks) ? s[e] * sl2 : NEG_INF;
+        }
+        float mx[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(s[r], s[2 + r]);
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1)
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o));
+        }
+        // Rescale only when a running maximum grows (uniform over the lanes of a column).
+        if (mx[0] > m[0] || mx[1] > m[1]) {
+            float alpha[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const float mn = fmaxf(m[r], mx[r]);
+                alpha[r] = m[r] == NEG_INF ? 0.f : exp2f(m[r] - mn);
+                m[r] = mn;
+                l[r] *= alpha[r];
+            }
+#pragma unroll
+            for (int i = 0; i < STEPS; i++) {
+                acc[i][0] *= alpha[0];
+                acc[i][1] *= alpha[1];
+                acc[i][2] *= alpha[0];
+                acc[i][3] *= alpha[1];
+            }
+        }
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) p[e] = m[e % 2] == NEG_INF ? 0.f : exp2f(s[e] - m[e % 2]);
+        l[0] += p[0] + p[2];
+        l[1] += p[1] + p[3];
+        const u32 b0 = transpose8x8(Mma<T>::pack(p[0], p[1]));
+        const u32 b1 = transpose8x8(Mma<T>::pack(p[2], p[3]));
+
+        // O^T += V^T P^T: A rows are dims, pairs of keys (2t, 2t+1) and (2t+8, 2t+9).
+#pragma unroll
+        for (int j = 0; j < STEPS; j++) {
+            const int v = j / 4;
+            const int w = j % 4;
+            const u32 x0 = word(vf[0][v], w), x1 = word(vf[1][v], w);
+            const u32 x2 = word(vf[2][v], w), x3 = word(vf[3][v], w);
+            Mma<T>::run(acc[j], __byte_perm(x0, x1, 0x5410), __byte_perm(x0, x1, 0x7632),
+                        __byte_perm(x2, x3, 0x5410), __byte_perm(x2, x3, 0x7632), b0, b1);
+        }
+    }
+
+    // The end of the walk: the row sums completed over the lanes of a column (each lane summed
+    // only its own keys), then the state written to the CTA's shared memory for finish_rows
+    // (accumulators [WARPS][8][D], maxima and sums [WARPS][8]).
+    __device__ __forceinline__ void store(float* smem, int warps, int warp, int g, int t) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], o);
+        }
+        // acc[j][hf * 2 + r] is row 2t + r at dim (j / 4) * 64 + g * 8 + (j % 4) * 2 + hf.
+        float* s_acc = smem;
+        float* s_m = s_acc + warps * 8 * D;
+        float* s_l = s_m + warps * 8;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float* dst = s_acc + (warp * 8 + 2 * t + r) * D + g * 8;
+#pragma unroll
+            for (int j = 0; j < STEPS; j++) {
+                dst[(j / 4) * 64 + (j % 4) * 2] = acc[j][r];
+                dst[(j / 4) * 64 + (j % 4) * 2 + 1] = acc[j][2 + r];
+            }
+            if (g == 0) {
+                s_m[warp * 8 + 2 * t + r] = m[r];
+                s_l[warp * 8 + 2 * t + r] = l[r];
+            }
+        }
+    }
+};
+
+// Row g of the CTA's tile of rows, raw, as thread (g, t) holds it: the B operand of S^T = K Q^T
+// (zero for padding rows).
+template <typename T, int D>
+__device__ __forceinline__ void load_q_rows(const Unit& u, const T* __restrict__ q, int group,
+                                            int q_heads, int g, int t, uint4 (&qf)[D / 32]) {
+    const int rr = u.row0 + g;
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) qf[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (u.pos(g, group) >= 0) {
+        const size_t orow = (size_t)(u.q_start + rr / group) * q_heads + u.h * group + rr % group;
+#pragma unroll
+        for (int i = 0; i < D / 32; i++) qf[i] = load16(q + orow * D + i * 32 + t * 8);
+    }
+}
+
 template <typename T, int D, int KT>
 __device__ __forceinline__ void attn_mma_core(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -559,7 +689,6 @@ __device__ __forceinline__ void attn_mma_core(
     constexpr int ROWS = 8;
     constexpr int KVEC = D / 32;  // 16-byte vectors of K (and Q) per key and thread
     constexpr int VVEC = D / 64;  // 16-byte vectors of V per key and thread
-    constexpr int STEPS = D / 16; // MMAs per product
     const int q_heads = kv_heads * group;
 
     const Unit u(ROWS, cu_q, kv_lens, kv_heads);
@@ -570,18 +699,8 @@ __device__ __forceinline__ void attn_mma_core(
     const int g = lane >> 2;
     const int t = lane & 3;
 
-    // Row g of the tile, raw: the B operand of S^T = K Q^T.
     uint4 qf[KVEC];
-    {
-        const int rr = u.row0 + g;
-#pragma unroll
-        for (int i = 0; i < KVEC; i++) qf[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (u.pos(g, group) >= 0) {
-            const size_t orow = (size_t)(u.q_start + rr / group) * q_heads + u.h * group + rr % group;
-#pragma unroll
-            for (int i = 0; i < KVEC; i++) qf[i] = load16(q + orow * D + i * 32 + t * 8);
-        }
-    }
+    load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
     // Positions of this thread's rows 2t and 2t + 1 (-1: padding).
     const int rpos[2] = {u.pos(2 * t, group), u.pos(2 * t + 1, group)};
     const Keys<T, D> keys = u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks,
@@ -589,11 +708,7 @@ __device__ __forceinline__ void attn_mma_core(
                                                   kv_heads, bs, chunk, 0);
 
     const float sl2 = scale * LOG2E;
-    float acc[STEPS][4];
-#pragma unroll
-    for (int i = 0; i < STEPS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF};
-    float l[2] = {0.f, 0.f};
+    WarpRows<T, D> st;
 
     // Each warp takes KT tiles of 16 keys per round: tile kt of warp w starts at round base +
     // (w * KT + kt) * 16. Keys g and g + 8 of a tile (K and the mask) are resolved one round
@@ -642,66 +757,7 @@ __device__ __forceinline__ void attn_mma_core(
                     keys.slot_of(base + ROUND + (warp * KT + kt) * 16 + g + 8 * j, npos[kt][j]);
 
 #pragma unroll
-        for (int kt = 0; kt < KT; kt++) {
-            // S^T = K Q^T: s[0], s[1] = key g, rows 2t, 2t+1; s[2], s[3] = key g + 8.
-            float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < STEPS; j++) {
-                const int i = j / 2;
-                const int w = (j % 2) * 2;
-                Mma<T>::run(s, word(kf[kt][0][i], w), word(kf[kt][1][i], w),
-                            word(kf[kt][0][i], w + 1), word(kf[kt][1][i], w + 1), word(qf[i], w),
-                            word(qf[i], w + 1));
-            }
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                s[e] = visible(kpos[kt][e / 2], rpos[e % 2], window, sinks) ? s[e] * sl2 : NEG_INF;
-            }
-            float mx[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(s[r], s[2 + r]);
-#pragma unroll
-                for (int o = 4; o < 32; o <<= 1)
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o));
-            }
-            // Rescale only when a running maximum grows (uniform over the lanes of a column).
-            if (mx[0] > m[0] || mx[1] > m[1]) {
-                float alpha[2];
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const float mn = fmaxf(m[r], mx[r]);
-                    alpha[r] = m[r] == NEG_INF ? 0.f : exp2f(m[r] - mn);
-                    m[r] = mn;
-                    l[r] *= alpha[r];
-                }
-#pragma unroll
-                for (int i = 0; i < STEPS; i++) {
-                    acc[i][0] *= alpha[0];
-                    acc[i][1] *= alpha[1];
-                    acc[i][2] *= alpha[0];
-                    acc[i][3] *= alpha[1];
-                }
-            }
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) p[e] = m[e % 2] == NEG_INF ? 0.f : exp2f(s[e] - m[e % 2]);
-            l[0] += p[0] + p[2];
-            l[1] += p[1] + p[3];
-            const u32 b0 = transpose8x8(Mma<T>::pack(p[0], p[1]));
-            const u32 b1 = transpose8x8(Mma<T>::pack(p[2], p[3]));
-
-            // O^T += V^T P^T: A rows are dims, pairs of keys (2t, 2t+1) and (2t+8, 2t+9).
-#pragma unroll
-            for (int j = 0; j < STEPS; j++) {
-                const int v = j / 4;
-                const int w = j % 4;
-                const u32 x0 = word(vf[kt][0][v], w), x1 = word(vf[kt][1][v], w);
-                const u32 x2 = word(vf[kt][2][v], w), x3 = word(vf[kt][3][v], w);
-                Mma<T>::run(acc[j], __byte_perm(x0, x1, 0x5410), __byte_perm(x0, x1, 0x7632),
-                            __byte_perm(x2, x3, 0x5410), __byte_perm(x2, x3, 0x7632), b0, b1);
-            }
-        }
+        for (int kt = 0; kt < KT; kt++) st.tile(qf, kf[kt], vf[kt], kpos[kt], rpos, sl2, window, sinks);
 #pragma unroll
         for (int kt = 0; kt < KT; kt++)
 #pragma unroll
@@ -711,30 +767,8 @@ __device__ __forceinline__ void attn_mma_core(
             }
     }
 
-    // Each lane summed only its own keys: complete the row sums over the lanes of a column.
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], o);
-    }
-    // acc[j][hf * 2 + r] is row 2t + r at dim (j / 4) * 64 + g * 8 + (j % 4) * 2 + hf.
     extern __shared__ float smem[];
-    float* s_acc = smem;
-    float* s_m = s_acc + WARPS * ROWS * D;
-    float* s_l = s_m + WARPS * ROWS;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float* dst = s_acc + (warp * ROWS + 2 * t + r) * D + g * 8;
-#pragma unroll
-        for (int j = 0; j < STEPS; j++) {
-            dst[(j / 4) * 64 + (j % 4) * 2] = acc[j][r];
-            dst[(j / 4) * 64 + (j % 4) * 2 + 1] = acc[j][2 + r];
-        }
-        if (g == 0) {
-            s_m[warp * ROWS + 2 * t + r] = m[r];
-            s_l[warp * ROWS + 2 * t + r] = l[r];
-        }
-    }
+    st.store(smem, WARPS, warp, g, t);
     __syncthreads();
     finish_rows<D, ROWS, WARPS>(smem, u, group, q_heads, sink_logits, has_sinks, o);
 }

@@ -78,7 +78,7 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         // Sparse: four rotating selections of BUDGET_PAGES pages (the last page always).
         let sels: Vec<DeviceSelection> = (0..4)
             .map(|_| {
-                let (ids, lens) = budget_pages(&mut rng, b, blocks);
+                let (ids, lens) = budget_pages(&mut rng, b, blocks, 1);
                 let s = Selection {
                     ids: &ids,
                     lens: &lens,
@@ -121,6 +121,34 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         if !acceptance {
             continue;
         }
+        // The same budget with one page list per sequence, shared by its KV heads: the CTAs
+        // of a split's heads then read the same blocks, as dense decode's do.
+        let shared: Vec<DeviceSelection> = (0..4)
+            .map(|_| {
+                let (ids, lens) = budget_pages(&mut rng, b, blocks, KV_HEADS);
+                let s = Selection {
+                    ids: &ids,
+                    lens: &lens,
+                    max_len: BUDGET_PAGES,
+                };
+                DeviceSelection::upload(gpu, &s, b * KV_HEADS)
+            })
+            .collect::<Result<_, _>>()?;
+        let shared_step = Step {
+            sels: &shared,
+            ..step
+        };
+        let (_, t) = shared_step.time_pair(g, &mut out, &mut lse)?;
+        rows.push(Row {
+            name: format!("sparse decode 2K shared B{b} L{}K", ctx / 1024),
+            t,
+            bytes: sel_bytes,
+            note: format!(
+                "{:.2} / {:.2} x bytes floor; one page list per sequence",
+                t.synced / floor,
+                t.queued / floor
+            ),
+        });
         let mut i = 0;
         let t = time(g, || {
             i += 1;
@@ -225,15 +253,18 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
     Ok((t, (n * 4 * 2) as f64))
 }
 
-/// Per (sequence, KV head) `BUDGET_PAGES` distinct logical pages, the last page always.
-fn budget_pages(rng: &mut Rng, b: usize, blocks: usize) -> (Vec<i32>, Vec<i32>) {
+/// Per (sequence, KV head) `BUDGET_PAGES` distinct logical pages, the last page always; each
+/// run of `alike` consecutive KV heads shares one list (1: every head has its own).
+fn budget_pages(rng: &mut Rng, b: usize, blocks: usize, alike: usize) -> (Vec<i32>, Vec<i32>) {
     let rows = b * KV_HEADS;
     let mut ids = Vec::with_capacity(rows * BUDGET_PAGES);
-    for _ in 0..rows {
+    for _ in 0..rows / alike {
         let mut pick: Vec<usize> = rng.permutation(blocks - 1)[..BUDGET_PAGES - 1].to_vec();
         pick.push(blocks - 1);
         pick.sort_unstable();
-        ids.extend(pick.iter().map(|&p| p as i32));
+        for _ in 0..alike {
+            ids.extend(pick.iter().map(|&p| p as i32));
+        }
     }
     (ids, vec![BUDGET_PAGES as i32; rows])
 }
