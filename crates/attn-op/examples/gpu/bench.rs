@@ -76,17 +76,7 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         let mut lse = gpu.zeros::<f32>(b * Q_HEADS)?;
         let kv_bytes = (b * ctx * KV_HEADS * D * 2 * 2) as f64;
         // Sparse: four rotating selections of BUDGET_PAGES pages (the last page always).
-        let sels: Vec<DeviceSelection> = (0..4)
-            .map(|_| {
-                let (ids, lens) = budget_pages(&mut rng, b, blocks, 1);
-                let s = Selection {
-                    ids: &ids,
-                    lens: &lens,
-                    max_len: BUDGET_PAGES,
-                };
-                DeviceSelection::upload(gpu, &s, b * KV_HEADS)
-            })
-            .collect::<Result<_, _>>()?;
+        let sels = rotating_selections(gpu, &mut rng, b, blocks, 1)?;
         let sel_bytes = (b * KV_HEADS * BUDGET_PAGES * BS * D * 2 * 2) as f64;
         let floor = sel_bytes / bw * 1e3;
         let step = Step {
@@ -123,17 +113,7 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         }
         // The same budget with one page list per sequence, shared by its KV heads: the CTAs
         // of a split's heads then read the same blocks, as dense decode's do.
-        let shared: Vec<DeviceSelection> = (0..4)
-            .map(|_| {
-                let (ids, lens) = budget_pages(&mut rng, b, blocks, KV_HEADS);
-                let s = Selection {
-                    ids: &ids,
-                    lens: &lens,
-                    max_len: BUDGET_PAGES,
-                };
-                DeviceSelection::upload(gpu, &s, b * KV_HEADS)
-            })
-            .collect::<Result<_, _>>()?;
+        let shared = rotating_selections(gpu, &mut rng, b, blocks, KV_HEADS)?;
         let shared_step = Step {
             sels: &shared,
             ..step
@@ -251,6 +231,27 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
     let stream = gpu.stream().clone();
     let t = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
     Ok((t, (n * 4 * 2) as f64))
+}
+
+/// Four selections of [`budget_pages`] on the device, for the bench to rotate through.
+fn rotating_selections(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    b: usize,
+    blocks: usize,
+    alike: usize,
+) -> Result<Vec<DeviceSelection>, AttnError> {
+    (0..4)
+        .map(|_| {
+            let (ids, lens) = budget_pages(rng, b, blocks, alike);
+            let s = Selection {
+                ids: &ids,
+                lens: &lens,
+                max_len: BUDGET_PAGES,
+            };
+            DeviceSelection::upload(gpu, &s, b * KV_HEADS)
+        })
+        .collect()
 }
 
 /// Per (sequence, KV head) `BUDGET_PAGES` distinct logical pages, the last page always; each
