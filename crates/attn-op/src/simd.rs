@@ -1,7 +1,8 @@
 //! The inner loops of attention in four builds: portable Rust, AVX2 + FMA + F16C, AVX-512F,
-//! and AVX-512 BF16 dot products for bf16 caches. `ISA` selects one at compile time; the kernel instantiates the SIMD builds only
-//! inside functions compiled for those features and entered after `detect` found them, which
-//! is the invariant every `unsafe` call below relies on.
+//! and AVX-512 BF16 dot products for bf16 caches. `ISA` selects one at compile time; the
+//! kernel instantiates the SIMD builds only inside functions compiled for those features and
+//! entered after `detect` found them, which is the invariant every `unsafe` call below relies
+//! on.
 
 use crate::{DType, Element};
 
@@ -104,6 +105,17 @@ pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
         _ => {}
     }
     exp_tail(scores, m)
+}
+
+/// The mask of the first `len` of 16 lanes (`len <= 16`).
+#[inline(always)]
+pub(crate) fn first_lanes(len: usize) -> u16 {
+    debug_assert!(len <= 16);
+    if len >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << len) - 1
+    }
 }
 
 /// The largest of `row`, NaN ignored (as `f32::max` folds), -inf when empty.
@@ -558,11 +570,7 @@ mod avx512 {
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let mut acc = ninf;
         for part in row.chunks(16) {
-            let live: __mmask16 = if part.len() == 16 {
-                0xffff
-            } else {
-                (1u16 << part.len()) - 1
-            };
+            let live: __mmask16 = super::first_lanes(part.len());
             // SAFETY: the mask reads only `part`'s elements.
             let x = unsafe { _mm512_mask_loadu_ps(ninf, live, part.as_ptr()) };
             // `max(x, acc)` keeps `acc` where `x` is NaN, as `f32::max` ignores NaN.
@@ -701,11 +709,7 @@ pub(crate) mod avx512bf16 {
         // repeats its first key, and those lanes are zeroed below.
         let mut all = [keys[0]; TOKENS];
         all[..keys.len()].copy_from_slice(keys);
-        let live: __mmask16 = if keys.len() == TOKENS {
-            0xffff
-        } else {
-            (1u16 << keys.len()) - 1
-        };
+        let live: __mmask16 = super::first_lanes(keys.len());
         for r in 0..rows {
             let mut acc = [_mm512_setzero_ps(); TOKENS];
             let mut i = 0;
@@ -743,11 +747,7 @@ pub(crate) mod avx512bf16 {
             let x = unsafe { _mm512_loadu_ps(w.add(r * stride)) };
             live |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(x, _mm512_setzero_ps());
         }
-        let in_chunk: u16 = if len == TOKENS {
-            0xffff
-        } else {
-            (1u16 << len) - 1
-        };
+        let in_chunk: u16 = super::first_lanes(len);
         live & in_chunk
     }
 

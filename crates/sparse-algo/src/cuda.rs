@@ -921,19 +921,11 @@ impl SelectKernels {
         (items, per): (i32, i32),
         cfg: LaunchConfig,
     ) -> Result<(), AlgoError> {
-        let Inputs {
-            quest,
-            q,
-            q_heads,
-            meta,
-            layer,
-            slots,
-            pool,
-        } = *inputs;
+        let (quest, meta, pool) = (inputs.quest, inputs.meta, inputs.pool);
         let c = quest.config();
         let args = ScoreArgs {
-            q_heads: to_i32(q_heads)?,
-            layer: to_i32(layer)?,
+            q_heads: to_i32(inputs.q_heads)?,
+            layer: to_i32(inputs.layer)?,
             num_slots: to_i32(pool.slots)?,
             max_pages: to_i32(pool.max_pages)?,
             kvh: to_i32(meta.layout().kv_heads)?,
@@ -949,10 +941,10 @@ impl SelectKernels {
         };
         let mut b = Launch::new(&self.stream, func);
         b.dependent(self.dependent);
-        b.arg(q)
+        b.arg(inputs.q)
             .arg(meta.cu_seqlens_q())
             .arg(&pool.data)
-            .arg(slots)
+            .arg(inputs.slots)
             .arg(meta.seq_lens_kv())
             .arg(&args)
             .arg(&items)

@@ -22,6 +22,11 @@ const TOL: f64 = 2e-5;
 /// weights. This bound is 2^-8.
 const TOL_BF16_DOT: f64 = 1.0 / 256.0;
 
+/// Whether `a` and `b` agree bit for bit, element by element.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 fn shape() -> impl Strategy<Value = Shape> {
     (
         1..4usize,
@@ -187,17 +192,11 @@ fn sparse_properties<T: Element>(shape: Shape, seed: u64) {
         let (dense_out, dense_lse) = dense(&case);
         let (sparse_out, sparse_lse) = sparse_run(&case, &all);
         assert!(
-            dense_out
-                .iter()
-                .zip(&sparse_out)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&dense_out, &sparse_out),
             "{simd:?} out differs from dense"
         );
         assert!(
-            dense_lse
-                .iter()
-                .zip(&sparse_lse)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&dense_lse, &sparse_lse),
             "{simd:?} lse differs from dense"
         );
     }
@@ -420,9 +419,8 @@ fn layout_and_thread_count_do_not_change_results<T: Element>(shape: Shape, seed:
         .expect("a pool");
     let want = dense(&case);
     let check = |what: &str, got: &(Vec<f32>, Vec<f32>)| {
-        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(
-            same(&got.0, &want.0) && same(&got.1, &want.1),
+            same_bits(&got.0, &want.0) && same_bits(&got.1, &want.1),
             "{what} changes the result"
         );
     };
