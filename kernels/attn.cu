@@ -86,20 +86,22 @@ struct Keys {
     const T* __restrict__ vc;
     const i32* __restrict__ sel;
     const i32* __restrict__ table;
-    int mode, bs, num_pages, kv_len, num_blocks, kv_heads, h, e0, t0, t1;
+    // sel_cap: the keys the list's row can name (sel_max pages or tokens).
+    int mode, bs, num_pages, kv_len, num_blocks, kv_heads, h, e0, t0, t1, sel_cap;
 
     // The pool slot of key t of the list and its position p; both -1 where the key is past the
-    // split, outside the sequence, or on a page the block table does not map.
+    // split, outside the sequence, or on a page the block table does not map. The list entry
+    // is read whether or not t is before the split's end (t1 comes from sel_lens): the read
+    // stays within the list's row, and so it need not wait for sel_lens.
     __device__ __forceinline__ int slot_of(int t, int& p) const {
+        int s = t;
+        if (mode != 0) s = t < sel_cap ? sel[mode == 1 ? t / bs : t] : -1;
         p = -1;
         if (t < t1) {
-            if (mode == 0) {
-                p = t;
-            } else if (mode == 1) {
-                const int page = sel[t / bs];
-                p = (page >= 0 && page < num_pages) ? page * bs + t % bs : -1;
+            if (mode == 1) {
+                p = (s >= 0 && s < num_pages) ? s * bs + t % bs : -1;
             } else {
-                p = sel[t];
+                p = s;
             }
             if (p >= kv_len) p = -1;
         }
@@ -171,6 +173,7 @@ struct Unit {
                                                int bs, int chunk, int e0) const {
         int n_keys;
         const i32* sel = nullptr;
+        const int sel_cap = mode == 1 ? sel_max * bs : sel_max;
         if (mode == 0) {
             n_keys = min(kv_len, kv_len - q_len + min(q_len - 1, (row0 + rows - 1) / group) + 1);
         } else {
@@ -181,7 +184,7 @@ struct Unit {
         const int t0 = split * chunk;
         return Keys<T, D>{kc, vc, sel, block_table + (size_t)seq * max_blocks, mode, bs,
                           (kv_len + bs - 1) / bs, kv_len, num_blocks, kv_heads, h, e0, t0,
-                          min(n_keys, t0 + chunk)};
+                          min(n_keys, t0 + chunk), sel_cap};
     }
 };
 
@@ -231,102 +234,123 @@ __device__ __forceinline__ void merge_elem(const float* parts_out, const float* 
     if (d == 0 && lse != nullptr) lse[r] = L > 0.f ? m2 + logf(L) : NEG_INF;
 }
 
-// The merge of a unit's split partials by its last CTA, in two passes. First a warp per row
-// reduces the row's partial LSEs (lanes striding over the splits) to the merged maximum and
-// sum; then each thread merges 4 consecutive dims of a row, with 16-byte loads and several
-// splits in flight.
+// Splits whose partials a merge loads at once.
+#define MERGE_BATCH 16
+
+// Four consecutive dims of one row merged over the n normalized partials that load(p, lse,
+// v) reads (natural-log lse, -inf for an empty partial), in batches of MERGE_BATCH loads in
+// flight, with an online rescale between batches; an optional sink logit joins the
+// denominator with a zero value. Writes the merged dims to out4 and the row's lse to *lse
+// (when lse is not null).
+template <typename Load>
+__device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool has_sink,
+                                           float4* out4, float* lse) {
+    float M = NEG_INF, L = 0.f;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int p0 = 0; p0 < n; p0 += MERGE_BATCH) {
+        float lp[MERGE_BATCH];
+        float4 v[MERGE_BATCH];
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; j++) {
+            lp[j] = NEG_INF;
+            v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (p0 + j < n) load(p0 + j, lp[j], v[j]);
+        }
+        float mb = M;
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; j++) mb = fmaxf(mb, lp[j]);
+        if (mb == NEG_INF) continue;
+        const float c = M == NEG_INF ? 0.f : __expf(M - mb);
+        M = mb;
+        L *= c;
+        a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; j++) {
+            const float w = lp[j] == NEG_INF ? 0.f : __expf(lp[j] - M);
+            L += w;
+            a.x += w * v[j].x;
+            a.y += w * v[j].y;
+            a.z += w * v[j].z;
+            a.w += w * v[j].w;
+        }
+    }
+    if (has_sink) {
+        const float m2 = fmaxf(M, sink);
+        const float c = M == NEG_INF ? 0.f : __expf(M - m2);
+        L = L * c + __expf(sink - m2);
+        a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
+        M = m2;
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    *out4 = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    if (lse != nullptr) *lse = L > 0.f ? M + logf(L) : NEG_INF;
+}
+
+// The merge of a unit's split partials by its last CTA: each thread merges 4 consecutive dims
+// of a row, reading every split's partial from global memory (merge_dims).
 template <int D, int ROWS>
 __device__ __forceinline__ void merge_unit(const Unit& u, int group, int q_heads,
                                            const float* __restrict__ sink_logits,
                                            int has_sinks, const Outs& o) {
-    __shared__ float s_max[ROWS], s_sum[ROWS];
-    const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    for (int r = threadIdx.x >> 5; r < ROWS; r += warps) {
-        const int orw = u.out_row(r, group, q_heads);
-        if (orw < 0) continue;
-        const float* pl = o.part_lse + orw;
-        float M = NEG_INF;
-        for (int p = lane; p < o.splits; p += 32) M = fmaxf(M, __ldcg(pl + (size_t)p * o.total_rows));
-#pragma unroll
-        for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
-        const float sk = has_sinks ? sink_logits[orw % q_heads] : NEG_INF;
-        const float m2 = fmaxf(M, sk);
-        float L = 0.f;
-        if (m2 != NEG_INF) {
-            for (int p = lane; p < o.splits; p += 32) {
-                const float lp = __ldcg(pl + (size_t)p * o.total_rows);
-                if (lp != NEG_INF) L += __expf(lp - m2);
-            }
-        }
-#pragma unroll
-        for (int x = 16; x > 0; x >>= 1) L += __shfl_xor_sync(0xffffffffu, L, x);
-        if (has_sinks && m2 != NEG_INF) L += __expf(sk - m2);
-        if (lane == 0) {
-            s_max[r] = m2;
-            s_sum[r] = L;
-        }
-    }
-    __syncthreads();
     constexpr int Q4 = D / 4;
     for (int i = threadIdx.x; i < ROWS * Q4; i += blockDim.x) {
         const int r = i / Q4;
         const int d4 = i % Q4;
         const int orw = u.out_row(r, group, q_heads);
         if (orw < 0) continue;
-        const float m2 = s_max[r];
-        const float L = s_sum[r];
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (L > 0.f) {
-#pragma unroll 4
-            for (int p = 0; p < o.splits; p++) {
-                const size_t pr = (size_t)p * o.total_rows + orw;
-                const float lp = __ldcg(o.part_lse + pr);
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(o.part_out + pr * D) + d4);
-                const float w = lp == NEG_INF ? 0.f : __expf(lp - m2);
-                a.x += w * v.x;
-                a.y += w * v.y;
-                a.z += w * v.z;
-                a.w += w * v.w;
-            }
-        }
-        const float inv = L > 0.f ? 1.f / L : 0.f;
-        reinterpret_cast<float4*>(o.out + (size_t)orw * D)[d4] =
-            make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-        if (d4 == 0 && o.lse != nullptr) o.lse[orw] = L > 0.f ? m2 + logf(L) : NEG_INF;
+        const auto load = [&](int p, float& lp, float4& v) {
+            const size_t pr = (size_t)p * o.total_rows + orw;
+            lp = __ldcg(o.part_lse + pr);
+            v = __ldcg(reinterpret_cast<const float4*>(o.part_out + pr * D) + d4);
+        };
+        merge_dims(o.splits, load, has_sinks ? sink_logits[orw % q_heads] : NEG_INF,
+                   has_sinks, reinterpret_cast<float4*>(o.out + (size_t)orw * D) + d4,
+                   d4 == 0 && o.lse != nullptr ? o.lse + orw : nullptr);
     }
 }
 
 // The end of an attention CTA: the per-stream states in shared memory (accumulators
 // [NSTREAMS][ROWS][D], then maxima and sums [NSTREAMS][ROWS], base 2) are merged per row and
-// written out (see Outs).
-template <int D, int ROWS, int NSTREAMS>
-__device__ __forceinline__ void finish_rows(const float* __restrict__ smem, const Unit& u,
+// written out (see Outs). Each thread combines 4 consecutive dims of a row, finding the row's
+// stream weights itself (the threads of a row find the same). Returns whether this CTA is its
+// unit's last split and must merge the unit's partials (merge_unit); the answer is the same
+// for every thread of the CTA.
+template <int D, int ROWS, int NSTREAMS, bool TRACE>
+__device__ __forceinline__ bool finish_rows(const float* __restrict__ smem, const Unit& u,
                                             int group, int q_heads,
                                             const float* __restrict__ sink_logits,
-                                            int has_sinks, const Outs& o) {
+                                            int has_sinks, const Outs& o, Trace<TRACE>& tr) {
+    constexpr int Q4 = D / 4;
     const float* s_acc = smem;
     const float* s_m = s_acc + NSTREAMS * ROWS * D;
     const float* s_l = s_m + NSTREAMS * ROWS;
-    for (int i = threadIdx.x; i < ROWS * D; i += blockDim.x) {
-        const int r = i / D;
-        const int d = i % D;
+    for (int i = threadIdx.x; i < ROWS * Q4; i += blockDim.x) {
+        const int r = i / Q4;
+        const int d4 = i % Q4;
         const int orw = u.out_row(r, group, q_heads);
         if (orw < 0) continue;
         float M = NEG_INF;
+#pragma unroll
         for (int st = 0; st < NSTREAMS; st++) M = fmaxf(M, s_m[st * ROWS + r]);
-        float L = 0.f, A = 0.f;
-        if (M != NEG_INF) {
-            for (int st = 0; st < NSTREAMS; st++) {
-                const float w = exp2f(s_m[st * ROWS + r] - M);
-                L += w * s_l[st * ROWS + r];
-                A += w * s_acc[(st * ROWS + r) * D + d];
-            }
+        float L = 0.f;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int st = 0; st < NSTREAMS; st++) {
+            const float w = M == NEG_INF ? 0.f : exp2f(s_m[st * ROWS + r] - M);
+            L += w * s_l[st * ROWS + r];
+            const float4 x = reinterpret_cast<const float4*>(s_acc + (st * ROWS + r) * D)[d4];
+            a.x += w * x.x;
+            a.y += w * x.y;
+            a.z += w * x.z;
+            a.w += w * x.w;
         }
+        float f;
+        float* dst;
         if (o.splits > 1) {
             const size_t pr = (size_t)u.split * o.total_rows + orw;
-            o.part_out[pr * D + d] = L > 0.f ? A / L : 0.f;
-            if (d == 0) o.part_lse[pr] = L > 0.f ? (M + log2f(L)) * LN2 : NEG_INF;
+            f = L > 0.f ? 1.f / L : 0.f;
+            dst = o.part_out + pr * D;
+            if (d4 == 0) o.part_lse[pr] = L > 0.f ? (M + log2f(L)) * LN2 : NEG_INF;
         } else {
             float scale_acc = 1.f;
             float Mn = M * LN2;  // natural log from here
@@ -337,12 +361,15 @@ __device__ __forceinline__ void finish_rows(const float* __restrict__ smem, cons
                 L = L * scale_acc + __expf(sk - m2);
                 Mn = m2;
             }
-            o.out[(size_t)orw * D + d] = L > 0.f ? A * scale_acc / L : 0.f;
-            if (d == 0 && o.lse != nullptr) o.lse[orw] = L > 0.f ? Mn + logf(L) : NEG_INF;
+            f = L > 0.f ? scale_acc / L : 0.f;
+            dst = o.out + (size_t)orw * D;
+            if (d4 == 0 && o.lse != nullptr) o.lse[orw] = L > 0.f ? Mn + logf(L) : NEG_INF;
         }
+        reinterpret_cast<float4*>(dst)[d4] = make_float4(a.x * f, a.y * f, a.z * f, a.w * f);
     }
-    if (o.splits <= 1) return;
-    // Publish the partial, count this split in, and let the last one merge the unit.
+    tr.mark(7, 0u);
+    if (o.splits <= 1) return false;
+    // Publish the partial and count this split in; the last one merges the unit.
     __shared__ int last;
     __threadfence();
     __syncthreads();
@@ -351,9 +378,10 @@ __device__ __forceinline__ void finish_rows(const float* __restrict__ smem, cons
         if (last) o.counters[u.index()] = 0;
     }
     __syncthreads();
-    if (!last) return;
+    tr.mark(8, last);
+    if (!last) return false;
     __threadfence();
-    merge_unit<D, ROWS>(u, group, q_heads, sink_logits, has_sinks, o);
+    return true;
 }
 
 template <typename T, int D, int ROWS, int U, bool PIPE>
@@ -485,7 +513,9 @@ __device__ __forceinline__ void attn_core(
         }
     }
     __syncthreads();
-    finish_rows<D, ROWS, NSTREAMS>(smem, u, group, q_heads, sink_logits, has_sinks, o);
+    Trace<false> tr;
+    if (finish_rows<D, ROWS, NSTREAMS>(smem, u, group, q_heads, sink_logits, has_sinks, o, tr))
+        merge_unit<D, ROWS>(u, group, q_heads, sink_logits, has_sinks, o);
 }
 
 #define ATTN_KERNEL(NAME, T, D, ROWS, U, PIPE, MINB)                                            \
@@ -676,14 +706,15 @@ __device__ __forceinline__ void load_q_rows(const Unit& u, const T* __restrict__
     }
 }
 
-template <typename T, int D, int KT>
+template <typename T, int D, int KT, bool TRACE>
 __device__ __forceinline__ void attn_mma_core(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const i32* __restrict__ cu_q, const i32* __restrict__ kv_lens,
     const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks,
     i32 mode, const i32* __restrict__ sel_ids, const i32* __restrict__ sel_lens, i32 sel_max,
     i32 kv_heads, i32 group, i32 bs, float scale, i32 window, i32 sinks,
-    const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, const Outs& o) {
+    const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, const Outs& o,
+    Trace<TRACE>& tr) {
     static_assert(D % 64 == 0, "head dim a multiple of 64");
     constexpr int WARPS = 4;
     constexpr int ROWS = 8;
@@ -691,24 +722,17 @@ __device__ __forceinline__ void attn_mma_core(
     constexpr int VVEC = D / 64;  // 16-byte vectors of V per key and thread
     const int q_heads = kv_heads * group;
 
+    // The unit's metadata, the split's length and the first tiles' list entries are read at
+    // once, before anything waits for any of them (see Keys::slot_of).
     const Unit u(ROWS, cu_q, kv_lens, kv_heads);
-    if (u.empty(group)) return;
-
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-
-    uint4 qf[KVEC];
-    load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
-    // Positions of this thread's rows 2t and 2t + 1 (-1: padding).
-    const int rpos[2] = {u.pos(2 * t, group), u.pos(2 * t + 1, group)};
+    unsigned rounds = 0;
     const Keys<T, D> keys = u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks,
                                                   num_blocks, mode, sel_ids, sel_lens, sel_max,
                                                   kv_heads, bs, chunk, 0);
-
-    const float sl2 = scale * LOG2E;
-    WarpRows<T, D> st;
 
     // Each warp takes KT tiles of 16 keys per round: tile kt of warp w starts at round base +
     // (w * KT + kt) * 16. Keys g and g + 8 of a tile (K and the mask) are resolved one round
@@ -720,6 +744,18 @@ __device__ __forceinline__ void attn_mma_core(
 #pragma unroll
         for (int j = 0; j < 2; j++)
             kslot[kt][j] = keys.slot_of(keys.t0 + (warp * KT + kt) * 16 + g + 8 * j, kpos[kt][j]);
+    tr.mark(2, u.kv_len ^ keys.t1);
+    if (u.empty(group)) return;
+
+    uint4 qf[KVEC];
+    load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
+    // Positions of this thread's rows 2t and 2t + 1 (-1: padding).
+    const int rpos[2] = {u.pos(2 * t, group), u.pos(2 * t + 1, group)};
+    tr.mark(3, kslot[0][0]);
+
+    const float sl2 = scale * LOG2E;
+    WarpRows<T, D> st;
+
 #pragma unroll 1
     for (int base = keys.t0; base < keys.t1; base += ROUND) {
         uint4 kf[KT][2][KVEC], vf[KT][4][VVEC];
@@ -755,6 +791,8 @@ __device__ __forceinline__ void attn_mma_core(
             for (int j = 0; j < 2; j++)
                 nslot[kt][j] =
                     keys.slot_of(base + ROUND + (warp * KT + kt) * 16 + g + 8 * j, npos[kt][j]);
+        if (TRACE && rounds == 0) tr.mark(4, kf[0][0][0].x ^ vf[0][0][0].x);
+        rounds++;
 
 #pragma unroll
         for (int kt = 0; kt < KT; kt++) st.tile(qf, kf[kt], vf[kt], kpos[kt], rpos, sl2, window, sinks);
@@ -767,13 +805,19 @@ __device__ __forceinline__ void attn_mma_core(
             }
     }
 
+    tr.mark(5, __float_as_uint(st.acc[0][0]));
+
     extern __shared__ float smem[];
     st.store(smem, WARPS, warp, g, t);
     __syncthreads();
-    finish_rows<D, ROWS, WARPS>(smem, u, group, q_heads, sink_logits, has_sinks, o);
+    tr.mark(6, 0u);
+    const bool last =
+        finish_rows<D, ROWS, WARPS>(smem, u, group, q_heads, sink_logits, has_sinks, o, tr);
+    if (last) merge_unit<D, ROWS>(u, group, q_heads, sink_logits, has_sinks, o);
+    tr.finish(last, rounds);
 }
 
-#define ATTN_MMA_KERNEL(NAME, T, D, KT, MINB)                                                       \
+#define ATTN_MMA_KERNEL(NAME, T, D, KT, MINB, TRACE)                                           \
     extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                              \
         const T* q, const T* kc, const T* vc, const i32* cu_q, const i32* kv_lens,             \
         const i32* block_table, i32 max_blocks, i32 num_blocks, i32 mode, const i32* sel_ids,  \
@@ -781,22 +825,28 @@ __device__ __forceinline__ void attn_mma_core(
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
         i32 total_rows) {                                                                      \
+        Trace<TRACE> tr;                                                                       \
+        tr.mark(0, 0u);                                                                        \
         pdl_enter();                                                                           \
+        tr.mark(1, 0u);                                                                        \
         const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
                      total_rows};                                                              \
-        attn_mma_core<T, D, KT>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks, num_blocks,     \
-                            mode, sel_ids, sel_lens, sel_max, kv_heads, group, bs, scale,      \
-                            window, sinks, sink_logits, has_sinks, chunk, o);                  \
+        attn_mma_core<T, D, KT, TRACE>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,      \
+                                       num_blocks, mode, sel_ids, sel_lens, sel_max, kv_heads, \
+                                       group, bs, scale, window, sinks, sink_logits, has_sinks, \
+                                       chunk, o, tr);                                          \
     }
 
 // Tiles per warp and round, and the CTAs per multiprocessor the register budget allows (at
 // head dim 128, a budget of 4 spilled and measured slower than 3 on an H200).
-ATTN_MMA_KERNEL(attn_bf16_d64_tc, __nv_bfloat16, 64, 1, 4)
-ATTN_MMA_KERNEL(attn_bf16_d128_tc, __nv_bfloat16, 128, 1, 3)
-ATTN_MMA_KERNEL(attn_f16_d64_tc, __half, 64, 1, 4)
-ATTN_MMA_KERNEL(attn_f16_d128_tc, __half, 128, 1, 3)
+ATTN_MMA_KERNEL(attn_bf16_d64_tc, __nv_bfloat16, 64, 1, 4, false)
+ATTN_MMA_KERNEL(attn_bf16_d128_tc, __nv_bfloat16, 128, 1, 3, false)
+ATTN_MMA_KERNEL(attn_f16_d64_tc, __half, 64, 1, 4, false)
+ATTN_MMA_KERNEL(attn_f16_d128_tc, __half, 128, 1, 3, false)
 // For the bench's sweep: two tiles per warp in flight, 2 CTAs per multiprocessor.
-ATTN_MMA_KERNEL(attn_bf16_d128_tc2, __nv_bfloat16, 128, 2, 2)
+ATTN_MMA_KERNEL(attn_bf16_d128_tc2, __nv_bfloat16, 128, 2, 2, false)
+// For the bench's trace: the default kernel with per-CTA timestamps (kernels/trace.cuh).
+ATTN_MMA_KERNEL(attn_bf16_d128_tct, __nv_bfloat16, 128, 1, 3, true)
 
 // ---------------------------------------------------------------------------------------------
 // Merge of stacked partial results (Gpu::merge_attention): parts_out [n_parts, rows, D],

@@ -4,10 +4,12 @@
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Timing};
 use attn_op::{AttnError, AttnParams, BatchMeta, KvLayout, Selection};
 use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 
 use crate::Rng;
 use crate::report::{self, Row, random_bf16, table};
+use crate::trace;
 
 const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
@@ -41,8 +43,10 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
     let kv = DevicePagedKv::from_host(gpu, layout, &k, &v)?;
     drop((k, v));
     let params = AttnParams::new(Q_HEADS, D);
+
     let mut rng = Rng::new(7);
     let mut sweep = Vec::new();
+    let mut traces = Vec::new();
 
     // The acceptance shapes first (the ncu launch counts in run.sh assume it), then the
     // report's context sweep at batch 1 (dense and sparse only).
@@ -143,6 +147,10 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         if profile {
             continue;
         }
+        let shape = format!("B{b} L{}K", ctx / 1024);
+        for kind in [Kind::Dense, Kind::Sparse] {
+            traces.extend(step.trace(gpu, kind, &shape, &mut out, &mut lse)?);
+        }
         // The sweep: kernel variants and wave targets, then shorter and longer splits than
         // the default (128 keys at least: more or fewer CTAs, each walking fewer or more tiles,
         // with more or fewer partials to merge); defaults restored after.
@@ -179,6 +187,9 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
     for line in &sweep {
         println!("{line}");
     }
+    for t in &traces {
+        print!("{t}");
+    }
 
     print!("{}", table(&rows));
     if let Some(path) = json {
@@ -197,7 +208,42 @@ struct Step<'a> {
     sels: &'a [DeviceSelection],
 }
 
+/// Dense decode or sparse decode over a step's selections.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Dense,
+    Sparse,
+}
+
 impl Step<'_> {
+    /// Launches dense decode, or sparse decode over selection `i` (modulo their count).
+    fn launch(
+        &self,
+        g: &Gpu,
+        kind: Kind,
+        i: usize,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), AttnError> {
+        match kind {
+            Kind::Dense => {
+                g.paged_attention(self.q, self.kv, self.meta, self.params, out, Some(lse))
+            }
+            Kind::Sparse => {
+                let sel = &self.sels[i % self.sels.len()];
+                g.sparse_page_attention(
+                    self.q,
+                    self.kv,
+                    self.meta,
+                    sel,
+                    self.params,
+                    out,
+                    Some(lse),
+                )
+            }
+        }
+    }
+
     /// Median times of dense decode and of sparse decode (rotating the selections), in ms.
     fn time_pair(
         &self,
@@ -205,16 +251,58 @@ impl Step<'_> {
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(Timing, Timing), AttnError> {
-        let dense = time(g, || {
-            g.paged_attention(self.q, self.kv, self.meta, self.params, out, Some(lse))
-        })?;
+        let dense = time(g, || self.launch(g, Kind::Dense, 0, out, lse))?;
         let mut i = 0;
         let sparse = time(g, || {
             i += 1;
-            let sel = &self.sels[i % self.sels.len()];
-            g.sparse_page_attention(self.q, self.kv, self.meta, sel, self.params, out, Some(lse))
+            self.launch(g, Kind::Sparse, i, out, lse)
         })?;
         Ok((dense, sparse))
+    }
+
+    /// Reports of one launch of `kind` through the traced kernel: alone (after a wait for the
+    /// device), then right behind an untraced launch of the same work, as one layer's
+    /// attention follows another's.
+    fn trace(
+        &self,
+        gpu: &mut Gpu,
+        kind: Kind,
+        shape: &str,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<Vec<String>, AttnError> {
+        let mut reports = Vec::new();
+        for behind in [false, true] {
+            gpu.set_variant(None)?;
+            gpu.take_attn_trace()?;
+            let event = || {
+                gpu.context()
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(AttnError::from)
+            };
+            let (a, b) = (event()?, event()?);
+            if behind {
+                self.launch(gpu, kind, 1, out, lse)?;
+            }
+            gpu.set_variant(Some("tct"))?;
+            a.record(gpu.stream())?;
+            self.launch(gpu, kind, 2, out, lse)?;
+            b.record(gpu.stream())?;
+            b.synchronize()?;
+            let ms = f64::from(a.elapsed_ms(&b)?);
+            let records = gpu.take_attn_trace()?;
+            let name = format!(
+                "{kind:?} {shape}{}",
+                if behind {
+                    ", behind another launch"
+                } else {
+                    ", alone"
+                }
+            );
+            reports.push(trace::report(&name, &records, ms));
+        }
+        gpu.set_variant(None)?;
+        Ok(reports)
     }
 }
 

@@ -6,6 +6,8 @@
 //! - `gpu bench [--json FILE]`: device copy bandwidth, dense paged decode and sparse page-list
 //!   decode (bf16, 32 q / 8 KV heads, D 128, pages of 16), CUDA events, median of many runs.
 //!
+//!   It ends with per-CTA timelines of one dense and one sparse launch of each acceptance
+//!   shape through the traced kernel (`tct`).
 //! - `gpu profile`: the bench's main rows only, for `ncu`.
 //!
 //! Without a CUDA driver or device every command prints "skipped: no CUDA device" and exits 0:
@@ -20,6 +22,7 @@ mod bench;
 mod check;
 mod report;
 mod rng;
+mod trace;
 
 pub(crate) use rng::Rng;
 

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use half::{bf16, f16};
@@ -34,10 +34,23 @@ pub use launch::{KernelValue, Launch};
 pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection};
 pub use timing::{StageClock, Timing};
 
+/// CTAs whose records the traced attention kernel keeps (`TRACE_CTAS` in kernels/trace.cuh).
+pub const TRACE_CTAS: usize = 4096;
+/// Words of one CTA's trace record: [`TRACE_MARKS`] timestamps (ns of `%globaltimer`, 0 where a
+/// mark was not reached), then the SM id | merged << 16 | rounds << 20, then the SM cycles from
+/// the first mark to the last.
+pub const TRACE_WORDS: usize = TRACE_MARKS + 2;
+/// Timestamps of a trace record: entry, after the dependent-launch wait, the unit's metadata,
+/// the first slots, the first K and V, the end of the walk, the warps' states in shared
+/// memory, the split's partial or final rows written, the split counted (or the cluster's
+/// partials all in place), the end.
+pub const TRACE_MARKS: usize = 10;
+
 /// The CUDA C source of every kernel, embedded at build time.
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../../kernels/pdl.cuh"),
     include_str!("../../../../kernels/mma.cuh"),
+    include_str!("../../../../kernels/trace.cuh"),
     include_str!("../../../../kernels/attn.cu")
 );
 
@@ -138,7 +151,7 @@ struct AttnSpec {
 
 /// Every attention kernel. The first that applies to a launch is its default: tensor cores
 /// where they exist, else 4 or 8 rows per CTA on CUDA cores.
-const ATTN_SPECS: [AttnSpec; 7] = [
+const ATTN_SPECS: [AttnSpec; 8] = [
     AttnSpec {
         suffix: "tc",
         rows: 8,
@@ -159,6 +172,12 @@ const ATTN_SPECS: [AttnSpec; 7] = [
     },
     AttnSpec {
         suffix: "tc2",
+        rows: 8,
+        tensor_cores: true,
+        sweep_only: true,
+    },
+    AttnSpec {
+        suffix: "tct",
         rows: 8,
         tensor_cores: true,
         sweep_only: true,
@@ -233,6 +252,8 @@ pub(crate) struct Scratch {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The compiled attention module (for its `attn_trace` symbol).
+    module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
     attn: HashMap<AttnKey, AttnKernel>,
     /// One-element buffers passed where a kernel argument is unused.
@@ -322,6 +343,7 @@ impl Gpu {
             dummy_i32: stream.alloc_zeros(1)?,
             ctx,
             stream,
+            module,
             funcs,
             attn,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
@@ -343,6 +365,25 @@ impl Gpu {
     /// The device's name, as the driver reports it.
     pub fn name(&self) -> Result<String, AttnError> {
         Ok(self.ctx.name()?)
+    }
+
+    /// The per-CTA records written by launches of the traced attention kernel (variant `tct`,
+    /// see kernels/trace.cuh) since the last call: [`TRACE_WORDS`] words per CTA, in the
+    /// launch's linear CTA order, for the first [`TRACE_CTAS`] CTAs; all-zero records for CTAs
+    /// no launch ran. Synchronizes the stream, reads the records and zeroes them.
+    pub fn take_attn_trace(&self) -> Result<Vec<u64>, AttnError> {
+        self.stream.synchronize()?;
+        let mut view = self.module.get_global("attn_trace", &self.stream)?;
+        let n = TRACE_CTAS * TRACE_WORDS;
+        // SAFETY: `attn_trace` is declared in kernels/trace.cuh as `unsigned long long
+        // [TRACE_CTAS * TRACE_WORDS]`, so the symbol holds exactly n u64s.
+        let mut words = unsafe { view.transmute_mut::<u64>(n) }.ok_or_else(|| {
+            AttnError::Device("attn_trace is smaller than kernels/trace.cuh declares".to_owned())
+        })?;
+        let records = self.stream.clone_dtoh(&words)?;
+        self.stream.memset_zeros(&mut words)?;
+        self.stream.synchronize()?;
+        Ok(records)
     }
 
     /// Streaming multiprocessors of the device.
@@ -390,7 +431,8 @@ impl Gpu {
     /// cores, the default for f16 and bf16 at head dims 64 and 128), `r4` or `r8` (CUDA cores,
     /// 4 or 8 rows per CTA), or one of the CUDA-core variants built for bf16 at head dim 128
     /// only: `r4_u4` (four keys per stream and step), `r4_u4p` (the same, pipelined),
-    /// `r4_u1p` (one key, pipelined). `None` restores the defaults. A launch for which the
+    /// `r4_u1p` (one key, pipelined), `tct` (`tc` writing per-CTA timestamps, read by
+    /// [`Gpu::take_attn_trace`]). `None` restores the defaults. A launch for which the
     /// picked kernel is not built uses its default; unknown names are rejected.
     pub fn set_variant(&mut self, variant: Option<&'static str>) -> Result<(), AttnError> {
         if let Some(v) = variant
@@ -415,6 +457,7 @@ impl Gpu {
             dummy_i32: stream.alloc_zeros(1)?,
             ctx: Arc::clone(&self.ctx),
             stream,
+            module: Arc::clone(&self.module),
             funcs: self.funcs.clone(),
             attn: self.attn.clone(),
             sms: self.sms,
