@@ -43,7 +43,6 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
     let kv = DevicePagedKv::from_host(gpu, layout, &k, &v)?;
     drop((k, v));
     let params = AttnParams::new(Q_HEADS, D);
-
     let mut rng = Rng::new(7);
     let mut sweep = Vec::new();
     let mut traces = Vec::new();

@@ -13,8 +13,8 @@ const PHASES: [&str; TRACE_MARKS - 1] = [
     "the rest of the walk",
     "warps' states into shared memory",
     "rows combined, partial written",
-    "split counted / cluster barrier",
-    "merge (last split, or the cluster's)",
+    "split counted (fence, counter)",
+    "merge (the unit's last split only)",
 ];
 
 /// One CTA's record: its marks in ns (0: not reached), SM, merge flag and rounds.

@@ -42,8 +42,8 @@ pub const TRACE_CTAS: usize = 4096;
 pub const TRACE_WORDS: usize = TRACE_MARKS + 2;
 /// Timestamps of a trace record: entry, after the dependent-launch wait, the unit's metadata,
 /// the first slots, the first K and V, the end of the walk, the warps' states in shared
-/// memory, the split's partial or final rows written, the split counted (or the cluster's
-/// partials all in place), the end.
+/// memory, the split's partial or final rows written, the split counted, the end (after the
+/// merge where this CTA merged its unit).
 pub const TRACE_MARKS: usize = 10;
 
 /// The CUDA C source of every kernel, embedded at build time.
