@@ -271,10 +271,9 @@ fn attend_body<T: Element, const ISA: u8>(
             }
             #[cfg(target_arch = "x86_64")]
             if ISA == simd::AVX512_BF16 {
-                key_bits.clear();
-                key_bits.extend(
-                    toks.iter()
-                        .map(|&(_, slot)| kv.k_at(slot, h).as_ptr().cast::<u16>()),
+                bit_rows(
+                    &mut key_bits,
+                    toks.iter().map(|&(_, slot)| kv.k_at(slot, h)),
                 );
                 // Every token's dot products at once; masked ones are overwritten below.
                 // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
@@ -347,10 +346,9 @@ fn attend_body<T: Element, const ISA: u8>(
                 // The chunk's tokens that weigh anything, summed in registers.
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
-                    val_bits.clear();
-                    val_bits.extend(
-                        toks.iter()
-                            .map(|&(_, slot)| kv.v_at(slot, h).as_ptr().cast::<u16>()),
+                    bit_rows(
+                        &mut val_bits,
+                        toks.iter().map(|&(_, slot)| kv.v_at(slot, h)),
                     );
                     // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
                     // scores `group` rows of `C` (16), and every token of the chunk has a
@@ -507,6 +505,14 @@ fn job_rows<T: Element>(
         pos.push(seq.position(qi));
     }
     (qs, pos)
+}
+
+/// Refills `out` with the first element's address of each of `rows` (K or V rows of a chunk's
+/// tokens), as the bf16 bit patterns the dot-product build reads.
+#[cfg(target_arch = "x86_64")]
+fn bit_rows<'a, T: 'a>(out: &mut Vec<*const u16>, rows: impl Iterator<Item = &'a [T]>) {
+    out.clear();
+    out.extend(rows.map(|r| r.as_ptr().cast::<u16>()));
 }
 
 /// `runs` cut into chunks of [`CHUNK`] consecutive tokens of the list, each run numbered with
