@@ -112,13 +112,14 @@ impl Group {
         bs: u32,
         primary: u32,
         secondary: u32,
+        eager_hashes: bool,
     ) -> Self {
         Group {
             id,
             window,
             bs,
             pools: [Pool::new(primary), Pool::new(secondary)],
-            tree: Tree::new(bs),
+            tree: Tree::new(bs, eager_hashes),
             expiry: BinaryHeap::new(),
         }
     }
@@ -223,17 +224,15 @@ impl Group {
             order.push(n);
             let mut i = 0;
             while i < order.len() {
-                order.extend_from_slice(&self.tree.node(order[i]).children);
+                order.extend_from_slice(self.tree.node(order[i]).children.as_slice());
                 i += 1;
             }
         }
         let single = [n];
         let order: &[u32] = if order.is_empty() { &single } else { &order };
         for &d in order.iter().rev() {
-            let (loc, hash) = {
-                let node = self.tree.node(d);
-                (node.loc, node.hash)
-            };
+            let loc = self.tree.node(d).loc;
+            let hash = sh.events.enabled().then(|| self.tree.hash(d));
             self.tree.remove(d);
             let pool = &mut self.pools[loc.tier.index()];
             let b = loc.block.0;
@@ -243,11 +242,13 @@ impl Group {
                 pool.push_free(b);
             }
             sh.stats.evicted += 1;
-            sh.events.push(KvEvent::Removed {
-                group: self.id,
-                hash: BlockHash(hash),
-                tier: loc.tier,
-            });
+            if let Some(hash) = hash {
+                sh.events.push(KvEvent::Removed {
+                    group: self.id,
+                    hash: BlockHash(hash),
+                    tier: loc.tier,
+                });
+            }
         }
         self.refresh_parent(top_parent);
     }
@@ -289,7 +290,7 @@ impl Group {
         if sh.events.enabled() {
             sh.events.push(KvEvent::TierChanged {
                 group: self.id,
-                hash: BlockHash(self.tree.node(n).hash),
+                hash: BlockHash(self.tree.hash(n)),
                 from: src.tier,
                 to: dst.tier,
             });
@@ -337,7 +338,7 @@ impl Group {
             if sh.events.enabled() {
                 sh.events.push(KvEvent::Updated {
                     group: self.id,
-                    hash: BlockHash(self.tree.node(n).hash),
+                    hash: BlockHash(self.tree.hash(n)),
                     priority,
                 });
             }
@@ -634,7 +635,7 @@ impl Group {
                         let parent_hash = self.tree.parent_hash(parent).map(BlockHash);
                         sh.events.push(KvEvent::Stored {
                             group: self.id,
-                            hash: BlockHash(self.tree.node(n).hash),
+                            hash: BlockHash(self.tree.hash(n)),
                             parent: parent_hash,
                             tier: info.tier,
                             priority: prio,
@@ -856,7 +857,7 @@ impl Group {
                 return Err(format!("group {g}: node {n} is not owned by its block"));
             }
             let mut counts = [0u32; 2];
-            for &c in &node.children {
+            for &c in node.children.as_slice() {
                 let child = self.tree.node(c);
                 if !child.alive || child.parent != Parent::Node(n) {
                     return Err(format!("group {g}: node {n} lists a stale child {c}"));

@@ -181,7 +181,14 @@ impl KvCacheManager {
                     primary_blocks: g.primary_blocks,
                     secondary_blocks: g.secondary_blocks,
                 });
-                Group::new(id, g.window, bs, g.primary_blocks, g.secondary_blocks)
+                Group::new(
+                    id,
+                    g.window,
+                    bs,
+                    g.primary_blocks,
+                    g.secondary_blocks,
+                    events.enabled(),
+                )
             })
             .collect();
         let shared = Shared {
@@ -640,7 +647,7 @@ impl KvCacheManager {
         let node = g.tree.node(n);
         let (key, index) = g.tree.root_key_of(n);
         Ok(Some(CachedBlock {
-            hash: BlockHash(node.hash),
+            hash: BlockHash(g.tree.hash(n)),
             tokens: g.tree.tokens(n).to_vec(),
             index,
             salt: key.salt.clone(),

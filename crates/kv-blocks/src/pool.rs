@@ -17,8 +17,53 @@ pub(crate) struct Pool {
     pub(crate) node: Vec<u32>,
     evict_key: Vec<Option<EvictKey>>,
     free: Vec<u32>,
-    evictable: BTreeSet<(u8, u64, u32)>,
+    evictable: Evictable,
     used: u32,
+}
+
+/// The evictable blocks as (priority, last use, block), smallest first: an ordered set plus its
+/// smallest member held outside it. Evicting a chain's leaf makes its parent the next leaf, and
+/// the parent, used just after the leaf, usually precedes every other member: it then takes
+/// the front without touching the tree, and evicting it reads the front back the same way.
+#[derive(Debug, Default)]
+struct Evictable {
+    /// Smaller than every member of `rest` when set.
+    front: Option<(u8, u64, u32)>,
+    rest: BTreeSet<(u8, u64, u32)>,
+}
+
+impl Evictable {
+    fn len(&self) -> usize {
+        self.rest.len() + usize::from(self.front.is_some())
+    }
+
+    fn first(&self) -> Option<&(u8, u64, u32)> {
+        self.front.as_ref().or_else(|| self.rest.first())
+    }
+
+    fn insert(&mut self, e: (u8, u64, u32)) {
+        match self.front {
+            Some(f) if e < f => {
+                self.rest.insert(f);
+                self.front = Some(e);
+            }
+            Some(_) => {
+                self.rest.insert(e);
+            }
+            None if self.rest.first().is_none_or(|&m| e < m) => self.front = Some(e),
+            None => {
+                self.rest.insert(e);
+            }
+        }
+    }
+
+    fn remove(&mut self, e: &(u8, u64, u32)) {
+        if self.front.as_ref() == Some(e) {
+            self.front = None;
+        } else {
+            self.rest.remove(e);
+        }
+    }
 }
 
 impl Pool {
@@ -30,7 +75,7 @@ impl Pool {
             evict_key: vec![None; n],
             // Reversed so that the lowest ids are handed out first.
             free: (0..capacity).rev().collect(),
-            evictable: BTreeSet::new(),
+            evictable: Evictable::default(),
             used: 0,
         }
     }

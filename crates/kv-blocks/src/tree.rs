@@ -1,6 +1,12 @@
-//! The radix tree of reusable full blocks, one node per block, keyed by the block's tokens under
-//! its parent. Tokens live in one arena (`tokens_per_block` slots per node), so storing a block
-//! is a copy into place and a hash-map insert.
+//! The radix tree of reusable full blocks, one node per block under its parent. Tokens live in one
+//! arena (`tokens_per_block` slots per node), so storing a block is a copy into place.
+//!
+//! A node's children are found through a hash index keyed by (parent, tokens), except where a
+//! node has exactly one child that was never indexed: a chain. Storing a request's prompt makes
+//! a chain, and a chain costs no hashing: the next block is found by comparing tokens with the
+//! only child. The index takes a child when its parent gains a second one, and every child of
+//! a root. Chained content hashes (for events and [`crate::CachedBlock`]) are kept on the nodes
+//! when the manager reports events, and computed on demand otherwise.
 
 use std::hash::{Hash, Hasher};
 
@@ -32,13 +38,59 @@ impl Parent {
     }
 }
 
+/// A node's or a root's children: none and one are kept inline, so a chain allocates nothing.
+#[derive(Debug, Default)]
+pub(crate) enum Kids {
+    #[default]
+    None,
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl Kids {
+    pub(crate) fn as_slice(&self) -> &[u32] {
+        match self {
+            Kids::None => &[],
+            Kids::One(c) => std::slice::from_ref(c),
+            Kids::Many(v) => v,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+
+    fn push(&mut self, c: u32) {
+        *self = match std::mem::take(self) {
+            Kids::None => Kids::One(c),
+            Kids::One(a) => Kids::Many(vec![a, c]),
+            Kids::Many(mut v) => {
+                v.push(c);
+                Kids::Many(v)
+            }
+        };
+    }
+
+    fn remove(&mut self, c: u32) {
+        match self {
+            Kids::One(a) if *a == c => *self = Kids::None,
+            Kids::Many(v) => v.retain(|&x| x != c),
+            _ => {}
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Node {
     pub(crate) parent: Parent,
     pub(crate) loc: BlockLoc,
-    pub(crate) hash: u64,
+    /// The chained content hash when the tree keeps them (events on), else 0.
+    hash: u64,
+    /// The hash of the node's tokens, valid when `indexed`.
     token_hash: u64,
-    pub(crate) children: Vec<u32>,
+    /// Whether the node is in the hash index (else it is its parent's only child).
+    indexed: bool,
+    pub(crate) children: Kids,
     /// Children resident in each tier.
     pub(crate) children_in: [u32; 2],
     pub(crate) priority: Priority,
@@ -54,7 +106,7 @@ pub(crate) struct Node {
 struct Root {
     key: RootKey,
     hash: u64,
-    children: Vec<u32>,
+    children: Kids,
 }
 
 /// The outcome of [`Tree::insert`].
@@ -69,6 +121,8 @@ pub(crate) enum Insert {
 
 pub(crate) struct Tree {
     bs: usize,
+    /// Whether every node keeps its chained hash (`Node::hash`).
+    eager_hashes: bool,
     pub(crate) nodes: Vec<Node>,
     tokens: Vec<u32>,
     free_nodes: Vec<u32>,
@@ -94,9 +148,12 @@ fn chain(parent: u64, token_hash: u64) -> u64 {
 }
 
 impl Tree {
-    pub(crate) fn new(tokens_per_block: u32) -> Self {
+    /// A tree of blocks of `tokens_per_block` tokens; `eager_hashes` keeps every node's chained
+    /// hash up to date as it is stored (for events) instead of computing it when asked.
+    pub(crate) fn new(tokens_per_block: u32, eager_hashes: bool) -> Self {
         Tree {
             bs: tokens_per_block as usize,
+            eager_hashes,
             nodes: Vec::new(),
             tokens: Vec::new(),
             free_nodes: Vec::new(),
@@ -120,7 +177,7 @@ impl Tree {
         let root = Root {
             key: key.clone(),
             hash: h.finish(),
-            children: Vec::new(),
+            children: Kids::None,
         };
         let r = match self.free_roots.pop() {
             Some(r) => {
@@ -150,42 +207,90 @@ impl Tree {
     }
 
     /// The key of the root a node descends from, and the node's depth (0 for a first block).
-    pub(crate) fn root_key_of(&self, mut n: u32) -> (&RootKey, u32) {
-        let depth = self.node(n).depth;
+    pub(crate) fn root_key_of(&self, n: u32) -> (&RootKey, u32) {
+        let r = self.root_of(n);
+        let root = self.roots[r as usize]
+            .as_ref()
+            .expect("invariant: a live node's root is live");
+        (&root.key, self.node(n).depth)
+    }
+
+    fn root_of(&self, mut n: u32) -> u32 {
         loop {
             match self.node(n).parent {
                 Parent::Node(p) => n = p,
-                Parent::Root(r) => {
-                    let root = self.roots[r as usize]
-                        .as_ref()
-                        .expect("invariant: a live node's root is live");
-                    return (&root.key, depth);
-                }
+                Parent::Root(r) => return r,
             }
+        }
+    }
+
+    fn root_hash(&self, r: u32) -> u64 {
+        self.roots[r as usize].as_ref().map_or(0, |root| root.hash)
+    }
+
+    /// The chained content hash of node `n`: the root's hash, then each block's tokens from the
+    /// first block down to `n`.
+    pub(crate) fn hash(&self, n: u32) -> u64 {
+        if self.eager_hashes {
+            return self.node(n).hash;
+        }
+        let mut path = vec![n];
+        let r = loop {
+            match self.node(*path.last().expect("starts non-empty")).parent {
+                Parent::Node(p) => path.push(p),
+                Parent::Root(r) => break r,
+            }
+        };
+        path.iter().rev().fold(self.root_hash(r), |h, &m| {
+            chain(h, hash_tokens(self.tokens(m)))
+        })
+    }
+
+    /// The chained hash of a parent: `None` for a root.
+    pub(crate) fn parent_hash(&self, parent: Parent) -> Option<u64> {
+        match parent {
+            Parent::Node(n) => Some(self.hash(n)),
+            Parent::Root(_) => None,
         }
     }
 
     pub(crate) fn children(&self, parent: Parent) -> &[u32] {
         match parent {
-            Parent::Node(n) => &self.node(n).children,
+            Parent::Node(n) => self.node(n).children.as_slice(),
             Parent::Root(r) => self.roots[r as usize]
                 .as_ref()
-                .map_or(&[], |root| &root.children),
+                .map_or(&[], |root| root.children.as_slice()),
+        }
+    }
+
+    /// The parent's only child, when it was never indexed (a chain link).
+    fn chain_child(&self, parent: Parent) -> Option<u32> {
+        match self.children(parent) {
+            &[c] if !self.node(c).indexed => Some(c),
+            _ => None,
         }
     }
 
     /// The child of `parent` holding exactly `tokens` (a full block).
     pub(crate) fn lookup(&self, parent: Parent, tokens: &[u32]) -> Option<u32> {
+        if let Some(c) = self.chain_child(parent) {
+            return (self.tokens(c) == tokens).then_some(c);
+        }
         let n = *self.index.get(&(parent.code(), hash_tokens(tokens)))?;
         (self.tokens(n) == tokens).then_some(n)
     }
 
-    /// The parent's hash: chained hashes start from the root's.
-    pub(crate) fn parent_hash(&self, parent: Parent) -> Option<u64> {
-        match parent {
-            Parent::Node(n) => Some(self.node(n).hash),
-            Parent::Root(_) => None,
+    /// Puts node `n` into the hash index; false if another node holds its key.
+    fn index_node(&mut self, n: u32) -> bool {
+        let key = (self.node(n).parent.code(), hash_tokens(self.tokens(n)));
+        if self.index.contains_key(&key) {
+            return false;
         }
+        self.index.insert(key, n);
+        let node = self.node_mut(n);
+        node.token_hash = key.1;
+        node.indexed = true;
+        true
     }
 
     /// Stores a full block under `parent`.
@@ -198,28 +303,48 @@ impl Tree {
         last_used: u64,
     ) -> Insert {
         debug_assert_eq!(tokens.len(), self.bs);
-        let token_hash = hash_tokens(tokens);
-        let key = (parent.code(), token_hash);
-        if let Some(&n) = self.index.get(&key) {
-            return if self.tokens(n) == tokens {
-                Insert::Existing(n)
-            } else {
-                Insert::Collision
-            };
+        // A first child of a node starts a chain and is not indexed. Any other child is, and an
+        // unindexed only child is indexed as its parent gains a second one.
+        let first_of_node = matches!(parent, Parent::Node(_)) && self.children(parent).is_empty();
+        let mut token_hash = 0;
+        if !first_of_node {
+            if let Some(c) = self.chain_child(parent) {
+                if self.tokens(c) == tokens {
+                    return Insert::Existing(c);
+                }
+                let indexed = self.index_node(c);
+                debug_assert!(indexed, "an unindexed child's key is free in the index");
+            }
+            token_hash = hash_tokens(tokens);
+            if let Some(&n) = self.index.get(&(parent.code(), token_hash)) {
+                return if self.tokens(n) == tokens {
+                    Insert::Existing(n)
+                } else {
+                    Insert::Collision
+                };
+            }
         }
         let (parent_hash, depth) = match parent {
             Parent::Node(p) => (self.node(p).hash, self.node(p).depth + 1),
-            Parent::Root(r) => (
-                self.roots[r as usize].as_ref().map_or(0, |root| root.hash),
-                0,
-            ),
+            Parent::Root(r) => (self.root_hash(r), 0),
+        };
+        let hash = if self.eager_hashes {
+            let th = if first_of_node {
+                hash_tokens(tokens)
+            } else {
+                token_hash
+            };
+            chain(parent_hash, th)
+        } else {
+            0
         };
         let node = Node {
             parent,
             loc,
-            hash: chain(parent_hash, token_hash),
+            hash,
             token_hash,
-            children: Vec::new(),
+            indexed: !first_of_node,
+            children: Kids::None,
             children_in: [0, 0],
             priority,
             prio_gen: 0,
@@ -242,7 +367,9 @@ impl Tree {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.index.insert(key, n);
+        if !first_of_node {
+            self.index.insert((parent.code(), token_hash), n);
+        }
         match parent {
             Parent::Node(p) => {
                 let pn = self.node_mut(p);
@@ -271,21 +398,23 @@ impl Tree {
     /// Removes a childless node; its slot is reused later. Roots left without children go too.
     pub(crate) fn remove(&mut self, n: u32) {
         debug_assert!(self.node(n).children.is_empty());
-        let (parent, token_hash, tier) = {
+        let (parent, token_hash, indexed, tier) = {
             let node = self.node(n);
-            (node.parent, node.token_hash, node.loc.tier)
+            (node.parent, node.token_hash, node.indexed, node.loc.tier)
         };
-        self.index.remove(&(parent.code(), token_hash));
+        if indexed {
+            self.index.remove(&(parent.code(), token_hash));
+        }
         match parent {
             Parent::Node(p) => {
                 let pn = self.node_mut(p);
-                pn.children.retain(|&c| c != n);
+                pn.children.remove(n);
                 pn.children_in[tier.index()] -= 1;
             }
             Parent::Root(r) => {
                 let empty = match self.roots[r as usize].as_mut() {
                     Some(root) => {
-                        root.children.retain(|&c| c != n);
+                        root.children.remove(n);
                         root.children.is_empty()
                     }
                     None => false,
@@ -298,6 +427,7 @@ impl Tree {
         }
         let node = self.node_mut(n);
         node.alive = false;
+        node.indexed = false;
         node.generation = node.generation.wrapping_add(1);
         node.children_in = [0, 0];
         self.free_nodes.push(n);

@@ -103,8 +103,15 @@ fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
     let clock = ManualClock::new();
     let mut kv = KvCacheManager::with_clock(config(copy_on_partial_reuse), Arc::new(clock.clone()))
         .expect("valid config");
+    // The same operations without events: the tree then computes block hashes on demand
+    // instead of keeping them, and everything observable must stay the same.
+    let mut quiet_cfg = config(copy_on_partial_reuse);
+    quiet_cfg.event_capacity = 0;
+    let mut quiet =
+        KvCacheManager::with_clock(quiet_cfg, Arc::new(clock.clone())).expect("valid config");
     let mut live: BTreeMap<u8, Model> = BTreeMap::new();
     for (step, op) in ops.iter().enumerate() {
+        let quiet_result = apply(&mut quiet, op, &live);
         let result: Result<(), KvError> = match *op {
             Op::Add {
                 id,
@@ -207,15 +214,28 @@ fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
             );
             prop_assert!(expected, "step {step} {op:?}: unexpected error {e}");
         }
-        check(&mut kv, &live)
+        prop_assert_eq!(
+            result.as_ref().err(),
+            quiet_result.as_ref().err(),
+            "step {} {:?}: with and without events",
+            step,
+            op
+        );
+        let transfers = check(&mut kv, &live)
+            .map_err(|e| TestCaseError::fail(format!("step {step} {op:?}: {e}")))?;
+        same(&kv, &mut quiet, &live, &transfers)
             .map_err(|e| TestCaseError::fail(format!("step {step} {op:?}: {e}")))?;
     }
     // Releasing everything returns every block to free or cached.
     for id in live.keys() {
         kv.release(RequestId((*id).into()))
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        quiet
+            .release(RequestId((*id).into()))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
     }
-    check(&mut kv, &BTreeMap::new()).map_err(TestCaseError::fail)?;
+    let transfers = check(&mut kv, &BTreeMap::new()).map_err(TestCaseError::fail)?;
+    same(&kv, &mut quiet, &BTreeMap::new(), &transfers).map_err(TestCaseError::fail)?;
     for g in 0..kv.num_groups() {
         for tier in Tier::ALL {
             let u = kv.usage(GroupId(g), tier).expect("valid group");
@@ -227,7 +247,112 @@ fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
 }
 
 /// The invariants, checked from outside through the public API and inside through `audit`.
-fn check(kv: &mut KvCacheManager, live: &BTreeMap<u8, Model>) -> Result<(), String> {
+/// Applies `op` to `kv` as `run` does, without its checks (for the manager without events).
+fn apply(kv: &mut KvCacheManager, op: &Op, live: &BTreeMap<u8, Model>) -> Result<(), KvError> {
+    match *op {
+        Op::Add {
+            id,
+            base,
+            len,
+            tail,
+            salt,
+            host,
+            priority,
+            timed,
+        } => {
+            let retention = RetentionPolicy {
+                ranges: vec![TokenRangeRetention {
+                    start: 0,
+                    end: Some(u32::from(len) / 2),
+                    priority: Priority::new(priority).expect("0..=100"),
+                    duration: timed.then_some(Duration::from_millis(1500)),
+                }],
+                ..RetentionPolicy::default()
+            };
+            let tier = if host { Tier::Secondary } else { Tier::Primary };
+            let mut spec = RequestSpec::new(RequestId(id.into()), prompt(base, len, tail, id))
+                .with_retention(retention)
+                .in_tier(tier);
+            spec.salt = SALTS[salt as usize].map(str::to_owned);
+            kv.add_request(spec).map(drop)
+        }
+        Op::Append { id, token, count } => {
+            let new: Vec<u32> = (0..u32::from(count))
+                .map(|i| u32::from(token) * 7 + i + 1)
+                .collect();
+            kv.append_tokens(RequestId(id.into()), &new)
+        }
+        Op::Commit { id, fraction } => {
+            let n = live
+                .get(&id)
+                .map_or(1, |m| m.tokens.len() as u32 * u32::from(fraction) / 4);
+            kv.commit_computed(RequestId(id.into()), n)
+        }
+        Op::Truncate { id, keep } => kv.truncate(RequestId(id.into()), u32::from(keep)),
+        Op::Release { id } => kv.release(RequestId(id.into())).map(drop),
+        Op::Evict { group, host, count } => {
+            let tier = if host { Tier::Secondary } else { Tier::Primary };
+            kv.evict(GroupId(group.into()), tier, count.into())
+                .map(drop)
+        }
+        Op::Advance { .. } => Ok(()),
+    }
+}
+
+/// The manager without events (`quiet`) agrees with `kv` on everything observable: statistics,
+/// pool usage, block tables, the transfers (`kv`'s, as `check` took them) and every cached
+/// block of a live table, its hash included.
+fn same(
+    kv: &KvCacheManager,
+    quiet: &mut KvCacheManager,
+    live: &BTreeMap<u8, Model>,
+    transfers: &[kv_blocks::Transfer],
+) -> Result<(), String> {
+    quiet.audit()?;
+    if kv.stats() != quiet.stats() {
+        return Err(format!(
+            "stats {:?} against {:?}",
+            kv.stats(),
+            quiet.stats()
+        ));
+    }
+    if transfers != quiet.take_transfers() {
+        return Err("transfers differ with and without events".to_owned());
+    }
+    for g in 0..kv.num_groups() {
+        let group = GroupId(g);
+        for tier in Tier::ALL {
+            if kv.usage(group, tier).ok() != quiet.usage(group, tier).ok() {
+                return Err(format!("group {g} {tier:?}: usage differs"));
+            }
+        }
+        for &id in live.keys() {
+            let rid = RequestId(id.into());
+            let table = kv.block_table(rid, group).map_err(|e| e.to_string())?;
+            if quiet.block_table(rid, group).ok() != Some(table) {
+                return Err(format!("request {id} group {g}: block tables differ"));
+            }
+            let tier = kv.request_tier(rid).map_err(|e| e.to_string())?;
+            for block in table.iter().flatten() {
+                let loc = kv_blocks::BlockLoc {
+                    tier,
+                    block: *block,
+                };
+                if kv.cached_block(group, loc).ok() != quiet.cached_block(group, loc).ok() {
+                    return Err(format!(
+                        "request {id} group {g} block {block}: cached blocks differ"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check(
+    kv: &mut KvCacheManager,
+    live: &BTreeMap<u8, Model>,
+) -> Result<Vec<kv_blocks::Transfer>, String> {
     // Pool accounting, tree links, evictable sets, refcount == tables holding the block.
     kv.audit()?;
     for g in 0..kv.num_groups() {
@@ -272,7 +397,8 @@ fn check(kv: &mut KvCacheManager, live: &BTreeMap<u8, Model>) -> Result<(), Stri
             }
         }
     }
-    for t in kv.take_transfers() {
+    let transfers = kv.take_transfers();
+    for t in &transfers {
         for loc in [t.src, t.dst] {
             kv.refcount(t.group, loc)
                 .map_err(|e| format!("transfer {t:?}: {e}"))?;
@@ -285,7 +411,7 @@ fn check(kv: &mut KvCacheManager, live: &BTreeMap<u8, Model>) -> Result<(), Stri
     if batch.events.len() > 64 {
         return Err("event buffer exceeded its capacity".to_owned());
     }
-    Ok(())
+    Ok(transfers)
 }
 
 /// 192 cases by default (a few seconds in debug builds); `PROPTEST_CASES` raises it for soak runs.
