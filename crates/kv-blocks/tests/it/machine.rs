@@ -113,32 +113,9 @@ fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
     for (step, op) in ops.iter().enumerate() {
         let quiet_result = apply(&mut quiet, op, &live);
         let result: Result<(), KvError> = match *op {
-            Op::Add {
-                id,
-                base,
-                len,
-                tail,
-                salt,
-                host,
-                priority,
-                timed,
-            } => {
-                let tokens = prompt(base, len, tail, id);
-                let salt = SALTS[salt as usize].map(str::to_owned);
-                let tier = if host { Tier::Secondary } else { Tier::Primary };
-                let retention = RetentionPolicy {
-                    ranges: vec![TokenRangeRetention {
-                        start: 0,
-                        end: Some(u32::from(len) / 2),
-                        priority: Priority::new(priority).expect("0..=100"),
-                        duration: timed.then_some(Duration::from_millis(1500)),
-                    }],
-                    ..RetentionPolicy::default()
-                };
-                let mut spec = RequestSpec::new(RequestId(id.into()), tokens.clone())
-                    .with_retention(retention)
-                    .in_tier(tier);
-                spec.salt = salt.clone();
+            Op::Add { id, .. } => {
+                let spec = add_spec(op).expect("invariant: matched as an Add");
+                let (tokens, salt, tier) = (spec.tokens.clone(), spec.salt.clone(), spec.tier);
                 let r = kv.add_request(spec);
                 match (&r, live.contains_key(&id)) {
                     (Ok(out), false) => {
@@ -160,9 +137,7 @@ fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
                 r.map(drop)
             }
             Op::Append { id, token, count } => {
-                let new: Vec<u32> = (0..u32::from(count))
-                    .map(|i| u32::from(token) * 7 + i + 1)
-                    .collect();
+                let new = appended(token, count);
                 let r = kv.append_tokens(RequestId(id.into()), &new);
                 if r.is_ok() {
                     live.get_mut(&id)
@@ -247,39 +222,55 @@ fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
 }
 
 /// The invariants, checked from outside through the public API and inside through `audit`.
+/// The tokens an [`Op::Append`] appends.
+fn appended(token: u8, count: u8) -> Vec<u32> {
+    (0..u32::from(count))
+        .map(|i| u32::from(token) * 7 + i + 1)
+        .collect()
+}
+
+/// The request an [`Op::Add`] adds (`None` for other operations): its prompt, salt, tier, and a
+/// retention giving the first half of the base prompt its priority, for a while when `timed`.
+fn add_spec(op: &Op) -> Option<RequestSpec> {
+    let Op::Add {
+        id,
+        base,
+        len,
+        tail,
+        salt,
+        host,
+        priority,
+        timed,
+    } = *op
+    else {
+        return None;
+    };
+    let retention = RetentionPolicy {
+        ranges: vec![TokenRangeRetention {
+            start: 0,
+            end: Some(u32::from(len) / 2),
+            priority: Priority::new(priority).expect("0..=100"),
+            duration: timed.then_some(Duration::from_millis(1500)),
+        }],
+        ..RetentionPolicy::default()
+    };
+    let tier = if host { Tier::Secondary } else { Tier::Primary };
+    let mut spec = RequestSpec::new(RequestId(id.into()), prompt(base, len, tail, id))
+        .with_retention(retention)
+        .in_tier(tier);
+    spec.salt = SALTS[salt as usize].map(str::to_owned);
+    Some(spec)
+}
+
 /// Applies `op` to `kv` as `run` does, without its checks (for the manager without events).
 fn apply(kv: &mut KvCacheManager, op: &Op, live: &BTreeMap<u8, Model>) -> Result<(), KvError> {
     match *op {
-        Op::Add {
-            id,
-            base,
-            len,
-            tail,
-            salt,
-            host,
-            priority,
-            timed,
-        } => {
-            let retention = RetentionPolicy {
-                ranges: vec![TokenRangeRetention {
-                    start: 0,
-                    end: Some(u32::from(len) / 2),
-                    priority: Priority::new(priority).expect("0..=100"),
-                    duration: timed.then_some(Duration::from_millis(1500)),
-                }],
-                ..RetentionPolicy::default()
-            };
-            let tier = if host { Tier::Secondary } else { Tier::Primary };
-            let mut spec = RequestSpec::new(RequestId(id.into()), prompt(base, len, tail, id))
-                .with_retention(retention)
-                .in_tier(tier);
-            spec.salt = SALTS[salt as usize].map(str::to_owned);
+        Op::Add { .. } => {
+            let spec = add_spec(op).expect("invariant: matched as an Add");
             kv.add_request(spec).map(drop)
         }
         Op::Append { id, token, count } => {
-            let new: Vec<u32> = (0..u32::from(count))
-                .map(|i| u32::from(token) * 7 + i + 1)
-                .collect();
+            let new = appended(token, count);
             kv.append_tokens(RequestId(id.into()), &new)
         }
         Op::Commit { id, fraction } => {
