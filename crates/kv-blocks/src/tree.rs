@@ -215,13 +215,24 @@ impl Tree {
         (&root.key, self.node(n).depth)
     }
 
-    fn root_of(&self, mut n: u32) -> u32 {
-        loop {
-            match self.node(n).parent {
-                Parent::Node(p) => n = p,
-                Parent::Root(r) => return r,
-            }
+    /// Node `n`, its parent, and so on up to a first block.
+    fn up(&self, n: u32) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(Some(n), |&m| match self.node(m).parent {
+            Parent::Node(p) => Some(p),
+            Parent::Root(_) => None,
+        })
+    }
+
+    /// The root of the first block `top`, the last node of [`up`](Self::up).
+    fn root_above(&self, top: u32) -> u32 {
+        match self.node(top).parent {
+            Parent::Root(r) => r,
+            Parent::Node(_) => unreachable!("invariant: `up` ends at a first block"),
         }
+    }
+
+    fn root_of(&self, n: u32) -> u32 {
+        self.root_above(self.up(n).last().expect("invariant: `up` yields n first"))
     }
 
     fn root_hash(&self, r: u32) -> u64 {
@@ -234,16 +245,13 @@ impl Tree {
         if self.eager_hashes {
             return self.node(n).hash;
         }
-        let mut path = vec![n];
-        let r = loop {
-            match self.node(*path.last().expect("starts non-empty")).parent {
-                Parent::Node(p) => path.push(p),
-                Parent::Root(r) => break r,
-            }
-        };
-        path.iter().rev().fold(self.root_hash(r), |h, &m| {
-            chain(h, hash_tokens(self.tokens(m)))
-        })
+        let path: Vec<u32> = self.up(n).collect();
+        let top = *path.last().expect("invariant: `up` yields n first");
+        path.iter()
+            .rev()
+            .fold(self.root_hash(self.root_above(top)), |h, &m| {
+                chain(h, hash_tokens(self.tokens(m)))
+            })
     }
 
     /// The chained hash of a parent: `None` for a root.
