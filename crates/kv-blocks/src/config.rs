@@ -159,6 +159,15 @@ impl RetentionPolicy {
         }
         best.unwrap_or((Priority::DEFAULT, None))
     }
+
+    /// The priority every block gets when it is the same for all of them and never reverts:
+    /// no token ranges, a decode priority equal to the default, and no duration.
+    pub(crate) fn uniform(&self) -> Option<Priority> {
+        (self.ranges.is_empty()
+            && self.decode_priority == Priority::DEFAULT
+            && self.decode_duration.is_none())
+        .then_some(Priority::DEFAULT)
+    }
 }
 
 /// A request to add: its prompt and how its blocks are cached.

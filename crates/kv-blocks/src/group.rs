@@ -8,11 +8,13 @@ use std::collections::BinaryHeap;
 use std::time::Duration;
 
 use crate::events::EventQueue;
-use crate::pool::{NO_NODE, Pool};
-use crate::tree::{Insert, Parent, RootKey, Tree};
+use crate::lazy::{NoOwners, Own, Owners, Run, RunEnd, RunState, SharedTokens};
+use crate::pool::{NO_NODE, Pool, RUN_TAG};
+use crate::tree::{Insert, NO_RUN, Parent, RootKey, Tree};
+use crate::walk::At;
 use crate::{
-    BlockHash, BlockId, BlockLoc, CacheStats, GroupId, KvError, KvEvent, Priority, RetentionPolicy,
-    Tier, Transfer, TransferKind,
+    BlockHash, BlockId, BlockLoc, CacheStats, GroupId, KvError, KvEvent, Priority, RequestId,
+    RetentionPolicy, Tier, Transfer, TransferKind,
 };
 
 /// Settings every group reads.
@@ -45,6 +47,7 @@ impl Shared {
 
 /// What a group needs to know about a request.
 pub(crate) struct SeqInfo<'a> {
+    pub(crate) id: RequestId,
     pub(crate) tier: Tier,
     pub(crate) tokens: &'a [u32],
     pub(crate) prompt_len: u32,
@@ -59,6 +62,8 @@ enum Chain {
     Root,
     /// Under a node, valid while the node keeps this generation.
     Node(u32, u32),
+    /// At the end of the request's lazy run (run, run generation).
+    Run(u32, u32),
     /// Nowhere: the chain was cut (a parent was evicted, or a hash collided).
     Broken,
 }
@@ -86,10 +91,6 @@ impl SeqBlocks {
     }
 }
 
-fn common_prefix(a: &[u32], b: &[u32]) -> u32 {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32
-}
-
 fn blocks_for(len: u32, bs: u32) -> usize {
     len.div_ceil(bs) as usize
 }
@@ -98,9 +99,14 @@ fn blocks_for(len: u32, bs: u32) -> usize {
 pub(crate) struct Group {
     pub(crate) id: GroupId,
     pub(crate) window: Option<u32>,
-    bs: u32,
+    pub(crate) bs: u32,
     pub(crate) pools: [Pool; 2],
     pub(crate) tree: Tree,
+    /// Whether requests' stored blocks may be kept as lazy runs (see lazy.rs): no events, no
+    /// window, and ids that fit under [`RUN_TAG`].
+    pub(crate) lazy: bool,
+    pub(crate) runs: Vec<Run>,
+    pub(crate) free_runs: Vec<u32>,
     /// Pending priority reversions: (when, node, node generation, priority generation).
     expiry: BinaryHeap<Reverse<(Duration, u32, u32, u32)>>,
 }
@@ -120,6 +126,11 @@ impl Group {
             bs,
             pools: [Pool::new(primary), Pool::new(secondary)],
             tree: Tree::new(bs, eager_hashes),
+            lazy: window.is_none()
+                && !eager_hashes
+                && u64::from(primary) + u64::from(secondary) < u64::from(RUN_TAG),
+            runs: Vec::new(),
+            free_runs: Vec::new(),
             expiry: BinaryHeap::new(),
         }
     }
@@ -131,25 +142,36 @@ impl Group {
     // ---- evictable-set upkeep ----------------------------------------------------------------
 
     /// Puts a block into, or out of, the evictable set according to the rules: unreferenced,
-    /// cached, and a leaf (no child in the primary tier for a primary block; no child at all for
-    /// a secondary block, since dropping it would orphan them).
+    /// cached, and a leaf ([`leaf_key`](Self::leaf_key)).
     fn refresh(&mut self, tier: Tier, b: u32) {
         let pool = &self.pools[tier.index()];
         let n = pool.node[b as usize];
-        let key = if pool.refcount[b as usize] == 0 && n != NO_NODE {
-            let node = self.tree.node(n);
-            let leaf = match tier {
-                Tier::Primary => node.children_in[0] == 0,
-                Tier::Secondary => node.children.is_empty(),
-            };
-            leaf.then_some((node.priority.get(), node.last_used))
-        } else {
-            None
-        };
+        debug_assert!(
+            n == NO_NODE || n & RUN_TAG == 0,
+            "a run's tail is kept by lazy.rs"
+        );
+        let key = (pool.refcount[b as usize] == 0 && n != NO_NODE)
+            .then(|| self.leaf_key(tier, n))
+            .flatten();
         self.pools[tier.index()].set_evictable(b, key);
     }
 
-    fn refresh_node(&mut self, n: u32) {
+    /// The eviction key of cached node `n` in `tier` when it is a leaf: no child in the primary
+    /// tier for a primary block; nothing at all under a secondary block, since dropping it
+    /// would orphan it. A lazy run counts as a child in its tier.
+    fn leaf_key(&self, tier: Tier, n: u32) -> Option<(u8, u64)> {
+        let node = self.tree.node(n);
+        let leaf = match tier {
+            Tier::Primary => {
+                node.children_in[0] == 0
+                    && (node.tail == NO_RUN || self.run(node.tail).tier != Tier::Primary)
+            }
+            Tier::Secondary => self.tree.childless(n),
+        };
+        leaf.then_some((node.priority.get(), node.last_used))
+    }
+
+    pub(crate) fn refresh_node(&mut self, n: u32) {
         let loc = self.tree.node(n).loc;
         self.refresh(loc.tier, loc.block.0);
     }
@@ -192,7 +214,16 @@ impl Group {
         let Some(b) = self.pools[tier.index()].first_evictable() else {
             return false;
         };
-        let n = self.pools[tier.index()].node[b as usize];
+        if let Some(r) = self.droppable_front_run(tier, sh) {
+            self.evict_from_run(r, 1, sh, |pool, b| pool.push_free(b));
+            return true;
+        }
+        let mut n = self.pools[tier.index()].node[b as usize];
+        if n & RUN_TAG != 0 {
+            // An offload moves one block to the other tier: the run becomes nodes first.
+            self.materialize(n & !RUN_TAG, &NoOwners, sh);
+            n = self.pools[tier.index()].node[b as usize];
+        }
         self.pools[tier.index()].set_evictable(b, None);
         let offload = tier == Tier::Primary
             && self.tree.node(n).priority >= sh.opts.offload_min
@@ -214,48 +245,82 @@ impl Group {
     }
 
     /// Removes a node and all its descendants from the tree; their unreferenced blocks become
-    /// free, referenced ones stay with their requests as private blocks.
+    /// free, referenced ones stay with their requests as private blocks. Lazy runs in the
+    /// subtree go block by block in the order their nodes would have.
     fn drop_subtree(&mut self, n: u32, sh: &mut Shared) {
         let top_parent = self.tree.node(n).parent;
         // Breadth-first, so that removing in reverse takes children before parents. A leaf, the
         // usual victim, needs no list at all.
         let mut order = Vec::new();
-        if !self.tree.node(n).children.is_empty() {
-            order.push(n);
+        if !self.tree.childless(n) {
+            order.push(At::Node(n));
             let mut i = 0;
             while i < order.len() {
-                order.extend_from_slice(self.tree.node(order[i]).children.as_slice());
+                let at = order[i];
+                order.extend(self.kids(at));
                 i += 1;
             }
         }
-        let single = [n];
-        let order: &[u32] = if order.is_empty() { &single } else { &order };
-        for &d in order.iter().rev() {
-            let loc = self.tree.node(d).loc;
-            let hash = sh.events.enabled().then(|| self.tree.hash(d));
-            self.tree.remove(d);
-            let pool = &mut self.pools[loc.tier.index()];
-            let b = loc.block.0;
-            pool.node[b as usize] = NO_NODE;
-            pool.set_evictable(b, None);
-            if pool.refcount[b as usize] == 0 {
-                pool.push_free(b);
-            }
+        let single = [At::Node(n)];
+        let order: &[At] = if order.is_empty() { &single } else { &order };
+        for &at in order.iter().rev() {
             sh.stats.evicted += 1;
-            if let Some(hash) = hash {
-                sh.events.push(KvEvent::Removed {
-                    group: self.id,
-                    hash: BlockHash(hash),
-                    tier: loc.tier,
-                });
+            match at {
+                At::Node(d) => self.drop_node(d, sh),
+                At::Lazy(r, i) => self.drop_run_block(r, i),
+                At::Root(_) => unreachable!("invariant: a subtree holds no root"),
             }
         }
         self.refresh_parent(top_parent);
     }
 
+    /// Removes childless node `d` from the tree (see [`drop_subtree`](Self::drop_subtree)).
+    fn drop_node(&mut self, d: u32, sh: &mut Shared) {
+        let loc = self.tree.node(d).loc;
+        let hash = sh.events.enabled().then(|| self.tree.hash(d));
+        self.tree.remove(d);
+        let pool = &mut self.pools[loc.tier.index()];
+        let b = loc.block.0;
+        pool.node[b as usize] = NO_NODE;
+        pool.set_evictable(b, None);
+        if pool.refcount[b as usize] == 0 {
+            pool.push_free(b);
+        }
+        if let Some(hash) = hash {
+            sh.events.push(KvEvent::Removed {
+                group: self.id,
+                hash: BlockHash(hash),
+                tier: loc.tier,
+            });
+        }
+    }
+
+    /// Drops block `i` of run `r` with its subtree, the run's blocks after it having gone
+    /// already: a released run's block becomes free, a live one stays its owner's, private.
+    /// The run ends with its first block.
+    fn drop_run_block(&mut self, r: u32, i: u32) {
+        let run = self.run(r);
+        debug_assert_eq!(i + 1, run.len, "a run's blocks are dropped from the tail");
+        if let RunState::Released { table, .. } = &run.state {
+            let b = table[(run.first + i) as usize]
+                .expect("invariant: runs exist only without windows")
+                .0;
+            let pool = &mut self.pools[run.tier.index()];
+            pool.node[b as usize] = NO_NODE;
+            pool.set_evictable(b, None);
+            pool.push_free(b);
+        }
+        self.runs[r as usize].len = i;
+        if i == 0 {
+            let head = self.run(r).head;
+            self.tree.node_mut(head).tail = NO_RUN;
+            self.drop_run(r);
+        }
+    }
+
     /// Drops one reference to a block; an unreferenced block becomes evictable when cached and
     /// free otherwise.
-    fn unref(&mut self, tier: Tier, b: u32, sh: &mut Shared) {
+    pub(crate) fn unref(&mut self, tier: Tier, b: u32, sh: &mut Shared) {
         if self.pools[tier.index()].drop_ref(b) == 0 {
             let n = self.pools[tier.index()].node[b as usize];
             if n == NO_NODE {
@@ -360,101 +425,7 @@ impl Group {
         }
     }
 
-    // ---- reuse ---------------------------------------------------------------------------------
-
-    /// Whether a request in `tier` can share node `n` as is (same tier), or after onboarding it
-    /// (a primary request and an unreferenced secondary node).
-    fn can_share(&self, n: u32, tier: Tier) -> bool {
-        let loc = self.tree.node(n).loc;
-        loc.tier == tier
-            || (tier == Tier::Primary && self.pools[1].refcount[loc.block.index()] == 0)
-    }
-
-    /// Whether a request in `tier` may take node `n` over for a partial reuse without copying.
-    fn can_take(&self, n: u32, tier: Tier) -> bool {
-        let node = self.tree.node(n);
-        node.loc.tier == tier
-            && node.children.is_empty()
-            && self.pools[tier.index()].refcount[node.loc.block.index()] == 0
-    }
-
-    /// The child of `parent` sharing the longest prefix with `want` that this request can use.
-    fn best_partial(
-        &self,
-        parent: Parent,
-        want: &[u32],
-        tier: Tier,
-        opts: &Opts,
-    ) -> Option<(u32, u32)> {
-        self.tree
-            .children(parent)
-            .iter()
-            .filter(|&&c| opts.copy_on_partial_reuse || self.can_take(c, tier))
-            .map(|&c| (c, common_prefix(self.tree.tokens(c), want)))
-            .filter(|&(_, k)| k > 0)
-            .max_by_key(|&(_, k)| k)
-    }
-
-    /// Walks the full blocks of the request that are cached and shareable, up to `limit` tokens:
-    /// the last parent reached and the nodes on the way.
-    fn walk(&self, info: &SeqInfo<'_>, limit: u32) -> Option<(Parent, Vec<u32>)> {
-        let bs = self.bs;
-        let root = self.tree.find_root(info.root_key)?;
-        let mut parent = Parent::Root(root);
-        let mut path = Vec::new();
-        let mut m = 0u32;
-        while u64::from(m + 1) * u64::from(bs) <= u64::from(limit) {
-            let toks = &info.tokens[(m * bs) as usize..((m + 1) * bs) as usize];
-            match self.tree.lookup(parent, toks) {
-                Some(c) if self.can_share(c, info.tier) => {
-                    parent = Parent::Node(c);
-                    path.push(c);
-                    m += 1;
-                }
-                _ => break,
-            }
-        }
-        Some((parent, path))
-    }
-
-    /// Tokens of the request's first `limit` tokens this group could reuse: shareable full
-    /// blocks, then up to one block's worth of tokens copied (or taken over) from the child that
-    /// matches best.
-    pub(crate) fn match_len(&self, info: &SeqInfo<'_>, limit: u32, opts: &Opts) -> u32 {
-        let Some((parent, path)) = self.walk(info, limit) else {
-            return 0;
-        };
-        let full = path.len() as u32 * self.bs;
-        if !opts.enable_partial_reuse || full >= limit {
-            return full;
-        }
-        let end = limit.min(full + self.bs) as usize;
-        let want = &info.tokens[full as usize..end];
-        full + self
-            .best_partial(parent, want, info.tier, opts)
-            .map_or(0, |(_, k)| k)
-    }
-
-    /// Whether exactly `len` tokens can be reused: the shareable full blocks, plus a source for
-    /// the rest (at most one block's worth).
-    pub(crate) fn can_reuse_exactly(&self, info: &SeqInfo<'_>, len: u32, opts: &Opts) -> bool {
-        let Some((parent, path)) = self.walk(info, len) else {
-            return len == 0;
-        };
-        let full = path.len() as u32 * self.bs;
-        let rest = len - full;
-        rest == 0
-            || (opts.enable_partial_reuse
-                && rest <= self.bs
-                && self
-                    .best_partial(
-                        parent,
-                        &info.tokens[full as usize..len as usize],
-                        info.tier,
-                        opts,
-                    )
-                    .is_some_and(|(_, got)| got >= rest))
-    }
+    // ---- reuse (the lookups are in walk.rs) ---------------------------------------------------
 
     /// Builds the request's table: `reuse` tokens from the tree (shareable full blocks, onboarded
     /// when they sit in the other tier, then the rest copied or taken over from the best
@@ -466,10 +437,11 @@ impl Group {
         seq: &mut SeqBlocks,
         info: &SeqInfo<'_>,
         reuse: u32,
+        owners: &dyn Owners,
         sh: &mut Shared,
     ) -> Result<(), KvError> {
         if reuse > 0 {
-            self.attach_reused(seq, info, reuse, sh)?;
+            self.attach_reused(seq, info, reuse, owners, sh)?;
         }
         self.grow(seq, info.tier, info.tokens.len() as u32, sh)
     }
@@ -479,20 +451,37 @@ impl Group {
         seq: &mut SeqBlocks,
         info: &SeqInfo<'_>,
         reuse: u32,
+        owners: &dyn Owners,
         sh: &mut Shared,
     ) -> Result<(), KvError> {
         let bs = self.bs;
-        let (parent, path) = self
-            .walk(info, reuse)
-            .expect("invariant: a reuse length > 0 was matched from this root");
+        let walk = |g: &Self| {
+            g.walk(info, reuse, owners)
+                .expect("invariant: a reuse length > 0 was matched from this root")
+        };
+        // Runs the request walks into, or that hang where it stops (its blocks will be stored
+        // there), become nodes first.
+        loop {
+            let (at, _) = walk(self);
+            let r = match at {
+                At::Lazy(r, _) => r,
+                At::Node(n) if self.tree.node(n).tail != NO_RUN => self.tree.node(n).tail,
+                _ => break,
+            };
+            self.materialize(r, owners, sh);
+        }
+        let (at, path) = walk(self);
+        let node = |at: At| at.node().expect("invariant: no run is left on the path");
+        let path: Vec<u32> = path.into_iter().map(node).collect();
+        let parent = at.parent().expect("invariant: no run is left on the path");
         let full = path.len() as u32 * bs;
         let rest = reuse - full;
         let partial = (rest > 0).then(|| {
             let want = &info.tokens[full as usize..reuse as usize];
             let (src, _) = self
-                .best_partial(parent, want, info.tier, &sh.opts)
+                .best_partial(at, want, info.tier, &sh.opts, owners)
                 .expect("invariant: the partial reuse was checked feasible");
-            src
+            node(src)
         });
         // Hold every source.
         let mut held: Vec<BlockLoc> = path
@@ -532,10 +521,7 @@ impl Group {
             return Ok(());
         };
         let sloc = held[path.len()];
-        if !sh.opts.copy_on_partial_reuse
-            && sloc.tier == info.tier
-            && self.tree.node(src).children.is_empty()
-        {
+        if !sh.opts.copy_on_partial_reuse && sloc.tier == info.tier && self.tree.childless(src) {
             // Take it over: our hold becomes the request's reference.
             self.drop_subtree(src, sh);
             seq.table.push(Some(sloc.block));
@@ -569,6 +555,19 @@ impl Group {
     ) -> Result<(), KvError> {
         let want = blocks_for(len, self.bs);
         while seq.table.len() < want {
+            if self.pools[tier.index()].num_free() == 0
+                && let Some(r) = self.droppable_front_run(tier, sh)
+            {
+                // Evicting a run's tail block by block would free each block and take it back
+                // at once: hand them over directly, as many as are needed.
+                let k = (want - seq.table.len()) as u32;
+                let got = self.evict_from_run(r, k, sh, |pool, b| {
+                    pool.claim(b);
+                    seq.table.push(Some(BlockId(b)));
+                });
+                sh.stats.allocated += u64::from(got);
+                continue;
+            }
             let b = self.alloc(tier, sh)?;
             seq.table.push(Some(BlockId(b)));
         }
@@ -583,6 +582,7 @@ impl Group {
         seq: &mut SeqBlocks,
         info: &SeqInfo<'_>,
         storable: u32,
+        owners: &dyn Owners,
         sh: &mut Shared,
     ) {
         if !sh.opts.enable_reuse {
@@ -590,11 +590,29 @@ impl Group {
         }
         let bs = self.bs;
         let end = (storable / bs).min(seq.table.len() as u32);
+        let uniform = if self.lazy {
+            info.retention.uniform()
+        } else {
+            None
+        };
         while seq.stored < end {
+            if let Chain::Run(r, generation) = seq.chain {
+                match self.run_end(r, generation) {
+                    RunEnd::Live => {
+                        self.extend_run(r, end);
+                        sh.stats.stored += u64::from(end - seq.stored);
+                        seq.stored = end;
+                        break;
+                    }
+                    RunEnd::Moved(n, generation) => seq.chain = Chain::Node(n, generation),
+                    RunEnd::Gone => seq.chain = Chain::Broken,
+                }
+            }
             let i = seq.stored;
             seq.stored += 1;
             let parent = match seq.chain {
                 Chain::Broken => continue,
+                Chain::Run(..) => unreachable!("invariant: a run chain was resolved above"),
                 Chain::Root => Parent::Root(self.tree.get_or_create_root(info.root_key)),
                 Chain::Node(n, generation) => {
                     let node = self.tree.node(n);
@@ -614,6 +632,22 @@ impl Group {
             if existing != NO_NODE {
                 seq.chain = Chain::Node(existing, self.tree.node(existing).generation);
                 continue;
+            }
+            if let Parent::Node(p) = parent
+                && self.tree.node(p).tail != NO_RUN
+            {
+                // Another request's run hangs here (this one's chain joined an equal block it
+                // does not hold): the run becomes nodes before anything is stored beside it.
+                self.materialize(self.tree.node(p).tail, owners, sh);
+            }
+            if let Parent::Node(p) = parent
+                && let Some((r, generation)) =
+                    self.try_start_run(seq, p, info.id, info.tier, uniform, (i, end))
+            {
+                sh.stats.stored += u64::from(end - i);
+                seq.stored = end;
+                seq.chain = Chain::Run(r, generation);
+                break;
             }
             let toks = &info.tokens[(i * bs) as usize..((i + 1) * bs) as usize];
             let loc = BlockLoc {
@@ -679,13 +713,47 @@ impl Group {
 
     /// Releases every block of the request, last block first (so a chain's tail is the least
     /// recently used and goes first).
-    pub(crate) fn release(&mut self, seq: &mut SeqBlocks, tier: Tier, sh: &mut Shared) {
+    /// A request whose chain ends in its live lazy run hands the run its table and `tokens`.
+    pub(crate) fn release(
+        &mut self,
+        seq: &mut SeqBlocks,
+        tier: Tier,
+        tokens: &SharedTokens,
+        sh: &mut Shared,
+    ) {
+        if let Chain::Run(r, generation) = seq.chain {
+            seq.chain = Chain::Broken;
+            if let RunEnd::Live = self.run_end(r, generation) {
+                self.release_run(seq, r, tokens, sh);
+            }
+        }
         while let Some(entry) = seq.table.pop() {
             if let Some(b) = entry {
                 self.unref(tier, b.0, sh);
             }
         }
         seq.first_live = 0;
+    }
+
+    /// Before the request is cut to `len` tokens (of `tokens`): its live run becomes nodes when
+    /// the cut reaches into it, so the cut meets only nodes.
+    pub(crate) fn cut_run(&mut self, seq: &mut SeqBlocks, tokens: &[u32], len: u32, sh: &Shared) {
+        let Chain::Run(r, generation) = seq.chain else {
+            return;
+        };
+        let run = self.run(r);
+        let live = run.generation == generation && matches!(run.state, RunState::Live(_));
+        if !live || u64::from(len) >= u64::from(run.first + run.len) * u64::from(self.bs) {
+            return;
+        }
+        let own = Own {
+            tokens,
+            table: &seq.table,
+        };
+        self.materialize(r, &own, sh);
+        if let RunEnd::Moved(n, generation) = self.run_end(r, generation) {
+            seq.chain = Chain::Node(n, generation);
+        }
     }
 
     /// First half of shrinking the request to `len` tokens: a last block left partial that other
@@ -773,9 +841,11 @@ impl Group {
     // ---- audit ---------------------------------------------------------------------------------
 
     /// Checks the group's internal invariants; the error says which one broke.
-    pub(crate) fn audit(&self) -> Result<(), String> {
+    pub(crate) fn audit(&self, owners: &dyn Owners) -> Result<(), String> {
         let g = self.id.0;
+        let in_runs = self.audit_runs(owners)?;
         for tier in Tier::ALL {
+            let in_run = &in_runs[tier.index()];
             let pool = self.pool(tier);
             let cap = pool.capacity() as usize;
             let mut on_free = vec![false; cap];
@@ -790,6 +860,7 @@ impl Group {
                 if pool.refcount[b] != 0
                     || pool.node[b] != NO_NODE
                     || pool.evict_key(b as u32).is_some()
+                    || in_run[b]
                 {
                     return Err(format!(
                         "group {g} {tier:?}: free block {b} is referenced, cached or evictable"
@@ -802,12 +873,27 @@ impl Group {
                 let n = pool.node[b];
                 if pool.refcount[b] > 0 {
                     used += 1;
-                } else if n != NO_NODE {
+                } else if n != NO_NODE || in_run[b] {
                     idle += 1;
                 } else if !on_free[b] {
                     return Err(format!(
                         "group {g} {tier:?}: block {b} leaked (unreferenced, uncached, not free)"
                     ));
+                }
+                if n != NO_NODE && n & RUN_TAG != 0 {
+                    let r = n & !RUN_TAG;
+                    let run = self.runs.get(r as usize);
+                    let tail = run
+                        .filter(|run| matches!(run.state, RunState::Released { .. }) && run.len > 0)
+                        .map(|run| self.released_block(r, run.len - 1));
+                    if tail != Some(b as u32)
+                        || pool.evict_key(b as u32) != Some(self.run_tail_key(r))
+                    {
+                        return Err(format!(
+                            "group {g} {tier:?}: block {b} is tagged for run {r} but is not its evictable tail"
+                        ));
+                    }
+                    continue;
                 }
                 if n != NO_NODE {
                     let node = self.tree.node(n);
@@ -823,16 +909,9 @@ impl Group {
                         ));
                     }
                 }
-                let want = if pool.refcount[b] == 0 && n != NO_NODE {
-                    let node = self.tree.node(n);
-                    let leaf = match tier {
-                        Tier::Primary => node.children_in[0] == 0,
-                        Tier::Secondary => node.children.is_empty(),
-                    };
-                    leaf.then_some((node.priority.get(), node.last_used))
-                } else {
-                    None
-                };
+                let want = (pool.refcount[b] == 0 && n != NO_NODE)
+                    .then(|| self.leaf_key(tier, n))
+                    .flatten();
                 if pool.evict_key(b as u32) != want {
                     return Err(format!(
                         "group {g} {tier:?}: block {b} evictable state is stale"

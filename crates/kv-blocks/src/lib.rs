@@ -33,11 +33,13 @@ mod config;
 mod error;
 mod events;
 mod group;
+mod lazy;
 mod manager;
 mod pool;
 mod sizing;
 mod tree;
 mod types;
+mod walk;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{

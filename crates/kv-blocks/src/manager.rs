@@ -7,6 +7,7 @@ use rustc_hash::FxHashMap;
 use crate::clock::{Clock, SystemClock};
 use crate::events::EventQueue;
 use crate::group::{Group, Opts, SeqBlocks, SeqInfo, Shared};
+use crate::lazy::Owners;
 use crate::tree::RootKey;
 use crate::{
     BlockHash, BlockId, BlockLoc, EventBatch, GroupId, KvCacheConfig, KvError, KvEvent, Priority,
@@ -130,6 +131,7 @@ pub struct PoolUsage {
 }
 
 struct Request {
+    id: RequestId,
     tier: Tier,
     tokens: Vec<u32>,
     prompt_len: u32,
@@ -143,6 +145,7 @@ struct Request {
 impl Request {
     fn info(&self) -> SeqInfo<'_> {
         SeqInfo {
+            id: self.id,
             tier: self.tier,
             tokens: &self.tokens,
             prompt_len: self.prompt_len,
@@ -253,6 +256,7 @@ impl KvCacheManager {
         }
         let len = len_u32(id, spec.tokens.len())?;
         let mut req = Request {
+            id,
             tier: spec.tier,
             tokens: spec.tokens,
             prompt_len: len,
@@ -267,12 +271,12 @@ impl KvCacheManager {
         };
         let sh = &mut self.shared;
         let info = req.info();
-        let reuse = Self::reusable(&self.groups, &info, &sh.opts);
+        let reuse = Self::reusable(&self.groups, &info, &sh.opts, &self.requests);
         let mut seqs = Vec::with_capacity(self.groups.len());
         let mut failure = None;
         for g in &mut self.groups {
             let mut seq = SeqBlocks::new();
-            let r = g.attach(&mut seq, &info, reuse, sh);
+            let r = g.attach(&mut seq, &info, reuse, &self.requests, sh);
             seqs.push(seq);
             if let Err(e) = r {
                 failure = Some(e);
@@ -280,8 +284,10 @@ impl KvCacheManager {
             }
         }
         if let Some(e) = failure {
+            // Nothing was stored yet, so no run takes these tokens.
+            let tokens = Arc::new(Vec::new());
             for (g, seq) in self.groups.iter_mut().zip(&mut seqs) {
-                g.release(seq, info.tier, sh);
+                g.release(seq, info.tier, &tokens, sh);
             }
             return Err(e);
         }
@@ -318,18 +324,19 @@ impl KvCacheManager {
             extra: spec.extra_ids.clone(),
         };
         let info = SeqInfo {
+            id: spec.id,
             tier: spec.tier,
             tokens: &spec.tokens,
             prompt_len: len,
             root_key: &root_key,
             retention: &spec.retention,
         };
-        Self::reusable(&self.groups, &info, &self.shared.opts)
+        Self::reusable(&self.groups, &info, &self.shared.opts, &self.requests)
     }
 
     /// The reuse length every group can honour: the shortest match, cut to whole blocks when a
     /// group cannot reuse the trailing partial block exactly.
-    fn reusable(groups: &[Group], info: &SeqInfo<'_>, opts: &Opts) -> u32 {
+    fn reusable(groups: &[Group], info: &SeqInfo<'_>, opts: &Opts, owners: &dyn Owners) -> u32 {
         let len = info.tokens.len() as u32;
         let limit = if opts.enable_reuse {
             len.saturating_sub(1)
@@ -341,13 +348,13 @@ impl KvCacheManager {
         }
         let mut reuse = groups
             .iter()
-            .map(|g| g.match_len(info, limit, opts))
+            .map(|g| g.match_len(info, limit, opts, owners))
             .min()
             .unwrap_or(0);
         if !reuse.is_multiple_of(opts.bs)
             && !groups
                 .iter()
-                .all(|g| g.can_reuse_exactly(info, reuse, opts))
+                .all(|g| g.can_reuse_exactly(info, reuse, opts, owners))
         {
             reuse -= reuse % opts.bs;
         }
@@ -371,20 +378,31 @@ impl KvCacheManager {
             });
         }
         req.computed = req.computed.max(computed);
-        Self::settle(&mut self.groups, req, &mut self.shared);
+        self.settle_live(id);
         Ok(())
     }
 
     /// Stores newly computed full blocks and releases blocks outside attention windows.
-    fn settle(groups: &mut [Group], req: &mut Request, sh: &mut Shared) {
+    fn settle(groups: &mut [Group], req: &mut Request, owners: &dyn Owners, sh: &mut Shared) {
         let storable = req.computed.min(req.tokens.len() as u32 - 1);
         let mut seqs = std::mem::take(&mut req.seqs);
         let info = req.info();
         for (g, seq) in groups.iter_mut().zip(&mut seqs) {
-            g.store(seq, &info, storable, sh);
+            g.store(seq, &info, storable, owners, sh);
             g.release_window(seq, info.tier, req.computed, sh);
         }
         req.seqs = seqs;
+    }
+
+    /// [`settle`](Self::settle) for live request `id`, taken out of the map meanwhile so that the
+    /// other live requests can be read as owners of lazy runs.
+    fn settle_live(&mut self, id: RequestId) {
+        let mut req = self
+            .requests
+            .remove(&id)
+            .expect("invariant: only live requests are settled");
+        Self::settle(&mut self.groups, &mut req, &self.requests, &mut self.shared);
+        self.requests.insert(id, req);
     }
 
     /// Appends one sampled token (see [`append_tokens`](Self::append_tokens)).
@@ -421,7 +439,7 @@ impl KvCacheManager {
         }
         req.tokens.extend_from_slice(tokens);
         req.computed = req.computed.max(old_len as u32);
-        Self::settle(&mut self.groups, req, &mut self.shared);
+        self.settle_live(id);
         Ok(())
     }
 
@@ -447,6 +465,9 @@ impl KvCacheManager {
             });
         }
         let sh = &mut self.shared;
+        for (g, seq) in self.groups.iter_mut().zip(&mut req.seqs) {
+            g.cut_run(seq, &req.tokens, len, sh);
+        }
         let mut prepared = Vec::with_capacity(self.groups.len());
         for (g, seq) in self.groups.iter_mut().zip(&req.seqs) {
             match g.prepare_truncate(seq, req.tier, len, sh) {
@@ -476,9 +497,11 @@ impl KvCacheManager {
             .requests
             .remove(&id)
             .ok_or(KvError::UnknownRequest(id))?;
-        Self::settle(&mut self.groups, &mut req, &mut self.shared);
+        Self::settle(&mut self.groups, &mut req, &self.requests, &mut self.shared);
+        // Lazy runs keep the tokens as their blocks' keys.
+        let tokens = Arc::new(std::mem::take(&mut req.tokens));
         for (g, seq) in self.groups.iter_mut().zip(&mut req.seqs) {
-            g.release(seq, req.tier, &mut self.shared);
+            g.release(seq, req.tier, &tokens, &mut self.shared);
         }
         Ok(req.stats)
     }
@@ -625,34 +648,28 @@ impl KvCacheManager {
             })
     }
 
-    /// The cached content of a block, or `None` if the block is not in the tree.
+    /// The cached content of a block, or `None` if the block is not in the tree. A block kept
+    /// in a lazy run (see ARCHITECTURE.md) is found by a scan of the group's runs.
     pub fn cached_block(
         &self,
         group: GroupId,
         loc: BlockLoc,
     ) -> Result<Option<CachedBlock>, KvError> {
         let g = self.group(group)?;
-        let n = *g
-            .pool(loc.tier)
-            .node
-            .get(loc.block.index())
-            .ok_or(KvError::UnknownBlock {
+        if loc.block.index() >= g.pool(loc.tier).capacity() as usize {
+            return Err(KvError::UnknownBlock {
                 group,
                 tier: loc.tier,
                 block: loc.block.0,
-            })?;
-        if n == crate::pool::NO_NODE {
-            return Ok(None);
+            });
         }
-        let node = g.tree.node(n);
-        let (key, index) = g.tree.root_key_of(n);
-        Ok(Some(CachedBlock {
-            hash: BlockHash(g.tree.hash(n)),
-            tokens: g.tree.tokens(n).to_vec(),
-            index,
-            salt: key.salt.clone(),
-            extra_ids: key.extra.clone(),
-            priority: node.priority,
+        Ok(g.cached(loc, &self.requests).map(|c| CachedBlock {
+            hash: BlockHash(c.hash),
+            tokens: c.tokens.to_vec(),
+            index: c.index,
+            salt: c.key.salt.clone(),
+            extra_ids: c.key.extra.clone(),
+            priority: c.priority,
         }))
     }
 
@@ -661,7 +678,7 @@ impl KvCacheManager {
     /// for tests and debugging. The error names the first broken invariant.
     pub fn audit(&self) -> Result<(), String> {
         for (gi, g) in self.groups.iter().enumerate() {
-            g.audit()?;
+            g.audit(&self.requests)?;
             for tier in Tier::ALL {
                 let pool = g.pool(tier);
                 let mut holders = vec![0u32; pool.capacity() as usize];
@@ -681,5 +698,22 @@ impl KvCacheManager {
             }
         }
         Ok(())
+    }
+}
+
+impl Owners for FxHashMap<RequestId, Request> {
+    fn tokens(&self, id: RequestId) -> &[u32] {
+        &self
+            .get(&id)
+            .expect("invariant: a live run's owner is a live request")
+            .tokens
+    }
+
+    fn table(&self, id: RequestId, group: GroupId) -> &[Option<BlockId>] {
+        &self
+            .get(&id)
+            .expect("invariant: a live run's owner is a live request")
+            .seqs[group.index()]
+        .table
     }
 }

@@ -5,6 +5,11 @@ use std::collections::BTreeSet;
 /// Marks a block that no tree node owns.
 pub(crate) const NO_NODE: u32 = u32::MAX;
 
+/// Tags the tail block of a released lazy run: `RUN_TAG | run` in [`Pool::node`]. Node and run
+/// ids stay below it: a group has no more of either than blocks, and groups with `RUN_TAG`
+/// blocks or more keep no runs.
+pub(crate) const RUN_TAG: u32 = 1 << 31;
+
 /// The ordering key of an evictable block: lowest priority first, then least recently used.
 pub(crate) type EvictKey = (u8, u64);
 

@@ -101,7 +101,13 @@ pub(crate) struct Node {
     pub(crate) generation: u32,
     pub(crate) alive: bool,
     depth: u32,
+    /// The lazy run hanging under this node ([`NO_RUN`] for none); a node with a run has no
+    /// children of its own.
+    pub(crate) tail: u32,
 }
+
+/// Marks a node without a lazy run under it.
+pub(crate) const NO_RUN: u32 = u32::MAX;
 
 struct Root {
     key: RootKey,
@@ -199,6 +205,18 @@ impl Tree {
 
     pub(crate) fn node_mut(&mut self, n: u32) -> &mut Node {
         &mut self.nodes[n as usize]
+    }
+
+    /// Whether node `n` has neither children nor a lazy run under it.
+    pub(crate) fn childless(&self, n: u32) -> bool {
+        let node = self.node(n);
+        node.children.is_empty() && node.tail == NO_RUN
+    }
+
+    /// The chained hash of a block holding `tokens` under a parent whose chained hash is
+    /// `parent`.
+    pub(crate) fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+        chain(parent, hash_tokens(tokens))
     }
 
     pub(crate) fn tokens(&self, n: u32) -> &[u32] {
@@ -311,6 +329,10 @@ impl Tree {
         last_used: u64,
     ) -> Insert {
         debug_assert_eq!(tokens.len(), self.bs);
+        debug_assert!(
+            !matches!(parent, Parent::Node(p) if self.node(p).tail != NO_RUN),
+            "a node with a lazy run gains a child only once the run is nodes"
+        );
         // A first child of a node starts a chain and is not indexed. Any other child is, and an
         // unindexed only child is indexed as its parent gains a second one.
         let first_of_node = matches!(parent, Parent::Node(_)) && self.children(parent).is_empty();
@@ -360,6 +382,7 @@ impl Tree {
             generation: 0,
             alive: true,
             depth,
+            tail: NO_RUN,
         };
         let n = match self.free_nodes.pop() {
             Some(n) => {
@@ -405,7 +428,7 @@ impl Tree {
 
     /// Removes a childless node; its slot is reused later. Roots left without children go too.
     pub(crate) fn remove(&mut self, n: u32) {
-        debug_assert!(self.node(n).children.is_empty());
+        debug_assert!(self.childless(n));
         let (parent, token_hash, indexed, tier) = {
             let node = self.node(n);
             (node.parent, node.token_hash, node.indexed, node.loc.tier)

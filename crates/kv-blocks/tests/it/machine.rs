@@ -28,6 +28,8 @@ enum Op {
         host: bool,
         priority: u8,
         timed: bool,
+        /// The default retention instead: one priority for every block, for ever.
+        plain: bool,
     },
     Append {
         id: u8,
@@ -57,9 +59,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..8u8, 0..3u8, 1..40u8, 0..6u8, 0..3u8, prop::bool::weighted(0.2), 0..=100u8, any::<bool>())
-            .prop_map(|(id, base, len, tail, salt, host, priority, timed)| Op::Add {
-                id, base, len, tail, salt, host, priority, timed
+        4 => (0..8u8, 0..3u8, 1..40u8, 0..6u8, 0..3u8, prop::bool::weighted(0.2), 0..=100u8, any::<bool>(), any::<bool>())
+            .prop_map(|(id, base, len, tail, salt, host, priority, timed, plain)| Op::Add {
+                id, base, len, tail, salt, host, priority, timed, plain
             }),
         3 => (0..8u8, 1..200u8, 1..4u8).prop_map(|(id, token, count)| Op::Append { id, token, count }),
         2 => (0..8u8, 0..=4u8).prop_map(|(id, fraction)| Op::Commit { id, fraction }),
@@ -77,9 +79,10 @@ struct Model {
     tier: Tier,
 }
 
-fn config(copy_on_partial_reuse: bool) -> KvCacheConfig {
+fn config(copy_on_partial_reuse: bool, offload_min: Priority) -> KvCacheConfig {
     let mut cfg = KvCacheConfig::new(BS, 24, 12);
     cfg.copy_on_partial_reuse = copy_on_partial_reuse;
+    cfg.secondary_offload_min_priority = offload_min;
     cfg.event_capacity = 64;
     cfg.groups.push(GroupConfig {
         window: Some(10),
@@ -99,13 +102,15 @@ fn prompt(base: u8, len: u8, tail: u8, id: u8) -> Vec<u32> {
     t
 }
 
-fn run(ops: &[Op], copy_on_partial_reuse: bool) -> Result<(), TestCaseError> {
+fn run(ops: &[Op], copy_on_partial_reuse: bool, offload_min: u8) -> Result<(), TestCaseError> {
     let clock = ManualClock::new();
-    let mut kv = KvCacheManager::with_clock(config(copy_on_partial_reuse), Arc::new(clock.clone()))
-        .expect("valid config");
+    let offload_min = Priority::new(offload_min).expect("0..=100");
+    let cfg = config(copy_on_partial_reuse, offload_min);
+    let mut kv = KvCacheManager::with_clock(cfg, Arc::new(clock.clone())).expect("valid config");
     // The same operations without events: the tree then computes block hashes on demand
-    // instead of keeping them, and everything observable must stay the same.
-    let mut quiet_cfg = config(copy_on_partial_reuse);
+    // instead of keeping them, and keeps the stored blocks of requests with a plain retention
+    // as lazy runs in the group without a window; everything observable must stay the same.
+    let mut quiet_cfg = config(copy_on_partial_reuse, offload_min);
     quiet_cfg.event_capacity = 0;
     let mut quiet =
         KvCacheManager::with_clock(quiet_cfg, Arc::new(clock.clone())).expect("valid config");
@@ -241,18 +246,23 @@ fn add_spec(op: &Op) -> Option<RequestSpec> {
         host,
         priority,
         timed,
+        plain,
     } = *op
     else {
         return None;
     };
-    let retention = RetentionPolicy {
-        ranges: vec![TokenRangeRetention {
-            start: 0,
-            end: Some(u32::from(len) / 2),
-            priority: Priority::new(priority).expect("0..=100"),
-            duration: timed.then_some(Duration::from_millis(1500)),
-        }],
-        ..RetentionPolicy::default()
+    let retention = if plain {
+        RetentionPolicy::default()
+    } else {
+        RetentionPolicy {
+            ranges: vec![TokenRangeRetention {
+                start: 0,
+                end: Some(u32::from(len) / 2),
+                priority: Priority::new(priority).expect("0..=100"),
+                duration: timed.then_some(Duration::from_millis(1500)),
+            }],
+            ..RetentionPolicy::default()
+        }
     };
     let tier = if host { Tier::Secondary } else { Tier::Primary };
     let mut spec = RequestSpec::new(RequestId(id.into()), prompt(base, len, tail, id))
@@ -418,11 +428,18 @@ proptest! {
 
     #[test]
     fn invariants_hold_under_random_operations_copying(ops in prop::collection::vec(op(), 1..120)) {
-        run(&ops, true)?;
+        run(&ops, true, 35)?;
     }
 
     #[test]
     fn invariants_hold_under_random_operations_taking_over(ops in prop::collection::vec(op(), 1..120)) {
-        run(&ops, false)?;
+        run(&ops, false, 35)?;
+    }
+
+    /// Default-priority blocks are dropped rather than offloaded, so lazy runs lose their tails
+    /// to eviction in both tiers.
+    #[test]
+    fn invariants_hold_when_evictions_drop(ops in prop::collection::vec(op(), 1..120)) {
+        run(&ops, false, 60)?;
     }
 }

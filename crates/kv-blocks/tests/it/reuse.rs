@@ -278,3 +278,34 @@ fn reusable_tokens_predicts_add_request_without_changing_anything() {
         0
     );
 }
+
+#[test]
+fn blocks_kept_as_a_lazy_run_behave_as_nodes() {
+    // Without events, a prompt's stored blocks after its first are kept as one lazy run; the
+    // manager with events keeps a node per block. Both must agree on everything.
+    let mut cfg = KvCacheConfig::new(4, 12, 0);
+    cfg.event_capacity = 0;
+    let (mut lazy, _) = manager_with(cfg);
+    let (mut nodes, _) = manager(4, 12, 0);
+    for kv in [&mut lazy, &mut nodes] {
+        add_computed(kv, 1, toks(0, 21));
+        let c = kv
+            .cached_block(G0, primary(table(kv, 1)[3]))
+            .expect("valid block")
+            .expect("stored");
+        assert_eq!((c.index, c.tokens), (3, toks(12, 4)), "block 3 of the run");
+        kv.release(RequestId(1)).expect("live");
+        // Diverges inside block 2: blocks 0 and 1 are reused, block 2 partly.
+        let mut p = toks(0, 10);
+        p.extend(toks(900, 8));
+        assert_eq!(add_computed(kv, 2, p), 10);
+        // A new 7-block prompt evicts the rest of the first prompt's blocks.
+        add_computed(kv, 3, toks(300, 27));
+        audit(kv);
+    }
+    for id in [2, 3] {
+        assert_eq!(table(&lazy, id), table(&nodes, id), "request {id}'s table");
+    }
+    assert_eq!(lazy.stats(), nodes.stats());
+    assert!(lazy.stats().evicted > 0, "the last prompt had to evict");
+}
