@@ -320,6 +320,7 @@ impl Group {
 
     /// Drops one reference to a block; an unreferenced block becomes evictable when cached and
     /// free otherwise.
+    #[inline]
     pub(crate) fn unref(&mut self, tier: Tier, b: u32, sh: &mut Shared) {
         if self.pools[tier.index()].drop_ref(b) == 0 {
             let n = self.pools[tier.index()].node[b as usize];
@@ -554,10 +555,18 @@ impl Group {
         sh: &mut Shared,
     ) -> Result<(), KvError> {
         let want = blocks_for(len, self.bs);
+        seq.table.reserve(want.saturating_sub(seq.table.len()));
+        let pool = &mut self.pools[tier.index()];
+        while seq.table.len() < want
+            && let Some(b) = pool.take_free()
+        {
+            pool.claim(b);
+            seq.table.push(Some(BlockId(b)));
+            sh.stats.allocated += 1;
+        }
+        // The free list ran dry: evict.
         while seq.table.len() < want {
-            if self.pools[tier.index()].num_free() == 0
-                && let Some(r) = self.droppable_front_run(tier, sh)
-            {
+            if let Some(r) = self.droppable_front_run(tier, sh) {
                 // Evicting a run's tail block by block would free each block and take it back
                 // at once: hand them over directly, as many as are needed.
                 let k = (want - seq.table.len()) as u32;
