@@ -722,18 +722,19 @@ impl Group {
 
     /// Releases every block of the request, last block first (so a chain's tail is the least
     /// recently used and goes first).
-    /// A request whose chain ends in its live lazy run hands the run its table and `tokens`.
+    /// A request whose chain ends in its live lazy run hands the run its table and its tokens
+    /// (from `tokens`, called only then).
     pub(crate) fn release(
         &mut self,
         seq: &mut SeqBlocks,
         tier: Tier,
-        tokens: &SharedTokens,
+        tokens: &mut dyn FnMut() -> SharedTokens,
         sh: &mut Shared,
     ) {
         if let Chain::Run(r, generation) = seq.chain {
             seq.chain = Chain::Broken;
             if let RunEnd::Live = self.run_end(r, generation) {
-                self.release_run(seq, r, tokens, sh);
+                self.release_run(seq, r, &tokens(), sh);
             }
         }
         while let Some(entry) = seq.table.pop() {

@@ -284,10 +284,10 @@ impl KvCacheManager {
             }
         }
         if let Some(e) = failure {
-            // Nothing was stored yet, so no run takes these tokens.
-            let tokens = Arc::new(Vec::new());
+            // Nothing was stored yet, so no run asks for the tokens.
+            let mut tokens = || Arc::new(Vec::new());
             for (g, seq) in self.groups.iter_mut().zip(&mut seqs) {
-                g.release(seq, info.tier, &tokens, sh);
+                g.release(seq, info.tier, &mut tokens, sh);
             }
             return Err(e);
         }
@@ -498,10 +498,13 @@ impl KvCacheManager {
             .remove(&id)
             .ok_or(KvError::UnknownRequest(id))?;
         Self::settle(&mut self.groups, &mut req, &self.requests, &mut self.shared);
-        // Lazy runs keep the tokens as their blocks' keys.
-        let tokens = Arc::new(std::mem::take(&mut req.tokens));
+        // Lazy runs keep the tokens as their blocks' keys; one handle serves every group.
+        let mut shared = None;
+        let owned = &mut req.tokens;
+        let mut tokens =
+            || Arc::clone(shared.get_or_insert_with(|| Arc::new(std::mem::take(&mut *owned))));
         for (g, seq) in self.groups.iter_mut().zip(&mut req.seqs) {
-            g.release(seq, req.tier, &tokens, &mut self.shared);
+            g.release(seq, req.tier, &mut tokens, &mut self.shared);
         }
         Ok(req.stats)
     }
