@@ -9,10 +9,11 @@
 //! A run is the head's only descendant, a chain of blocks with the head's tier and one
 //! priority. Its blocks leave from the tail end: a released run's tail is its one evictable
 //! block, and block `i` of it was last used at tick `tick0 - i`, exactly as if every block had
-//! been a node released tail first. Anything else that reaches a run (a lookup that walks into
-//! it or stops at its head, an offload, the owner truncating into it) first turns it into nodes
-//! ([`Group::materialize`]), so the rest of the crate only ever meets ordinary nodes; dropping
-//! a subtree that holds a run drops its blocks as the nodes would have been dropped.
+//! been a node released tail first. Anything else that reaches a run (a request attached
+//! through it or stopping at its head, an offload, the owner truncating into it, another
+//! request storing under its head) first turns it into nodes ([`Group::materialize`]), so the
+//! rest of the crate only ever meets ordinary nodes. Queries read runs in place (walk.rs), and
+//! dropping a subtree that holds a run drops its blocks as the nodes would have been dropped.
 
 use std::sync::Arc;
 
