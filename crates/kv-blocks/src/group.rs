@@ -214,7 +214,7 @@ impl Group {
         let Some(b) = self.pools[tier.index()].first_evictable() else {
             return false;
         };
-        if let Some(r) = self.droppable_front_run(tier, sh) {
+        if let Some(r) = self.droppable_run(tier, b, sh) {
             self.evict_from_run(r, 1, sh, |pool, b| pool.push_free(b));
             return true;
         }
@@ -292,29 +292,6 @@ impl Group {
                 hash: BlockHash(hash),
                 tier: loc.tier,
             });
-        }
-    }
-
-    /// Drops block `i` of run `r` with its subtree, the run's blocks after it having gone
-    /// already: a released run's block becomes free, a live one stays its owner's, private.
-    /// The run ends with its first block.
-    fn drop_run_block(&mut self, r: u32, i: u32) {
-        let run = self.run(r);
-        debug_assert_eq!(i + 1, run.len, "a run's blocks are dropped from the tail");
-        if let RunState::Released { table, .. } = &run.state {
-            let b = table[(run.first + i) as usize]
-                .expect("invariant: runs exist only without windows")
-                .0;
-            let pool = &mut self.pools[run.tier.index()];
-            pool.node[b as usize] = NO_NODE;
-            pool.set_evictable(b, None);
-            pool.push_free(b);
-        }
-        self.runs[r as usize].len = i;
-        if i == 0 {
-            let head = self.run(r).head;
-            self.tree.node_mut(head).tail = NO_RUN;
-            self.drop_run(r);
         }
     }
 
@@ -566,7 +543,8 @@ impl Group {
         }
         // The free list ran dry: evict.
         while seq.table.len() < want {
-            if let Some(r) = self.droppable_front_run(tier, sh) {
+            let front = self.pools[tier.index()].first_evictable();
+            if let Some(r) = front.and_then(|b| self.droppable_run(tier, b, sh)) {
                 // Evicting a run's tail block by block would free each block and take it back
                 // at once: hand them over directly, as many as are needed.
                 let k = (want - seq.table.len()) as u32;
@@ -642,21 +620,21 @@ impl Group {
                 seq.chain = Chain::Node(existing, self.tree.node(existing).generation);
                 continue;
             }
-            if let Parent::Node(p) = parent
-                && self.tree.node(p).tail != NO_RUN
-            {
-                // Another request's run hangs here (this one's chain joined an equal block it
-                // does not hold): the run becomes nodes before anything is stored beside it.
-                self.materialize(self.tree.node(p).tail, owners, sh);
-            }
-            if let Parent::Node(p) = parent
-                && let Some((r, generation)) =
+            if let Parent::Node(p) = parent {
+                let tail = self.tree.node(p).tail;
+                if tail != NO_RUN {
+                    // Another request's run hangs here (this one's chain joined an equal block
+                    // it does not hold): the run becomes nodes before anything is stored beside.
+                    self.materialize(tail, owners, sh);
+                }
+                if let Some((r, generation)) =
                     self.try_start_run(seq, p, info.id, info.tier, uniform, (i, end))
-            {
-                sh.stats.stored += u64::from(end - i);
-                seq.stored = end;
-                seq.chain = Chain::Run(r, generation);
-                break;
+                {
+                    sh.stats.stored += u64::from(end - i);
+                    seq.stored = end;
+                    seq.chain = Chain::Run(r, generation);
+                    break;
+                }
             }
             let toks = &info.tokens[(i * bs) as usize..((i + 1) * bs) as usize];
             let loc = BlockLoc {
@@ -722,6 +700,7 @@ impl Group {
 
     /// Releases every block of the request, last block first (so a chain's tail is the least
     /// recently used and goes first).
+    ///
     /// A request whose chain ends in its live lazy run hands the run its table and its tokens
     /// (from `tokens`, called only then).
     pub(crate) fn release(

@@ -139,14 +139,17 @@ impl Group {
         self.free_runs.push(r);
     }
 
-    /// Ends run `r` after its blocks were dropped: a released run's slot is free again; a live
-    /// one leaves word for its owner's chain.
-    pub(crate) fn drop_run(&mut self, r: u32) {
+    /// Ends run `r` once its blocks are gone, detaching it from its head (returned): a
+    /// released run's slot is free again; a live one leaves word for its owner's chain.
+    fn end_run(&mut self, r: u32) -> u32 {
+        let head = self.run(r).head;
+        self.tree.node_mut(head).tail = NO_RUN;
         if matches!(self.run(r).state, RunState::Live(_)) {
             self.runs[r as usize].state = RunState::Dropped;
         } else {
             self.free_run(r);
         }
+        head
     }
 
     /// Resolves a request's chain that ended in run `r` of generation `generation`, freeing
@@ -312,10 +315,9 @@ impl Group {
 
     // ---- eviction ----------------------------------------------------------------------------
 
-    /// The released run whose tail is the tier's first evictable block, when evicting it drops
-    /// it (no offload).
-    pub(crate) fn droppable_front_run(&self, tier: Tier, sh: &Shared) -> Option<u32> {
-        let b = self.pool(tier).first_evictable()?;
+    /// The released run whose tail is evictable block `b` of `tier`, when evicting it drops it
+    /// (no offload).
+    pub(crate) fn droppable_run(&self, tier: Tier, b: u32, sh: &Shared) -> Option<u32> {
         let n = self.pool(tier).node[b as usize];
         if n == NO_NODE || n & RUN_TAG == 0 {
             return None;
@@ -358,12 +360,30 @@ impl Group {
         if self.run(r).len > 0 {
             self.hook_tail(r);
         } else {
-            let head = self.run(r).head;
-            self.tree.node_mut(head).tail = NO_RUN;
-            self.free_run(r);
+            let head = self.end_run(r);
             self.refresh_node(head);
         }
         k
+    }
+
+    /// Drops block `i` of run `r` with a subtree, the run's blocks after it having gone
+    /// already: a released run's block becomes free, a live one stays its owner's, private.
+    /// The run ends with its first block.
+    pub(crate) fn drop_run_block(&mut self, r: u32, i: u32) {
+        debug_assert_eq!(
+            i + 1,
+            self.run(r).len,
+            "a run's blocks are dropped from the tail"
+        );
+        if matches!(self.run(r).state, RunState::Released { .. }) {
+            let b = self.released_block(r, i);
+            self.unhook_tail(r);
+            self.pools[self.run(r).tier.index()].push_free(b);
+        }
+        self.runs[r as usize].len = i;
+        if i == 0 {
+            self.end_run(r);
+        }
     }
 
     // ---- materializing -----------------------------------------------------------------------
