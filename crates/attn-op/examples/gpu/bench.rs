@@ -1,5 +1,6 @@
-//! Device benchmarks: copy bandwidth, dense paged decode, sparse page-list decode and the device
-//! gather, timed with CUDA events after warm-up (median of many runs).
+//! Device benchmarks: copy bandwidth, dense paged decode, sparse page-list decode (with a copy
+//! of the same bytes beside it at the acceptance shapes) and the device gather, timed with CUDA
+//! events after warm-up (median of many runs).
 
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Timing};
 use attn_op::{AttnError, AttnParams, BatchMeta, KvLayout, Selection};
@@ -114,6 +115,19 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         if !acceptance {
             continue;
         }
+        // The device copy of as many bytes (read + write) as the sparse step reads: what
+        // one launch of that size costs at the copy's own rate, launch and tail included.
+        let t = copy_rotating(gpu, sel_bytes as usize / 8)?;
+        rows.push(Row {
+            name: format!("copy d2d {} MiB B{b}", (sel_bytes as usize / 2) >> 20),
+            t,
+            bytes: sel_bytes,
+            note: format!(
+                "{:.2} / {:.2} x bytes floor: a launch of the sparse step's bytes",
+                t.synced / floor,
+                t.queued / floor
+            ),
+        });
         // The same budget with one page list per sequence, shared by its KV heads: the CTAs
         // of a split's heads then read the same blocks, as dense decode's do.
         let shared = rotating_selections(gpu, &mut rng, b, blocks, KV_HEADS)?;
@@ -318,6 +332,21 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
     let stream = gpu.stream().clone();
     let t = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
     Ok((t, (n * 4 * 2) as f64))
+}
+
+/// Times device copies of `n` u32 (`8 n` bytes read + written), rotating over four buffer
+/// pairs so that the 50 MiB L2 cache holds none of a copy's source.
+fn copy_rotating(gpu: &Gpu, n: usize) -> Result<Timing, AttnError> {
+    let mut pairs = (0..4)
+        .map(|_| Ok((gpu.zeros::<u32>(n)?, gpu.zeros::<u32>(n)?)))
+        .collect::<Result<Vec<(CudaSlice<u32>, CudaSlice<u32>)>, AttnError>>()?;
+    let stream = gpu.stream().clone();
+    let mut i = 0;
+    time(gpu, || {
+        i += 1;
+        let (src, dst) = &mut pairs[i % 4];
+        Ok(stream.memcpy_dtod(src, dst)?)
+    })
 }
 
 /// Four selections of [`budget_pages`] on the device, for the bench to rotate through.
