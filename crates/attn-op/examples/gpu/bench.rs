@@ -335,7 +335,8 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
 }
 
 /// Times device copies of `n` u32 (`8 n` bytes read + written), rotating over four buffer
-/// pairs so that the 50 MiB L2 cache holds none of a copy's source.
+/// pairs. At B8 (4 x 64 MiB) the 50 MiB L2 cache holds none of a copy's source; at B1 the
+/// pairs (32 MiB) fit in it, which can only make the copy faster than one from memory.
 fn copy_rotating(gpu: &Gpu, n: usize) -> Result<Timing, AttnError> {
     let mut pairs = (0..4)
         .map(|_| Ok((gpu.zeros::<u32>(n)?, gpu.zeros::<u32>(n)?)))
