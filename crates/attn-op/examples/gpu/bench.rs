@@ -117,7 +117,7 @@ pub(crate) fn all(gpu: &mut Gpu, json: Option<&str>, profile: bool) -> Result<()
         }
         // The device copy of as many bytes (read + write) as the sparse step reads: what
         // one launch of that size costs at the copy's own rate, launch and tail included.
-        let t = copy_rotating(gpu, sel_bytes as usize / 8)?;
+        let t = copy_rotating(gpu, sel_bytes as usize / 8, 4)?;
         rows.push(Row {
             name: format!("copy d2d {} MiB B{b}", (sel_bytes as usize / 2) >> 20),
             t,
@@ -327,25 +327,22 @@ fn time(gpu: &Gpu, f: impl FnMut() -> Result<(), AttnError>) -> Result<Timing, A
 /// Device-to-device copy of 1 GiB: (timing, bytes read + written).
 fn copy_bandwidth(gpu: &Gpu) -> Result<(Timing, f64), AttnError> {
     let n = 1 << 28;
-    let src: CudaSlice<u32> = gpu.zeros(n)?;
-    let mut dst: CudaSlice<u32> = gpu.zeros(n)?;
-    let stream = gpu.stream().clone();
-    let t = time(gpu, || Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
-    Ok((t, (n * 4 * 2) as f64))
+    Ok((copy_rotating(gpu, n, 1)?, (n * 4 * 2) as f64))
 }
 
-/// Times device copies of `n` u32 (`8 n` bytes read + written), rotating over four buffer
-/// pairs. At B8 (4 x 64 MiB) the 50 MiB L2 cache holds none of a copy's source; at B1 the
-/// pairs (32 MiB) fit in it, which can only make the copy faster than one from memory.
-fn copy_rotating(gpu: &Gpu, n: usize) -> Result<Timing, AttnError> {
-    let mut pairs = (0..4)
+/// Times device copies of `n` u32 (`8 n` bytes read + written), rotating over `pairs` buffer
+/// pairs. For the sparse rows' copies (four pairs): at B8 (4 x 64 MiB) the 50 MiB L2 cache
+/// holds none of a copy's source; at B1 the pairs (32 MiB) fit in it, which can only make the
+/// copy faster than one from memory.
+fn copy_rotating(gpu: &Gpu, n: usize, pairs: usize) -> Result<Timing, AttnError> {
+    let mut bufs = (0..pairs)
         .map(|_| Ok((gpu.zeros::<u32>(n)?, gpu.zeros::<u32>(n)?)))
         .collect::<Result<Vec<(CudaSlice<u32>, CudaSlice<u32>)>, AttnError>>()?;
     let stream = gpu.stream().clone();
     let mut i = 0;
     time(gpu, || {
         i += 1;
-        let (src, dst) = &mut pairs[i % 4];
+        let (src, dst) = &mut bufs[i % pairs];
         Ok(stream.memcpy_dtod(src, dst)?)
     })
 }
