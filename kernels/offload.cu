@@ -216,6 +216,79 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Per-head selections and the hot buffer. As on the CPU, a request keeps one hot buffer per layer
+// whatever its selections: with one selection per KV head, the buffer holds the union of the
+// heads' pages (whole pages, every head), and attention reads each head's own page list through a
+// block table of the request's logical pages.
+//
+// union_heads: one CTA per request merges its `heads` rows of ids [rows * heads, sel_max] (ids
+// outside 0..max_pages skipped) into one ascending, unique row of out [rows, out_max], -1 padded,
+// with its length in out_lens [rows]; a bitmap of max_pages bits in shared memory sorts them.
+//
+// page_table: one CTA per request writes table [rows, max_pages]: the device block of each page
+// of its diffed selection (pages [rows, sel_max] ascending, the diff's blocks [rows, sel_max] in
+// the same order), -1 for every other page.
+
+#define UNION_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(UNION_THREADS) union_heads(
+    const i32* __restrict__ ids, const i32* __restrict__ lens, i32 heads, i32 sel_max,
+    i32 max_pages, i32* __restrict__ out, i32* __restrict__ out_lens, i32 out_max) {
+    extern __shared__ u32 bits[];
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int words = (max_pages + 31) / 32;
+    for (int w = tid; w < words; w += UNION_THREADS) bits[w] = 0;
+    __syncthreads();
+    for (int h = 0; h < heads; h++) {
+        const size_t r = (size_t)row * heads + h;
+        const int len = min(max(lens[r], 0), sel_max);
+        for (int i = tid; i < len; i += UNION_THREADS) {
+            const int p = ids[r * sel_max + i];
+            if (p >= 0 && p < max_pages) atomicOr(&bits[p >> 5], 1u << (p & 31));
+        }
+    }
+    __syncthreads();
+    // Each thread writes the pages of a run of consecutive words, after those of the runs
+    // before it.
+    const int per = (words + UNION_THREADS - 1) / UNION_THREADS;
+    const int a = min(words, tid * per);
+    const int b = min(words, a + per);
+    int n = 0;
+    for (int w = a; w < b; w++) n += __popc(bits[w]);
+    int total;
+    int at = block_scan<UNION_THREADS>(n, &total);
+    i32* o = out + (size_t)row * out_max;
+    for (int w = a; w < b; w++) {
+        u32 x = bits[w];
+        while (x != 0u) {
+            const int bit = __ffs(x) - 1;
+            x &= x - 1u;
+            if (at < out_max) o[at] = w * 32 + bit;
+            at++;
+        }
+    }
+    for (int i = total + tid; i < out_max; i += UNION_THREADS) o[i] = -1;
+    if (tid == 0) out_lens[row] = min(total, out_max);
+}
+
+extern "C" __global__ void __launch_bounds__(UNION_THREADS) page_table(
+    const i32* __restrict__ pages, const i32* __restrict__ lens, i32 sel_max,
+    const i32* __restrict__ blocks, i32 max_pages, i32* __restrict__ table) {
+    const int row = blockIdx.x;
+    i32* t = table + (size_t)row * max_pages;
+    for (int i = threadIdx.x; i < max_pages; i += UNION_THREADS) t[i] = -1;
+    // The CTA's writes of -1 are visible to all its threads past the barrier, so the blocks
+    // written below are the last word.
+    __syncthreads();
+    const int len = min(max(lens[row], 0), sel_max);
+    for (int i = threadIdx.x; i < len; i += UNION_THREADS) {
+        const int p = pages[(size_t)row * sel_max + i];
+        if (p >= 0 && p < max_pages) t[p] = blocks[(size_t)row * sel_max + i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Loads of the diff's misses, zero-copy from the pinned host pool into the device pool of one
 // layer. Host pool (K and V each): [layers, host_pages, page_elems] (offload's LayerFirst
 // layout); device pool: [num_blocks, page_elems] (attn-op's block tensor). Row r's miss m is

@@ -46,6 +46,13 @@ pub(crate) fn write(dir: &Path) -> Result<String, String> {
              travels in two parts; see run.sh).\n\n",
         ),
     }
+    match read("passkey.json") {
+        Some(p) => passkey(&p, &mut md),
+        None => md.push_str(
+            "## Passkey retrieval on the GPU\n\nNot measured: no passkey.json (the real model \
+             travels in two parts; see run.sh).\n\n",
+        ),
+    }
     match read("synth.json") {
         Some(synth) => synthetic(&synth, &mut md),
         None => md.push_str("## The synthetic 8B-class model\n\nNot measured: no synth.json.\n\n"),
@@ -183,28 +190,52 @@ fn fidelity(f: &Value, md: &mut String) {
     let _ = write!(
         md,
         "## Sparse fidelity on the GPU\n\nThe real model, {} prefill + {} teacher-forced tokens, \
-         {} against dense; each side against its own dense.\n\n\
-         | side | ppl dense | ppl sparse | ratio | top-1 agreement |\n| --- | ---: | ---: | ---: | ---: |\n",
+         each sparse variant against dense; each side against its own dense.\n\n\
+         | variant | side | ppl dense | ppl sparse | ratio | top-1 agreement | miss rate |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: |\n",
         f["prefill"].as_u64().unwrap_or(0),
         f["decode"].as_u64().unwrap_or(0),
-        f["variant"].as_str().unwrap_or("?")
     );
-    for side in ["cpu", "gpu"] {
-        let g = |k: &str| f[side][k].as_f64().unwrap_or(f64::NAN);
+    for v in f["variants"].as_array().into_iter().flatten() {
+        let name = v["name"].as_str().unwrap_or("?");
+        for side in ["cpu", "gpu"] {
+            let g = |k: &str| v[side][k].as_f64().unwrap_or(f64::NAN);
+            let misses = if side == "gpu" {
+                format!("{:.3}", v["gpu_miss_rate"].as_f64().unwrap_or(f64::NAN))
+            } else {
+                "-".to_owned()
+            };
+            let _ = writeln!(
+                md,
+                "| {name} | {side} | {:.4} | {:.4} | {:.4} | {:.4} | {misses} |",
+                g("ppl_dense"),
+                g("ppl_sparse"),
+                g("ppl_ratio"),
+                g("top1")
+            );
+        }
+    }
+    md.push('\n');
+}
+
+/// Passkey retrieval on the GPU, from `gpu_engine passkey --json`: keys found per context and
+/// variant.
+fn passkey(p: &Value, md: &mut String) {
+    md.push_str(
+        "## Passkey retrieval on the GPU\n\nThe real model answers greedily; a key hidden at \
+         evenly spread depths.\n\n| context | variant | keys found |\n| ---: | --- | ---: |\n",
+    );
+    for r in p["runs"].as_array().into_iter().flatten() {
         let _ = writeln!(
             md,
-            "| {side} | {:.4} | {:.4} | {:.4} | {:.4} |",
-            g("ppl_dense"),
-            g("ppl_sparse"),
-            g("ppl_ratio"),
-            g("top1")
+            "| {} | {} | {}/{} |",
+            r["context"].as_u64().unwrap_or(0),
+            r["variant"].as_str().unwrap_or("?"),
+            r["correct"].as_u64().unwrap_or(0),
+            r["trials"].as_u64().unwrap_or(0)
         );
     }
-    let _ = writeln!(
-        md,
-        "\nGPU sparse decode miss rate {:.3}.\n",
-        f["gpu_miss_rate"].as_f64().unwrap_or(f64::NAN)
-    );
+    md.push('\n');
 }
 
 /// The synthetic 8B-class model from `gpu_engine bench --json`: one row per run, then the
@@ -297,14 +328,18 @@ mod tests {
               "step_ms": 20.0, "tokens_per_s": 800.0, "miss_rate": 0.1,
               "stages": [{ "stage": "model", "ms": 5.0 }, { "stage": "loads", "ms": 15.0 }] }] });
         let side = |d: f64, sp: f64, t: f64| serde_json::json!({ "ppl_dense": d, "ppl_sparse": sp, "ppl_ratio": sp / d, "top1": t });
-        let fidelity = serde_json::json!({ "prefill": 3584, "decode": 256, "variant": "quest-1024+2dense",
-            "cpu": side(17.0, 18.0, 0.85), "gpu": side(16.0, 17.0, 0.8), "gpu_miss_rate": 0.043 });
+        let fidelity = serde_json::json!({ "prefill": 6144, "decode": 511, "variants": [
+            { "name": "quest-1024+2dense", "cpu": side(17.0, 18.0, 0.85), "gpu": side(16.0, 17.0, 0.8),
+              "gpu_miss_rate": 0.043 }] });
+        let passkey = serde_json::json!({ "device": "NVIDIA H200", "runs": [
+            { "context": 4096, "variant": "dense", "trials": 10, "correct": 9 }] });
         for (name, v) in [
             ("bench.json", bench),
             ("peers.json", peers),
             ("step.json", step),
             ("synth.json", synth),
             ("fidelity.json", fidelity),
+            ("passkey.json", passkey),
         ] {
             std::fs::write(dir.join(name), v.to_string()).expect("writable");
         }
@@ -316,8 +351,8 @@ mod tests {
             "| 128K | 0.2000 ms | 0.0200 ms | 0.3000 ms | 10.0× | 15.0× |",
             "| hot-buffer diff | 0.0100 | 10.0 % |",
             "miss rate of 5.0 %",
-            "| gpu | 16.0000 | 17.0000 | 1.0625 | 0.8000 |",
-            "GPU sparse decode miss rate 0.043.",
+            "| quest-1024+2dense | gpu | 16.0000 | 17.0000 | 1.0625 | 0.8000 | 0.043 |",
+            "| 4096 | dense | 9/10 |",
             "| 32768 | sparse | heavy | 16 | 2 | 770.2 | 5.01 | 159 | 20.00 | 800.0 | 0.100 |",
             "- 32768 heavy B16: 20.00 ms = model 5.00 (25 %), loads 15.00 (75 %)",
             "```text\ndevice: NVIDIA H200\n```",

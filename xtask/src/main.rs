@@ -340,9 +340,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # The GPU checks and benchmarks of attn-op (gpu), offload (gpu_io), sparse-algo (gpu_select) and
 # the full step of the coordinator's layers (gpu_step).
 # Usage: bash run.sh OUTDIR. Writes check.log, bench.log/json, io.log/json, select.log/json,
-# step.json, synth.json, peers.log/json, tools.log (sanitizers, ncu), table.txt (the step's and the
-# synthetic model's tables last), and
-# the GPU report: report.md with gpu_speedup.png.
+# step.json, synth.json, engine.json, fidelity.json, passkey.json, peers.log/json, tools.log
+# (sanitizers, ncu), table.txt (the step's and the synthetic model's tables last), and the GPU
+# report: report.md with gpu_speedup.png.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 # cuBLAS (the engine's GEMMs): the CUDA toolkit's, else the one PyTorch's wheels bring.
@@ -368,6 +368,8 @@ if [ -f "$model_a" ] && [ -f "$here/model.part-b" ]; then
     "$here/bin/gpu_engine" check /tmp/hsa-model.gguf "$here/text.txt" --json "$out/engine.json" 2>&1 | tee -a "$out/check.log"
     [ "${PIPESTATUS[0]}" = 0 ] || check=1
     "$here/bin/gpu_engine" fidelity /tmp/hsa-model.gguf "$here/text.txt" --json "$out/fidelity.json" 2>&1 | tee -a "$out/check.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || check=1
+    "$here/bin/gpu_engine" passkey /tmp/hsa-model.gguf --json "$out/passkey.json" 2>&1 | tee -a "$out/check.log"
     [ "${PIPESTATUS[0]}" = 0 ] || check=1
   else
     echo "gpu_engine check: FAILED (the reassembled model's sha256 differs)" | tee -a "$out/check.log"
@@ -415,7 +417,7 @@ if command -v ncu > /dev/null && [ "${NCU:-1}" = 1 ]; then
     --section MemoryWorkloadAnalysis "$here/bin/gpu_select" bench >> "$out/tools.log" 2>&1
   echo "ncu exit $?" >> "$out/tools.log"
 fi
-grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:|gpu_engine check|gpu_engine fidelity)" "$out/check.log"
+grep -E "^(FAIL|check:|gpu_select check:|gpu_step check:|gpu_engine check|gpu_engine fidelity|gpu_engine passkey)" "$out/check.log"
 python3 "$here/gpu_table.py" "$out/bench.json" "$out/peers.json" "$out/io.json" "$out/select.json" | tee "$out/table.txt"
 "$here/bin/gpu_step" bench --json "$out/step.json" 2>&1 | tee -a "$out/table.txt"
 # The synthetic 8B-class model: capacity and decode throughput, dense against sparse.

@@ -11,6 +11,7 @@ use attn_op::Element;
 use coordinator::{Mode, SparseConfig, SparseCoordinator};
 use kv_blocks::RequestId;
 use offload::StepStats;
+use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 use crate::EngineError;
 use crate::kv::{Batch, DenseAttention, KvStore};
@@ -358,9 +359,49 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The variants `eval` runs without a config: the acceptance figures of the engine issue.
+/// Quest at a 1024-token budget with layers 0 and 1 dense, as pages of 16 with one selection
+/// shared by the KV heads (the cheapest), and as pages of 4 selected per KV head with the first
+/// 16 and last 256 tokens always kept (the most faithful); then a budget covering the context,
+/// which must equal dense.
+pub fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
+    let quest = |budget: usize, dense: Vec<usize>, min_prompt: Option<usize>| SparseConfig {
+        dense_layers: dense,
+        min_prompt_tokens: min_prompt,
+        ..SparseConfig::quest(budget)
+    };
+    let faithful = SparseConfig {
+        algo: AlgoConfig::Quest(QuestConfig {
+            page_size: 4,
+            budget_tokens: 1024,
+            shared_heads: false,
+            always: AlwaysInclude {
+                sink_tokens: 16,
+                recent_tokens: 256,
+            },
+        }),
+        ..quest(1024, vec![0, 1], Some(1))
+    };
+    let full = context.div_ceil(16) * 16;
+    vec![
+        (
+            "quest-1024+2dense".to_owned(),
+            quest(1024, vec![0, 1], Some(1)),
+        ),
+        ("quest-1024-p4-head-sr+2dense".to_owned(), faithful),
+        (
+            format!("quest-full-{full}"),
+            quest(full, Vec::new(), Some(1)),
+        ),
+    ]
+}
+
+/// Tokens a passkey answer is given (greedy).
+pub const PASSKEY_ANSWER: usize = 8;
+
 /// Passkey retrieval: how many of `trials` prompts of about `context` tokens, a five-digit
 /// key hidden at evenly spread depths in filler text, each variant (dense first) answers
-/// with the key (greedy, 8 tokens).
+/// with the key (greedy, [`PASSKEY_ANSWER`] tokens).
 pub fn passkey<T: Element>(
     model: &Model,
     tokenizer: &crate::Tokenizer,
@@ -370,39 +411,12 @@ pub fn passkey<T: Element>(
     opts: &EvalOptions,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Vec<(String, usize)>, EngineError> {
-    const ANSWER: usize = 8;
-    let intro = tokenizer.encode(
-        "There is an important piece of information hidden inside a lot of irrelevant text. \
-         Find it and memorize it. I will quiz you about it.\n",
-    )?;
-    let filler = tokenizer
-        .encode("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")?;
-    let question = tokenizer.encode("\nWhat is the pass key? The pass key is")?;
     let mut correct = vec![0usize; variants.len() + 1];
     for t in 0..trials {
-        let key = 10_000 + (t as u64 * 7919 + 4243) % 90_000;
-        let needle = tokenizer.encode(&format!(
-            "The pass key is {key}. Remember it. {key} is the pass key. "
-        ))?;
-        let room = context
-            .checked_sub(intro.len() + needle.len() + question.len() + ANSWER)
-            .ok_or_else(|| EngineError::Invalid(format!("a passkey context of {context}")))?;
-        let reps = room / filler.len();
-        let at = reps * t / trials.max(1);
-        let mut prompt = intro.clone();
-        for r in 0..reps {
-            if r == at {
-                prompt.extend_from_slice(&needle);
-            }
-            prompt.extend_from_slice(&filler);
-        }
-        if at >= reps {
-            prompt.extend_from_slice(&needle);
-        }
-        prompt.extend_from_slice(&question);
-        let outs = greedy::<T>(model, &prompt, ANSWER, variants, opts)?;
+        let (prompt, key) = passkey_prompt(tokenizer, context, t, trials)?;
+        let outs = greedy::<T>(model, &prompt, PASSKEY_ANSWER, variants, opts)?;
         for (c, out) in correct.iter_mut().zip(&outs) {
-            if tokenizer.decode(out)?.contains(&key.to_string()) {
+            if tokenizer.decode(out)?.contains(&key) {
                 *c += 1;
             }
         }
@@ -412,6 +426,44 @@ pub fn passkey<T: Element>(
         .chain(variants.iter().map(|v| v.0.clone()))
         .zip(correct)
         .collect())
+}
+
+/// Trial `t` of `trials` of [`passkey`]: a prompt of at most `context` tokens (the answer's
+/// [`PASSKEY_ANSWER`] included), its key hidden at depth `t / trials`, and the key as text.
+pub fn passkey_prompt(
+    tokenizer: &crate::Tokenizer,
+    context: usize,
+    t: usize,
+    trials: usize,
+) -> Result<(Vec<u32>, String), EngineError> {
+    let intro = tokenizer.encode(
+        "There is an important piece of information hidden inside a lot of irrelevant text. \
+         Find it and memorize it. I will quiz you about it.\n",
+    )?;
+    let filler = tokenizer
+        .encode("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")?;
+    let question = tokenizer.encode("\nWhat is the pass key? The pass key is")?;
+    let key = 10_000 + (t as u64 * 7919 + 4243) % 90_000;
+    let needle = tokenizer.encode(&format!(
+        "The pass key is {key}. Remember it. {key} is the pass key. "
+    ))?;
+    let room = context
+        .checked_sub(intro.len() + needle.len() + question.len() + PASSKEY_ANSWER)
+        .ok_or_else(|| EngineError::Invalid(format!("a passkey context of {context}")))?;
+    let reps = room / filler.len();
+    let at = reps * t / trials.max(1);
+    let mut prompt = intro;
+    for r in 0..reps {
+        if r == at {
+            prompt.extend_from_slice(&needle);
+        }
+        prompt.extend_from_slice(&filler);
+    }
+    if at >= reps {
+        prompt.extend_from_slice(&needle);
+    }
+    prompt.extend_from_slice(&question);
+    Ok((prompt, key.to_string()))
 }
 
 /// The dense model's arg-max after every position of `tokens` (one prefill with every row's

@@ -43,5 +43,5 @@ pub use linear::Linear;
 pub use model::{Attention, Model, ModelConfig};
 pub use sample::{Sampler, Sampling};
 pub use sched::{Event, FinishReason, Report, Request, Scheduler, SchedulerConfig, Usage};
-pub use sparse::SparseAttention;
+pub use sparse::{SparseAttention, single_request};
 pub use tokenizer::Tokenizer;

@@ -171,8 +171,9 @@ pub(crate) fn sub_batch(batch: &Batch, which: &[usize]) -> (Vec<i32>, Vec<i32>, 
 }
 
 /// A coordinator for one request `id` of up to `max_tokens` tokens whose prompt holds
-/// `prompt_len` (the engine's single-request runs: `generate`, `eval`), the request begun.
-pub(crate) fn single_request<T: Element>(
+/// `prompt_len` (the engine's single-request runs: `generate`, `eval`, the GPU tools), the
+/// request begun.
+pub fn single_request<T: Element>(
     model: &crate::ModelConfig,
     config: &coordinator::SparseConfig,
     id: RequestId,

@@ -35,6 +35,10 @@ const DIFF_THREADS: u32 = 1024;
 pub const MAX_DIFF_SELECTION: usize = 2048;
 /// Warps of an IO CTA (`IO_WARPS`).
 const IO_WARPS: usize = 8;
+/// Threads of a `union_heads` or `page_table` CTA (`UNION_THREADS`).
+const UNION_THREADS: u32 = 256;
+/// The shared memory a `union_heads` CTA may use for its bitmap (the default limit).
+const UNION_SMEM_MAX: usize = 48 << 10;
 
 fn device_err(e: impl std::fmt::Debug) -> OffloadError {
     OffloadError::Attn(AttnError::Device(format!("CUDA driver: {e:?}")))
@@ -58,6 +62,8 @@ pub struct IoKernels {
     diff_smem_max: usize,
     load_misses: CudaFunction,
     copy_rows: CudaFunction,
+    union_heads: CudaFunction,
+    page_table: CudaFunction,
 }
 
 /// The hot buffers of `rows` (request, layer) rows of `hot` slots each, on the device: the LRU
@@ -404,6 +410,8 @@ impl IoKernels {
             diff_smem_max,
             load_misses: load("load_misses")?,
             copy_rows: load("copy_rows")?,
+            union_heads: load("union_heads")?,
+            page_table: load("page_table")?,
         })
     }
 
@@ -541,6 +549,105 @@ impl IoKernels {
         // every per-row buffer has the `[rows, sel_max]`, `[rows]` or `[rows, hot + 1]` length
         // checked above, the dynamic shared memory is within the limit set at load, and the
         // selection fits the kernel's hash (sel_max <= MAX_DIFF_SELECTION).
+        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        Ok(())
+    }
+
+    /// The union of per-head selections, the rows a request's one hot buffer diffs (as the
+    /// CPU coordinator does): row `r` of `out` gets the ascending, unique pages of rows `r *
+    /// heads .. (r + 1) * heads` of `sel`, -1 padded, ids outside `0..max_pages` left out.
+    /// `out` must have `sel.rows / heads` rows of at least `heads * sel.max_len` ids.
+    pub fn union_heads(
+        &self,
+        sel: &DeviceSelection,
+        heads: usize,
+        max_pages: usize,
+        out: &mut DeviceSelection,
+    ) -> Result<(), OffloadError> {
+        let smem = max_pages.div_ceil(32) * 4;
+        if heads == 0
+            || sel.rows != out.rows * heads
+            || out.max_len < heads * sel.max_len
+            || smem > UNION_SMEM_MAX
+        {
+            return Err(OffloadError::Invalid(format!(
+                "a union of {} rows of {} ids, {heads} heads a row, into {} rows of {}, over \
+                 {max_pages} pages ({smem} bytes of bitmap, at most {UNION_SMEM_MAX})",
+                sel.rows, sel.max_len, out.rows, out.max_len
+            )));
+        }
+        if out.rows == 0 {
+            return Ok(());
+        }
+        let ints = [
+            to_i32(heads)?,
+            to_i32(sel.max_len)?,
+            to_i32(max_pages)?,
+            to_i32(out.max_len)?,
+        ];
+        let [heads_i, sel_i, pages_i, out_i] = ints;
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(out.rows)?, 1, 1),
+            block_dim: (UNION_THREADS, 1, 1),
+            shared_mem_bytes: to_u32(smem)?,
+        };
+        let mut b = self.stream.launch_builder(&self.union_heads);
+        b.arg(&sel.ids)
+            .arg(&sel.lens)
+            .arg(&heads_i)
+            .arg(&sel_i)
+            .arg(&pages_i)
+            .arg(&mut out.ids)
+            .arg(&mut out.lens)
+            .arg(&out_i);
+        // SAFETY: the arguments follow `union_heads` in kernels/offload.cu; `sel` holds
+        // `out.rows * heads` rows of `sel.max_len` ids (a `DeviceSelection` checks its sizes),
+        // `out` `out.rows` rows of `out.max_len`; the bitmap of `max_pages` bits is the dynamic
+        // shared memory given, within the default limit; the kernel skips ids outside it.
+        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        Ok(())
+    }
+
+    /// The block table of diffed selections: row `r` of `table` (`[rows, max_pages]`) maps
+    /// each page of row `r` of `pages` to its device block in `diff` (the diff of `pages`),
+    /// every other page to -1.
+    pub fn page_table(
+        &self,
+        pages: &DeviceSelection,
+        diff: &DeviceDiff,
+        max_pages: usize,
+        table: &mut CudaSlice<i32>,
+    ) -> Result<(), OffloadError> {
+        let rows = pages.rows;
+        if diff.rows() != rows || diff.sel_max != pages.max_len || table.len() != rows * max_pages {
+            return Err(OffloadError::Invalid(format!(
+                "a block table of {} entries for {rows} rows of {max_pages} pages, from a diff of \
+                 {} rows of {} (selections of {})",
+                table.len(),
+                diff.rows(),
+                diff.sel_max,
+                pages.max_len
+            )));
+        }
+        if rows == 0 || max_pages == 0 {
+            return Ok(());
+        }
+        let (sel_i, pages_i) = (to_i32(pages.max_len)?, to_i32(max_pages)?);
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(rows)?, 1, 1),
+            block_dim: (UNION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.page_table);
+        b.arg(&pages.ids)
+            .arg(&pages.lens)
+            .arg(&sel_i)
+            .arg(&diff.table)
+            .arg(&pages_i)
+            .arg(table);
+        // SAFETY: the arguments follow `page_table` in kernels/offload.cu; `pages` and the
+        // diff's table hold `rows` rows of `sel_max` ids, `table` `rows * max_pages` entries
+        // (checked above), and the kernel writes only pages inside `0..max_pages`.
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }

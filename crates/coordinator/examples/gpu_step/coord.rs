@@ -3,7 +3,8 @@
 //! different lengths prefill, decode across page boundaries, end, and a new request takes a
 //! freed slot in a mixed prefill + decode batch. Per sparse layer and step: the routes, the
 //! selections, the hits and misses, and the attention outputs (relative error 1e-2 in bf16)
-//! must agree.
+//! must agree. The scenario runs twice: Quest with one selection shared by the KV heads, and
+//! with one per KV head (whose hot buffer holds their union).
 
 use attn_op::cuda::Gpu;
 use attn_op::{AttnOut, AttnParams};
@@ -39,17 +40,28 @@ struct Pair {
     misses: u64,
 }
 
-/// Runs the scenario; answers the number of failed comparisons.
+/// Runs the scenario with one selection shared by the KV heads (pages of 16) and with one
+/// per KV head (pages of 4); answers the number of failed comparisons.
 pub(crate) fn check(gpu: &Gpu) -> Res<usize> {
+    let mut failed = 0;
+    for (page_size, shared_heads) in [(16, true), (4, false)] {
+        failed += scenario(gpu, page_size, shared_heads)?;
+    }
+    Ok(failed)
+}
+
+/// The scenario with Quest over pages of `page_size`, its selections shared by the KV heads
+/// or not.
+fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool) -> Res<usize> {
     let config = SparseConfig {
         algo: AlgoConfig::Quest(QuestConfig {
-            page_size: 16,
+            page_size,
             budget_tokens: 128,
             always: AlwaysInclude {
                 sink_tokens: 16,
                 recent_tokens: 32,
             },
-            shared_heads: true,
+            shared_heads,
         }),
         hot_tokens: None,
         min_prompt_tokens: Some(1),
@@ -101,9 +113,14 @@ pub(crate) fn check(gpu: &Gpu) -> Res<usize> {
         p.forward(gpu, &[(c, 1), (a, 1), (d, 1)])?;
     }
     println!(
-        "{} coordinator, CPU hooks against device hooks: {} layer steps compared, {} failed; \
-         device {} hits, {} misses",
+        "{} coordinator, CPU hooks against device hooks ({}, pages of {page_size}): {} layer \
+         steps compared, {} failed; device {} hits, {} misses",
         if p.failed == 0 { "ok  " } else { "FAIL" },
+        if shared_heads {
+            "one selection shared by the KV heads"
+        } else {
+            "a selection per KV head"
+        },
         p.compared,
         p.failed,
         p.hits,
@@ -193,7 +210,10 @@ impl Pair {
                     .selection
                     .as_ref()
                     .ok_or("a sparse plan has a selection")?;
-                let same_sel = (0..n).all(|j| sel.get(j).map(Vec::as_slice) == Some(top.row(j, 0)));
+                // Rows per sparse row: 1 (head-shared) or one per KV head.
+                let per = sel.len() / n.max(1);
+                let same_sel = per * n == sel.len()
+                    && (0..n * per).all(|i| sel[i].as_slice() == top.row(i / per, i % per));
                 let stats = self.dev.stats(gpu, &self.gco, layer).map_err(err)?;
                 let same_stats = stats.hits == want.stats.hits && stats.misses == want.stats.misses;
                 self.hits += stats.hits;

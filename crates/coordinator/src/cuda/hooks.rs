@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, Gpu};
+use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, DeviceSelection, Gpu};
 use attn_op::{BatchMeta, KvCache};
 use cudarc::driver::CudaSlice;
 use kv_blocks::RequestId;
@@ -307,8 +307,9 @@ impl<T: CudaElement> DeviceSparse<T> {
             }
             Some(g)
         };
-        // Quest: scores and top-k, one selection per request.
-        let mut top = DeviceTopK::new(gpu, &l.quest, n, self.kv_heads, mp * ps, true)?;
+        // Quest: scores and top-k, one selection per request or per (request, KV head).
+        let per_head = !l.quest.config().shared_heads;
+        let mut top = DeviceTopK::new(gpu, &l.quest, n, self.kv_heads, mp * ps, !per_head)?;
         self.select.quest_topk(
             &l.quest,
             q_rows.as_ref().unwrap_or(q),
@@ -320,13 +321,23 @@ impl<T: CudaElement> DeviceSparse<T> {
             &mut top,
         )?;
         mark(&mut self.clock, "selection")?;
-        // The diff against each request's hot buffer, then the loads of its misses.
+        // The diff against each request's hot buffer (of the union of its heads' pages, for
+        // per-head selections), then the loads of its misses.
         let width = l.quest.row_width();
-        let mut diff = DeviceDiff::new(gpu, n, width)?;
+        let union = if per_head {
+            let w = self.kv_heads * width;
+            let mut u = DeviceSelection::from_device(gpu.zeros(n * w)?, gpu.zeros(n)?, w)?;
+            self.io.union_heads(&top.sel, self.kv_heads, mp, &mut u)?;
+            Some(u)
+        } else {
+            None
+        };
+        let diffed = union.as_ref().unwrap_or(&top.sel);
+        let mut diff = DeviceDiff::new(gpu, n, diffed.max_len)?;
         self.io.diff_rows(
             &mut l.bufs,
             &arrays.buf_rows,
-            &top.sel,
+            diffed,
             &arrays.current,
             &arrays.blocks,
             &mut diff,
@@ -343,20 +354,56 @@ impl<T: CudaElement> DeviceSparse<T> {
             &mut l.kv,
         )?;
         mark(&mut self.clock, "loads")?;
-        let dev_arrays = DeviceArrays {
-            seq_lens_kv: gpu.zeros(n)?,
-            block_table: gpu.zeros(n * width)?,
-            max_blocks: width,
+        let attn = match &union {
+            Some(u) => {
+                // Per head: the rows' own lengths, and a block table of each row's union.
+                let mut block_table = gpu.zeros(n * mp)?;
+                self.io.page_table(u, &diff, mp, &mut block_table)?;
+                let dev_arrays = DeviceArrays {
+                    seq_lens_kv: gpu
+                        .stream()
+                        .clone_dtod(arrays.meta.seq_lens_kv())
+                        .map_err(|e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))?,
+                    block_table,
+                    max_blocks: mp,
+                };
+                // SAFETY: the lengths are the rows' batch's (`arrays.meta`, validated with
+                // their bound on upload), and every table entry is -1 or a block of a row's
+                // hot buffer, below the layout's block count.
+                unsafe {
+                    DeviceBatch::from_device(
+                        gpu,
+                        dev_arrays,
+                        vec![1; n],
+                        arrays.meta.max_kv_len(),
+                        &l.kv.layout(),
+                    )
+                }?
+            }
+            None => {
+                let dev_arrays = DeviceArrays {
+                    seq_lens_kv: gpu.zeros(n)?,
+                    block_table: gpu.zeros(n * width)?,
+                    max_blocks: width,
+                };
+                // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at
+                // most `width` pages of `ps` tokens, the bound given here (zeros until then).
+                unsafe {
+                    DeviceBatch::from_device(
+                        gpu,
+                        dev_arrays,
+                        vec![1; n],
+                        width * ps,
+                        &l.kv.layout(),
+                    )
+                }?
+            }
         };
-        // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at most
-        // `width` pages of `ps` tokens, the bound given here (zeros until then).
-        let attn = unsafe {
-            DeviceBatch::from_device(gpu, dev_arrays, vec![1; n], width * ps, &l.kv.layout())
-        }?;
         Ok(LayerStep {
             rows: n,
             q: q_rows,
             top,
+            per_head,
             diff,
             arrays,
             attn,

@@ -16,8 +16,10 @@
 //! prompt: its representations are built on the CPU from the host pool (they change once
 //! per request or page, not per step) and uploaded when the request first decodes.
 //!
-//! The device path runs head-shared Quest (one selection per request, as the device diff
-//! takes); other algorithms get [`CoordError::Config`]. A coordinator driven through these
+//! The device path runs Quest; other algorithms get [`CoordError::Config`]. As on the CPU, a
+//! request has one hot buffer per layer: with a selection per KV head, the diff takes the
+//! union of the heads' pages, and attention reads each head's own pages through the request's
+//! block table. A coordinator driven through these
 //! hooks must use them for every forward: its CPU copies of decode-time representations and
 //! hot buffers are not kept. Host pool bytes the device writes are complete once the stream
 //! has drained ([`Gpu::synchronize`]); read them through the offload manager only then.
@@ -96,11 +98,14 @@ struct LayerStep<T: CudaElement> {
     /// exactly them).
     q: Option<CudaSlice<T>>,
     top: DeviceTopK,
+    /// Whether `top` holds one selection per (row, KV head); the diff then took their union
+    /// per row, and `attn`'s block table maps each row's pages.
+    per_head: bool,
     diff: DeviceDiff,
     /// The forward's decode-row arrays, shared by its sparse layers.
     arrays: Arc<RowsArrays>,
-    /// The batch attention reads: the diff's table and the selection's covered tokens are
-    /// swapped in for the launch.
+    /// The batch attention reads. Head-shared: the diff's table and the selection's covered
+    /// tokens are swapped in for the launch; per head: the rows' lengths and block tables.
     attn: DeviceBatch,
     /// Loads that refreshed reserved slots, and their tokens.
     reserved_loads: u64,
@@ -147,8 +152,9 @@ pub struct DeviceLayerPlan {
 impl<T: CudaElement> DeviceSparse<T> {
     /// The device mirror of `coord`'s sparse layers: kernels compiled for `gpu`, the host pool
     /// registered in place, zeroed representations and hot buffers. Answers
-    /// [`CoordError::Config`] without sparse layers, for an algorithm other than head-shared
-    /// Quest, or for a host layout other than layer-first.
+    /// [`CoordError::Config`] without sparse layers, for an algorithm other than Quest, for
+    /// selections wider than the device diff takes, or for a host layout other than
+    /// layer-first.
     pub fn new(gpu: &Gpu, coord: &SparseCoordinator<T>) -> Result<Self, CoordError> {
         let manager = coord
             .manager()
@@ -161,20 +167,20 @@ impl<T: CudaElement> DeviceSparse<T> {
                 .as_ref()
                 .expect("a sparse layer has parameters");
             match &p.config {
-                AlgoConfig::Quest(q) if q.shared_heads => {
+                AlgoConfig::Quest(q) => {
                     let quest = Quest::new(*q)?;
-                    if quest.row_width() > MAX_DIFF_SELECTION {
+                    let width = diff_width(&quest, m.kv_heads);
+                    if width > MAX_DIFF_SELECTION {
                         return Err(CoordError::Config(format!(
-                            "layer {l}: selections of {} pages; the device diff takes {}",
-                            quest.row_width(),
-                            MAX_DIFF_SELECTION
+                            "layer {l}: selections of {width} pages; the device diff takes \
+                             {MAX_DIFF_SELECTION}"
                         )));
                     }
                     quests.push(quest);
                 }
                 other => {
                     return Err(CoordError::Config(format!(
-                        "layer {l}: the device path runs head-shared Quest, not {other:?}"
+                        "layer {l}: the device path runs Quest, not {other:?}"
                     )));
                 }
             }
@@ -261,6 +267,11 @@ impl<T: CudaElement> DeviceSparse<T> {
             .as_mut()
             .ok_or_else(|| CoordError::Invalid(format!("layer {layer} has no device step")))?;
         let q = step.q.as_ref().unwrap_or(q);
+        if step.per_head {
+            // Each KV head's own pages, through the request's block table of the union.
+            gpu.sparse_page_attention(q, &l.kv, &step.attn, &step.top.sel, params, out, None)?;
+            return self.mark("attention");
+        }
         // SAFETY: `covered` holds each row's selected tokens, at most row_width pages of
         // page_size tokens (the bound `attn` was made with), and the diff's table has the
         // batch's [rows, row_width] shape; both go back where they came from below.
@@ -276,8 +287,8 @@ impl<T: CudaElement> DeviceSparse<T> {
         self.mark("attention")
     }
 
-    /// The selected pages of `layer`'s last step, one row per sparse row (waits for the
-    /// stream).
+    /// The selected pages of `layer`'s last step, one row per sparse row, or per (sparse
+    /// row, KV head) for a per-head Quest (waits for the stream).
     pub fn selection(
         &self,
         gpu: &Gpu,
@@ -287,7 +298,7 @@ impl<T: CudaElement> DeviceSparse<T> {
         let step = self.step(coord, layer)?;
         let sel = &step.top.sel;
         let (ids, lens) = (gpu.download(&sel.ids)?, gpu.download(&sel.lens)?);
-        Ok((0..step.rows)
+        Ok((0..sel.rows)
             .map(|r| {
                 let len = usize::try_from(lens[r]).unwrap_or(0).min(sel.max_len);
                 ids[r * sel.max_len..r * sel.max_len + len].to_vec()
@@ -379,6 +390,16 @@ impl<T: CudaElement> DeviceSparse<T> {
         }
         self.epochs[slot] = coord.slot_epochs[slot];
         Ok(())
+    }
+}
+
+/// The widest row the hot-buffer diff of `quest` takes: a head-shared selection, or the union
+/// of `kv_heads` per-head selections.
+fn diff_width(quest: &Quest, kv_heads: usize) -> usize {
+    if quest.config().shared_heads {
+        quest.row_width()
+    } else {
+        kv_heads * quest.row_width()
     }
 }
 

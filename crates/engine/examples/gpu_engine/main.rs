@@ -21,6 +21,9 @@
 //! of the real model on the CPU and on the GPU, each side's perplexity ratio and top-1
 //! agreement (module `fidelity`).
 //!
+//! `gpu_engine passkey MODEL [--json FILE]`: passkey retrieval at 4K and 8K on the GPU, dense
+//! against hierarchical sparse (module `passkey`).
+//!
 //! `gpu_engine bench [--lanes] [--json FILE]`: the synthetic 8B-class model's capacity and
 //! decode throughput, dense against hierarchical sparse (module `synth`). `--lanes` adds runs
 //! of each batch split over two forks of the model on two streams (module `lanes`).
@@ -34,6 +37,8 @@
 
 mod fidelity;
 mod lanes;
+mod one;
+mod passkey;
 #[path = "../../../attn-op/examples/gpu/report.rs"]
 mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
@@ -71,8 +76,9 @@ fn run(cmd: &str, args: &[String]) -> Res<i32> {
         "check" => check(args),
         "bench" => synth::bench(args),
         "fidelity" => fidelity::fidelity(args),
+        "passkey" => passkey::passkey(args),
         other => Err(format!(
-            "unknown command {other:?} (check, fidelity or bench)"
+            "unknown command {other:?} (check, fidelity, passkey or bench)"
         )),
     }
 }

@@ -21,7 +21,6 @@ use engine::gguf::Gguf;
 use engine::{EngineError, Model, ModelConfig, Sampling, SchedulerConfig, Tokenizer};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
-use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 /// Where `cargo xtask fetch-model` puts the model.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -158,7 +157,7 @@ struct FileConfig {
     sparse: SparseConfig,
     /// The batching scheduler of `run` (`[engine]`).
     engine: SchedulerConfig,
-    /// Sparse variants of `eval` and `run`, by name (default: see [`default_variants`]).
+    /// Sparse variants of `eval` and `run`, by name (default: see `engine::eval::default_variants`).
     variants: BTreeMap<String, SparseConfig>,
 }
 
@@ -350,43 +349,6 @@ fn hit_rate(s: &offload::StepStats) -> f64 {
     s.hits as f64 / (s.hits + s.misses).max(1) as f64
 }
 
-/// The variants `eval` runs without a config: the acceptance figures of the engine issue.
-/// Quest at a 1024-token budget with layers 0 and 1 dense, as pages of 16 with one selection
-/// shared by the KV heads (the cheapest), and as pages of 4 selected per KV head with the first
-/// 16 and last 256 tokens always kept (the most faithful); then a budget covering the context,
-/// which must equal dense.
-fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
-    let quest = |budget: usize, dense: Vec<usize>, min_prompt: Option<usize>| SparseConfig {
-        dense_layers: dense,
-        min_prompt_tokens: min_prompt,
-        ..SparseConfig::quest(budget)
-    };
-    let faithful = SparseConfig {
-        algo: AlgoConfig::Quest(QuestConfig {
-            page_size: 4,
-            budget_tokens: 1024,
-            shared_heads: false,
-            always: AlwaysInclude {
-                sink_tokens: 16,
-                recent_tokens: 256,
-            },
-        }),
-        ..quest(1024, vec![0, 1], Some(1))
-    };
-    let full = context.div_ceil(16) * 16;
-    vec![
-        (
-            "quest-1024+2dense".to_owned(),
-            quest(1024, vec![0, 1], Some(1)),
-        ),
-        ("quest-1024-p4-head-sr+2dense".to_owned(), faithful),
-        (
-            format!("quest-full-{full}"),
-            quest(full, Vec::new(), Some(1)),
-        ),
-    ]
-}
-
 fn eval(
     model: &Model,
     tok: &Tokenizer,
@@ -404,7 +366,7 @@ fn eval(
     let n = ids.len();
     let prefill = a.prefill.unwrap_or(n.saturating_sub(512).max(1));
     let variants: Vec<(String, SparseConfig)> = if file.variants.is_empty() {
-        default_variants(n)
+        engine::eval::default_variants(n)
     } else {
         file.variants.clone().into_iter().collect()
     };
