@@ -47,7 +47,7 @@ pub fn generate<T: Element>(
     prompt: &[u32],
     sampling: &Sampling,
     sparse: Option<&SparseConfig>,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(Vec<u32>, GenerateStats), EngineError> {
     let mut sampler = Sampler::new(sampling)?;
@@ -102,14 +102,38 @@ pub fn generate<T: Element>(
         logits = forward(chunk, i * PREFILL_CHUNK, &mut store)?;
         progress(i * PREFILL_CHUNK + chunk.len(), prompt.len());
     }
+    // The next token's position.
+    let mut store_len = prompt.len();
     stats.prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    let out = sample_loop(tokenizer, sampling, &mut sampler, logits, on_text, |tok| {
+        let pos = store_len;
+        store_len += 1;
+        forward(&[tok], pos, &mut store)
+    })?;
+    stats.generated = out.len();
+    stats.decode_s = t1.elapsed().as_secs_f64();
+    Ok((out, stats))
+}
+
+/// The sampled decode after a prefill whose last logits are `logits`: sample a token, stream
+/// the text grown by it to `on_text` (whole characters only), stop at EOS (where asked), a
+/// stop string or `max_tokens`, else run the token through `step` for the next logits.
+/// Answers the tokens generated.
+pub(crate) fn sample_loop(
+    tokenizer: &Tokenizer,
+    sampling: &Sampling,
+    sampler: &mut Sampler,
+    mut logits: Vec<f32>,
+    mut on_text: impl FnMut(&str),
+    mut step: impl FnMut(u32) -> Result<Vec<f32>, EngineError>,
+) -> Result<Vec<u32>, EngineError> {
     let mut out: Vec<u32> = Vec::with_capacity(sampling.max_tokens);
     let mut shown = 0;
     loop {
         let tok = sampler.sample(&logits);
         if sampling.stop_at_eos && Some(tok) == tokenizer.eos() {
-            break;
+            return Ok(out);
         }
         out.push(tok);
         let text = tokenizer.decode(&out)?;
@@ -121,12 +145,8 @@ pub fn generate<T: Element>(
         }
         let stop = sampling.stop.iter().any(|s| text.contains(s.as_str()));
         if stop || out.len() == sampling.max_tokens {
-            break;
+            return Ok(out);
         }
-        let pos = prompt.len() + out.len() - 1;
-        logits = forward(&[tok], pos, &mut store)?;
+        logits = step(tok)?;
     }
-    stats.generated = out.len();
-    stats.decode_s = t1.elapsed().as_secs_f64();
-    Ok((out, stats))
 }

@@ -12,6 +12,8 @@
 //!   cuBLAS; a synthetic model's random weights made on the device.
 //! - `gpu_sparse` (feature `cuda`): a GPU forward's attention through the coordinator's device
 //!   hooks (sparse-mode decode batches).
+//! - `gpu_request` (feature `cuda`): one request on the GPU end to end, dense or sparse, and
+//!   `generate_gpu`.
 //! - the `hsa` binary: the command line over all of it.
 #![deny(missing_docs)]
 
@@ -22,6 +24,8 @@ mod generate;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+#[cfg(feature = "cuda")]
+pub mod gpu_request;
 #[cfg(feature = "cuda")]
 pub mod gpu_sparse;
 pub mod hf;

@@ -4,19 +4,19 @@
 //! in the engine issue's two Quest variants (a 1024-token budget, layers 0 and 1 dense; pages
 //! of 16 shared by the KV heads, and pages of 4 selected per KV head with the first 16 and
 //! last 256 tokens kept), on the CPU (`engine::eval::teacher_forced`, f16 KV) and on the GPU
-//! (f16 weights and KV, module `one`). Each side's sparse runs are compared with its own dense
+//! (f16 weights and KV, `engine::gpu_request::GpuRequest`). Each side's sparse runs are compared with its own dense
 //! run: perplexity ratio and top-1 agreement.
 
 use std::time::Instant;
 
 use attn_op::cuda::Gpu;
 use coordinator::SparseConfig;
-use engine::Model;
 use engine::eval::{EvalOptions, argmax, default_variants, nll, teacher_forced};
 use engine::gpu::GpuModel;
+use engine::gpu_request::GpuRequest;
+use engine::{EngineError, Model};
 use half::f16;
 
-use crate::one::OneRequest;
 use crate::{BLOCK, Inputs, Res, inputs, report};
 
 /// Tokens prefilled, then positions teacher-forced.
@@ -59,7 +59,7 @@ impl Figures {
 }
 
 pub(crate) fn fidelity(args: &[String]) -> Res<i32> {
-    let s = |e: engine::EngineError| e.to_string();
+    let s = |e: EngineError| e.to_string();
     let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
     let device = gpu.name().map_err(|e| e.to_string())?;
     let Inputs {
@@ -148,22 +148,25 @@ fn gpu_figures(
     let gm = GpuModel::<f16>::upload(model, gpu).map_err(|e| e.to_string())?;
     let n = ids.len();
     // Per run: the mean negative log-likelihood of the text's next tokens and the arg-maxes.
-    let run = |sparse: Option<&SparseConfig>| -> Res<(f64, Vec<u32>, f64)> {
-        let mut r = OneRequest::new(&gm, model.config, n, PREFILL, sparse)?;
-        r.prefill(&ids[..PREFILL])?;
+    let run = |sparse: Option<&SparseConfig>| -> Result<(f64, Vec<u32>, f64), EngineError> {
+        let mut r = GpuRequest::new(&gm, n, PREFILL, sparse)?;
+        r.forward(&ids[..PREFILL])?;
         let (mut sum, mut top) = (0.0, Vec::with_capacity(DECODE));
         for p in PREFILL..n - 1 {
-            let logits = r.step(ids[p])?;
+            let logits = r.forward(&ids[p..=p])?;
             sum += nll(&logits, ids[p + 1] as usize);
             top.push(argmax(&logits));
         }
-        Ok((sum / top.len() as f64, top, r.miss_rate().unwrap_or(0.0)))
+        let st = r.stats();
+        let misses = st.misses as f64 / (st.hits + st.misses).max(1) as f64;
+        Ok((sum / top.len() as f64, top, misses))
     };
-    let (dense_nll, dense_top, _) = run(None)?;
+    let s = |e: EngineError| e.to_string();
+    let (dense_nll, dense_top, _) = run(None).map_err(s)?;
     variants
         .iter()
         .map(|(_, config)| {
-            let (nll, top, misses) = run(Some(config))?;
+            let (nll, top, misses) = run(Some(config)).map_err(s)?;
             let agree = top.iter().zip(&dense_top).filter(|(a, b)| a == b).count();
             Ok((
                 Figures {

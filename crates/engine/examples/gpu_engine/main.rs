@@ -37,7 +37,6 @@
 
 mod fidelity;
 mod lanes;
-mod one;
 mod passkey;
 #[path = "../../../attn-op/examples/gpu/report.rs"]
 mod report;

@@ -1,8 +1,8 @@
 //! `gpu_engine passkey MODEL [--json FILE]`: the engine issue's passkey retrieval on the
 //! GPU. For each context of [`CONTEXTS`], [`TRIALS`] prompts (`engine::eval::passkey_prompt`:
 //! a five-digit key at evenly spread depths in filler text) are answered greedily
-//! ([`PASSKEY_ANSWER`] tokens) by the real model on the GPU (f16 weights and KV, module
-//! `one`), dense and in the engine's two Quest variants (`engine::eval::default_variants`). A
+//! ([`PASSKEY_ANSWER`] tokens) by the real model on the GPU (f16 weights and KV,
+//! `engine::gpu_request::generate_gpu`), dense and in the engine's two Quest variants (`engine::eval::default_variants`). A
 //! trial is right where the answer contains the key. The check fails (exit 1) where the
 //! per-head variant (the one that meets the engine issue's fidelity goals) answers fewer keys
 //! than dense at a context.
@@ -12,13 +12,13 @@ use std::time::Instant;
 
 use attn_op::cuda::Gpu;
 use coordinator::SparseConfig;
-use engine::eval::{PASSKEY_ANSWER, argmax, default_variants, passkey_prompt};
+use engine::eval::{PASSKEY_ANSWER, default_variants, passkey_prompt};
 use engine::gguf::Gguf;
 use engine::gpu::GpuModel;
-use engine::{Model, Tokenizer};
+use engine::gpu_request::generate_gpu;
+use engine::{Model, Sampling, Tokenizer};
 use half::f16;
 
-use crate::one::OneRequest;
 use crate::{Res, report};
 
 /// Prompt lengths, in tokens (the model's context is 8192).
@@ -57,7 +57,7 @@ pub(crate) fn passkey(args: &[String]) -> Res<i32> {
         for t in 0..TRIALS {
             let (prompt, key) = passkey_prompt(&tok, context, t, TRIALS).map_err(s)?;
             for ((_, config), right) in variants.iter().zip(right.iter_mut()) {
-                let answer = answer(&gm, &model, &prompt, config.as_ref())?;
+                let answer = answer(&gm, &tok, &prompt, config.as_ref())?;
                 if tok.decode(&answer).map_err(s)?.contains(&key) {
                     *right += 1;
                 }
@@ -92,23 +92,21 @@ pub(crate) fn passkey(args: &[String]) -> Res<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
-/// The greedy answer to `prompt`: dense without `sparse`, else with it.
+/// The greedy answer to `prompt` (`engine::gpu_request::generate_gpu`): dense without
+/// `sparse`, else with it.
 fn answer(
     gm: &GpuModel<f16>,
-    model: &Model,
+    tok: &Tokenizer,
     prompt: &[u32],
     sparse: Option<&SparseConfig>,
 ) -> Res<Vec<u32>> {
-    let n = prompt.len() + PASSKEY_ANSWER;
-    let mut r = OneRequest::new(gm, model.config, n, prompt.len(), sparse)?;
-    let mut logits = r.prefill(prompt)?;
-    let mut answer = Vec::with_capacity(PASSKEY_ANSWER);
-    loop {
-        let next = argmax(&logits);
-        answer.push(next);
-        if answer.len() == PASSKEY_ANSWER {
-            return Ok(answer);
-        }
-        logits = r.step(next)?;
-    }
+    let greedy = Sampling {
+        max_tokens: PASSKEY_ANSWER,
+        temperature: 0.0,
+        stop_at_eos: false,
+        ..Sampling::default()
+    };
+    generate_gpu(gm, tok, prompt, &greedy, sparse, |_| {}, |_, _| {})
+        .map(|(answer, _)| answer)
+        .map_err(|e| e.to_string())
 }

@@ -114,6 +114,10 @@ struct GenerateArgs {
     /// defaults without one).
     #[arg(long)]
     sparse: bool,
+    /// Run on the first CUDA GPU (weights and KV in f16; sparse layers through the
+    /// coordinator's device hooks). Needs a build with the `cuda` feature.
+    #[arg(long)]
+    gpu: bool,
 }
 
 #[derive(Args)]
@@ -301,21 +305,19 @@ fn generate(
     let b = bar(prompt.len(), "prefill");
     let sparse = a.sparse.then_some(&file.sparse);
     let mut out = std::io::stdout();
-    let (_, st) = engine::generate::<half::f16>(
-        model,
-        tok,
-        &prompt,
-        &s,
-        sparse,
-        |t| {
-            if !b.is_finished() {
-                b.finish_and_clear();
-            }
-            let _ = write!(out, "{t}");
-            let _ = out.flush();
-        },
-        |d, _| b.set_position(d as u64),
-    )?;
+    let on_text = |t: &str| {
+        if !b.is_finished() {
+            b.finish_and_clear();
+        }
+        let _ = write!(out, "{t}");
+        let _ = out.flush();
+    };
+    let progress = |d: usize, _| b.set_position(d as u64);
+    let (_, st) = if a.gpu {
+        generate_gpu(model, tok, &prompt, &s, sparse, on_text, progress)?
+    } else {
+        engine::generate::<half::f16>(model, tok, &prompt, &s, sparse, on_text, progress)?
+    };
     println!();
     eprintln!(
         "prompt {} tokens in {:.2}s ({:.1} tok/s); generated {} in {:.2}s ({:.1} tok/s); {}",
@@ -336,6 +338,40 @@ fn generate(
         }
     );
     Ok(())
+}
+
+/// [`engine::gpu_request::generate_gpu`] with the model's weights uploaded to the first
+/// CUDA device in f16.
+#[cfg(feature = "cuda")]
+fn generate_gpu(
+    model: &Model,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    sampling: &Sampling,
+    sparse: Option<&SparseConfig>,
+    on_text: impl FnMut(&str),
+    progress: impl FnMut(usize, usize),
+) -> Result<(Vec<u32>, engine::GenerateStats), EngineError> {
+    let gpu = attn_op::cuda::Gpu::new(0)?;
+    let gm = engine::gpu::GpuModel::<half::f16>::upload(model, gpu)?;
+    engine::gpu_request::generate_gpu(&gm, tok, prompt, sampling, sparse, on_text, progress)
+}
+
+/// Without the `cuda` feature `--gpu` is refused.
+#[cfg(not(feature = "cuda"))]
+fn generate_gpu(
+    _: &Model,
+    _: &Tokenizer,
+    _: &[u32],
+    _: &Sampling,
+    _: Option<&SparseConfig>,
+    _: impl FnMut(&str),
+    _: impl FnMut(usize, usize),
+) -> Result<(Vec<u32>, engine::GenerateStats), EngineError> {
+    Err(EngineError::Invalid(
+        "--gpu needs hsa built with the cuda feature (cargo build --release -p engine --features cuda)"
+            .into(),
+    ))
 }
 
 fn read(p: &Path) -> Result<String, EngineError> {
