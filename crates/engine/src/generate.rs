@@ -50,9 +50,8 @@ pub fn generate<T: Element>(
     on_text: impl FnMut(&str),
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(Vec<u32>, GenerateStats), EngineError> {
-    let mut sampler = Sampler::new(sampling)?;
     let c = &model.config;
-    check_request(c, prompt, sampling, c.context)?;
+    let mut sampler = start(c, prompt, sampling)?;
     let n = prompt.len() + sampling.max_tokens;
     let bs = 16;
     let blocks = n.div_ceil(bs);
@@ -114,6 +113,19 @@ pub fn generate<T: Element>(
     stats.generated = out.len();
     stats.decode_s = t1.elapsed().as_secs_f64();
     Ok((out, stats))
+}
+
+/// The sampler of a request of `prompt` with `sampling` on a model of `config`, after the
+/// request's checks (what the engine takes: a prompt, its tokens in the vocabulary, room in
+/// the context, valid sampling).
+pub(crate) fn start(
+    config: &crate::ModelConfig,
+    prompt: &[u32],
+    sampling: &Sampling,
+) -> Result<Sampler, EngineError> {
+    let sampler = Sampler::new(sampling)?;
+    check_request(config, prompt, sampling, config.context)?;
+    Ok(sampler)
 }
 
 /// The sampled decode after a prefill whose last logits are `logits`: sample a token, stream

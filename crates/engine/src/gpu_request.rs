@@ -13,11 +13,10 @@ use coordinator::{Mode, SparseConfig, SparseCoordinator};
 use kv_blocks::RequestId;
 use offload::{HostLayout, StepStats};
 
-use crate::generate::{GenerateStats, sample_loop};
+use crate::generate::{GenerateStats, sample_loop, start};
 use crate::gpu::{GpuDenseAttention, GpuFloat, GpuModel};
 use crate::gpu_sparse::GpuSparseAttention;
-use crate::sample::{Sampler, Sampling};
-use crate::sched::check_request;
+use crate::sample::Sampling;
 use crate::{Batch, EngineError, Tokenizer, single_request};
 
 /// The request's id in its coordinator.
@@ -192,9 +191,7 @@ pub fn generate_gpu<T: GpuFloat>(
     on_text: impl FnMut(&str),
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(Vec<u32>, GenerateStats), EngineError> {
-    let mut sampler = Sampler::new(sampling)?;
-    let c = &model.config;
-    check_request(c, prompt, sampling, c.context)?;
+    let mut sampler = start(&model.config, prompt, sampling)?;
     let mut req = GpuRequest::new(
         model,
         prompt.len() + sampling.max_tokens,

@@ -19,10 +19,10 @@
 //! The device path runs Quest; other algorithms get [`CoordError::Config`]. As on the CPU, a
 //! request has one hot buffer per layer: with a selection per KV head, the diff takes the
 //! union of the heads' pages, and attention reads each head's own pages through the request's
-//! block table. A coordinator driven through these
-//! hooks must use them for every forward: its CPU copies of decode-time representations and
-//! hot buffers are not kept. Host pool bytes the device writes are complete once the stream
-//! has drained ([`Gpu::synchronize`]); read them through the offload manager only then.
+//! block table. A coordinator driven through these hooks must use them for every forward:
+//! its CPU copies of decode-time representations and hot buffers are not kept. Host pool
+//! bytes the device writes are complete once the stream has drained ([`Gpu::synchronize`]);
+//! read them through the offload manager only then.
 //!
 //! A [`StageClock`] given to [`DeviceSparse::set_clock`] splits the device time of the hooks
 //! into stages: `write` (host backup, reserved slots, new tokens), `selection`, `diff`,

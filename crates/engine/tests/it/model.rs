@@ -1,6 +1,6 @@
 //! The forward pass on synthetic models: matmul paths against an f64 reference, chunked
 //! prefill against token-by-token decode, sparse with a full budget against dense, sampling,
-//! and typed errors on bad requests.
+//! typed errors on bad requests, and the passkey prompts.
 
 use coordinator::SparseConfig;
 use engine::eval::{EvalOptions, teacher_forced};
@@ -402,4 +402,39 @@ fn bad_requests_get_typed_errors() {
         tok.decode(&[5000]),
         Err(EngineError::Tokenizer(_))
     ));
+}
+
+#[test]
+fn passkey_prompts_fit_their_context_and_hide_the_key_deeper_each_trial() {
+    let g = tiny(DType::F16);
+    let tok = Tokenizer::from_gguf(&g).expect("a byte-level tokenizer");
+    let (context, trials) = (1000, 4);
+    let mut depths = Vec::new();
+    for t in 0..trials {
+        let (prompt, key) =
+            engine::eval::passkey_prompt(&tok, context, t, trials).expect("room for a key");
+        assert!(
+            prompt.len() + engine::eval::PASSKEY_ANSWER <= context,
+            "trial {t}: {} prompt tokens",
+            prompt.len()
+        );
+        let text = tok.decode(&prompt).expect("valid ids");
+        let at = text.find(&key).expect("the key is in the prompt");
+        assert!(
+            text.ends_with("The pass key is"),
+            "trial {t} ends on the question"
+        );
+        depths.push(at);
+    }
+    assert!(
+        depths.windows(2).all(|w| w[0] < w[1]),
+        "deeper each trial: {depths:?}"
+    );
+    assert!(
+        matches!(
+            engine::eval::passkey_prompt(&tok, 50, 0, 1),
+            Err(EngineError::Invalid(_))
+        ),
+        "a context too small for the key is a typed error"
+    );
 }

@@ -341,8 +341,7 @@ fn generate(
 }
 
 /// [`engine::gpu_request::generate_gpu`] with the model's weights uploaded to the first
-/// CUDA device in f16.
-#[cfg(feature = "cuda")]
+/// CUDA device in f16; refused without the `cuda` feature.
 fn generate_gpu(
     model: &Model,
     tok: &Tokenizer,
@@ -352,26 +351,21 @@ fn generate_gpu(
     on_text: impl FnMut(&str),
     progress: impl FnMut(usize, usize),
 ) -> Result<(Vec<u32>, engine::GenerateStats), EngineError> {
-    let gpu = attn_op::cuda::Gpu::new(0)?;
-    let gm = engine::gpu::GpuModel::<half::f16>::upload(model, gpu)?;
-    engine::gpu_request::generate_gpu(&gm, tok, prompt, sampling, sparse, on_text, progress)
-}
-
-/// Without the `cuda` feature `--gpu` is refused.
-#[cfg(not(feature = "cuda"))]
-fn generate_gpu(
-    _: &Model,
-    _: &Tokenizer,
-    _: &[u32],
-    _: &Sampling,
-    _: Option<&SparseConfig>,
-    _: impl FnMut(&str),
-    _: impl FnMut(usize, usize),
-) -> Result<(Vec<u32>, engine::GenerateStats), EngineError> {
-    Err(EngineError::Invalid(
-        "--gpu needs hsa built with the cuda feature (cargo build --release -p engine --features cuda)"
-            .into(),
-    ))
+    #[cfg(feature = "cuda")]
+    {
+        let gpu = attn_op::cuda::Gpu::new(0)?;
+        let gm = engine::gpu::GpuModel::<half::f16>::upload(model, gpu)?;
+        engine::gpu_request::generate_gpu(&gm, tok, prompt, sampling, sparse, on_text, progress)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (model, tok, prompt, sampling, sparse, on_text, progress);
+        Err(EngineError::Invalid(
+            "--gpu needs hsa built with the cuda feature (cargo build --release -p engine \
+             --features cuda)"
+                .into(),
+        ))
+    }
 }
 
 fn read(p: &Path) -> Result<String, EngineError> {
