@@ -76,18 +76,28 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     i32* sp = slot_page + (size_t)brow * hot;
     const i32* blk = blocks + (size_t)row * (hot + 1);
 
+    __shared__ int cur_selected;  // whether the selection holds the current page
+    if (tid == 0) cur_selected = 0;
+#pragma unroll 4
     for (int i = tid; i < HASH_SIZE; i += DIFF_THREADS) h_page[i] = -1;
-    for (int i = tid; i < sel_max; i += DIFF_THREADS) sel_hit[i] = 0;
+    // The copies unrolled, so that a thread's global loads are in flight together.
+#pragma unroll 4
     for (int i = tid; i < hot; i += DIFF_THREADS) {
         s_lru[i] = (int)lr[i];
         s_sp[i] = sp[i];
     }
+#pragma unroll 4
     for (int i = tid; i <= hot; i += DIFF_THREADS) s_blk[i] = blk[i];
-    for (int i = tid; i < len; i += DIFF_THREADS) s_sel[i] = sel[i];
+#pragma unroll 2
+    for (int i = tid; i < sel_max; i += DIFF_THREADS) {
+        sel_hit[i] = 0;
+        if (i < len) s_sel[i] = sel[i];
+    }
     __syncthreads();
     // Insert the selection (the current page is never looked up, so it is left out).
     for (int i = tid; i < len; i += DIFF_THREADS) {
         const int p = s_sel[i];
+        if (p >= 0 && p == cur) cur_selected = 1;
         if (p < 0 || p == cur) continue;
         u32 k = hash_page(p);
         while (true) {
@@ -161,7 +171,6 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
         }
         return;
     }
-    int cur_hits = 0;
     for (int i = sa; i < sb; i++) {
         const int p = s_sel[i];
         const size_t o = (size_t)row * sel_max + i;
@@ -171,7 +180,6 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
         } else if (p == cur) {
             slots_out[o] = hot;
             table_out[o] = s_blk[hot];
-            cur_hits++;
         } else if (!sel_hit[i]) {
             const int slot = s_evict[m];
             sp[slot] = p;
@@ -182,8 +190,6 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
             m++;
         }
     }
-    int cur_total;
-    block_scan<DIFF_THREADS>(cur_hits, &cur_total);
     for (int i = len + tid; i < sel_max; i += DIFF_THREADS) {
         const size_t o = (size_t)row * sel_max + i;
         slots_out[o] = -1;
@@ -211,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(DIFF_THREADS) hot_diff(
     if (tid == 0) {
         errors[row] = 0;
         miss_counts[row] = misses_total;
-        hit_counts[row] = hits_total + cur_total;
+        hit_counts[row] = hits_total + cur_selected;
     }
 }
 
