@@ -1,0 +1,286 @@
+//! How much of a sparse decode's loads could leave the critical path: a measurement on the real
+//! model (CPU), for the per-layer overlap of loads and compute (issue 9).
+//!
+//! `cargo run --release -p engine --example prefetch [MODEL] [TEXT]` runs the model densely
+//! over the text (a prefill of [`PREFILL`] tokens, then [`STEPS`] teacher-forced decode
+//! steps), and beside it simulates what head-shared Quest over pages of 16 would select in
+//! every layer but the first two: a budget of [`BUDGET`] pages (the first and the current page
+//! always kept), diffed against an LRU hot buffer of [`HOT`] pages per layer, as the offload
+//! manager does. A miss of step t is a load on step t's critical path. The runners-up (the
+//! next `extra` pages by score of step t's ranking) could be loaded after step t's selection,
+//! off the critical path, overlapped with the rest of the step; the table shows how many of
+//! step t + 1's misses that leaves, and how many pages it loads.
+
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a command-line tool"
+)]
+
+use std::path::Path;
+
+use engine::gguf::Gguf;
+use engine::{Attention, Batch, DenseAttention, EngineError, KvStore, Model, Tokenizer};
+
+/// Tokens prefilled, then decode steps measured.
+const PREFILL: usize = 4096;
+const STEPS: usize = 256;
+/// Tokens per page, pages selected per step, hot-buffer pages per layer (twice the budget).
+const PAGE: usize = 16;
+const BUDGET: usize = 64;
+const HOT: usize = 2 * BUDGET;
+/// Layers attended densely (as in the engine's Quest variants).
+const DENSE_LAYERS: usize = 2;
+/// Runners-up prefetched per step and layer.
+const EXTRAS: [usize; 5] = [0, 8, 16, 32, 64];
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let model = args
+        .first()
+        .map_or("models/SmolLM2-135M-Instruct.Q4_1.gguf", String::as_str);
+    let text = args
+        .get(1)
+        .map_or("/usr/share/common-licenses/GPL-3", String::as_str);
+    if let Err(e) = run(model, text) {
+        eprintln!("prefetch: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
+    let file = Gguf::open(Path::new(model_path))?;
+    let model = Model::load(&file)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    let text = std::fs::read_to_string(text_path).map_err(|source| EngineError::Io {
+        path: text_path.into(),
+        source,
+    })?;
+    let ids = tok.encode(&text)?;
+    let n = PREFILL + STEPS;
+    if ids.len() < n {
+        return Err(EngineError::Invalid(format!(
+            "{text_path} has {} tokens; {n} needed",
+            ids.len()
+        )));
+    }
+    let c = model.config;
+    let blocks = n.div_ceil(PAGE);
+    let mut store = KvStore::<half::f16>::new(&c, blocks, PAGE)?;
+    let mut sim = Sim::new(c.layers, c.kv_heads, c.q_heads, c.head_dim);
+    for (i, chunk) in ids[..PREFILL].chunks(512).enumerate() {
+        let pos = i * 512;
+        let batch = Batch::single(pos, pos + chunk.len(), blocks);
+        let positions: Vec<usize> = (pos..pos + chunk.len()).collect();
+        let mut att = Probe {
+            dense: DenseAttention {
+                store: &mut store,
+                batch: &batch,
+            },
+            sim: &mut sim,
+            decode: false,
+        };
+        model.forward(chunk, &positions, &mut att, &[])?;
+    }
+    for p in PREFILL..n {
+        let batch = Batch::single(p, p + 1, blocks);
+        let mut att = Probe {
+            dense: DenseAttention {
+                store: &mut store,
+                batch: &batch,
+            },
+            sim: &mut sim,
+            decode: true,
+        };
+        model.forward(&ids[p..=p], &[p], &mut att, &[0])?;
+    }
+    println!(
+        "{model_path}, {PREFILL} prefill + {STEPS} decode steps of {text_path}; head-shared \
+         Quest, pages of {PAGE}, {BUDGET} pages a step, hot buffer {HOT} pages, layers \
+         {DENSE_LAYERS}.. sparse"
+    );
+    println!(
+        "runners-up prefetched | critical-path misses per step and layer | miss rate | prefetched pages per step and layer | of them used next step"
+    );
+    let layer_steps = ((STEPS - 1) * (c.layers - DENSE_LAYERS)) as f64;
+    for (i, extra) in EXTRAS.iter().enumerate() {
+        let t = &sim.tally[i];
+        println!(
+            "{extra:>21} | {:>40.2} | {:>9.4} | {:>35.2} | {:>6.3}",
+            t.misses as f64 / layer_steps,
+            t.misses as f64 / t.selected.max(1) as f64,
+            t.prefetched as f64 / layer_steps,
+            t.used as f64 / t.prefetched.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+/// Dense attention that also feeds the simulation its keys and decode queries.
+struct Probe<'a, 'b> {
+    dense: DenseAttention<'a, half::f16>,
+    sim: &'b mut Sim,
+    decode: bool,
+}
+
+impl Attention for Probe<'_, '_> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        self.sim.keys(layer, k);
+        if self.decode && layer >= DENSE_LAYERS {
+            self.sim.step(layer, q);
+        }
+        self.dense.attend(layer, q, k, v, out)
+    }
+}
+
+/// Per layer, the pages' key min/max and one hot buffer per prefetch setting.
+struct Sim {
+    kv_heads: usize,
+    q_heads: usize,
+    d: usize,
+    /// Per layer: tokens seen, and per page `[kv_heads, 2, d]` (max then min).
+    tokens: Vec<usize>,
+    reps: Vec<Vec<f32>>,
+    /// Per (setting, layer): the hot buffer's pages, least recently used first, and the
+    /// pages prefetched for the next step.
+    hot: Vec<Vec<Vec<i64>>>,
+    pending: Vec<Vec<Vec<i64>>>,
+    /// Per layer, whether its first decode step is done.
+    warm: Vec<bool>,
+    tally: Vec<Tally>,
+}
+
+#[derive(Default)]
+struct Tally {
+    selected: u64,
+    misses: u64,
+    prefetched: u64,
+    used: u64,
+}
+
+impl Sim {
+    fn new(layers: usize, kv_heads: usize, q_heads: usize, d: usize) -> Self {
+        Sim {
+            kv_heads,
+            q_heads,
+            d,
+            tokens: vec![0; layers],
+            reps: vec![Vec::new(); layers],
+            hot: vec![vec![Vec::new(); layers]; EXTRAS.len()],
+            pending: vec![vec![Vec::new(); layers]; EXTRAS.len()],
+            warm: vec![false; layers],
+            tally: (0..EXTRAS.len()).map(|_| Tally::default()).collect(),
+        }
+    }
+
+    /// Folds new keys (`[tokens, kv_heads, d]`) into their pages' min/max.
+    fn keys(&mut self, layer: usize, k: &[f32]) {
+        let (h, d) = (self.kv_heads, self.d);
+        let page_len = h * 2 * d;
+        for row in k.chunks_exact(h * d) {
+            let t = self.tokens[layer];
+            let p = t / PAGE;
+            let reps = &mut self.reps[layer];
+            if reps.len() < (p + 1) * page_len {
+                reps.extend((0..h).flat_map(|_| {
+                    std::iter::repeat_n(f32::NEG_INFINITY, d)
+                        .chain(std::iter::repeat_n(f32::INFINITY, d))
+                }));
+            }
+            let page = &mut reps[p * page_len..(p + 1) * page_len];
+            for (hh, key) in row.chunks_exact(d).enumerate() {
+                let (hi, lo) = page[hh * 2 * d..(hh + 1) * 2 * d].split_at_mut(d);
+                for ((a, b), &x) in hi.iter_mut().zip(lo.iter_mut()).zip(key) {
+                    *a = a.max(x);
+                    *b = b.min(x);
+                }
+            }
+            self.tokens[layer] += 1;
+        }
+    }
+
+    /// One decode step of `layer` with query `q` (`[q_heads, d]`): Quest's ranking, then
+    /// each setting's diff against its hot buffer and its prefetch for the next step.
+    fn step(&mut self, layer: usize, q: &[f32]) {
+        let (h, d) = (self.kv_heads, self.d);
+        let g = self.q_heads / h;
+        let page_len = h * 2 * d;
+        let len = self.tokens[layer] + 1;
+        let current = (len - 1) / PAGE;
+        // Middle pages by their best bound over the query heads, highest first.
+        let mut ranked: Vec<(f32, i64)> = (1..current)
+            .filter(|&p| (p + 1) * page_len <= self.reps[layer].len())
+            .map(|p| {
+                let page = &self.reps[layer][p * page_len..(p + 1) * page_len];
+                let mut best = f32::NEG_INFINITY;
+                for (j, qh) in q.chunks_exact(d).enumerate() {
+                    let r = &page[(j / g) * 2 * d..(j / g + 1) * 2 * d];
+                    let s: f32 = qh
+                        .iter()
+                        .zip(&r[..d])
+                        .zip(&r[d..])
+                        .map(|((&x, &hi), &lo)| (x * hi).max(x * lo))
+                        .sum();
+                    best = best.max(s);
+                }
+                (best, p as i64)
+            })
+            .collect();
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let pick = BUDGET.saturating_sub(2).min(ranked.len());
+        let mut sel: Vec<i64> = ranked[..pick].iter().map(|r| r.1).collect();
+        sel.push(0);
+        // The current page lives in a reserved slot (never a miss). The first step fills an
+        // empty buffer in every setting alike and is not counted.
+        let counted = std::mem::replace(&mut self.warm[layer], true);
+        for (i, &extra) in EXTRAS.iter().enumerate() {
+            let hot = &mut self.hot[i][layer];
+            let pending = std::mem::take(&mut self.pending[i][layer]);
+            let mut t = Tally::default();
+            t.selected += sel.len() as u64;
+            for &p in &sel {
+                if let Some(at) = hot.iter().position(|&x| x == p) {
+                    hot.remove(at);
+                    if pending.contains(&p) {
+                        t.used += 1;
+                    }
+                } else {
+                    t.misses += 1;
+                    if hot.len() >= HOT {
+                        hot.remove(0);
+                    }
+                }
+                hot.push(p);
+            }
+            // Off the critical path: the runners-up go in behind the selection, evicting
+            // the least recently used pages (never this step's selection).
+            let mut next = Vec::new();
+            for &(_, p) in ranked[pick..].iter().take(extra) {
+                if hot.contains(&p) {
+                    continue;
+                }
+                if hot.len() >= HOT {
+                    hot.remove(0);
+                }
+                hot.insert(hot.len().saturating_sub(sel.len()), p);
+                next.push(p);
+                t.prefetched += 1;
+            }
+            self.pending[i][layer] = next;
+            if counted {
+                let all = &mut self.tally[i];
+                all.selected += t.selected;
+                all.misses += t.misses;
+                all.prefetched += t.prefetched;
+                all.used += t.used;
+            }
+        }
+    }
+}
