@@ -6,10 +6,12 @@
 //! steps), and beside it simulates what head-shared Quest over pages of 16 would select in
 //! every layer but the first two: a budget of [`BUDGET`] pages (the first and the current page
 //! always kept), diffed against an LRU hot buffer of [`HOT`] pages per layer, as the offload
-//! manager does. A miss of step t is a load on step t's critical path. The runners-up (the
-//! next `extra` pages by score of step t's ranking) could be loaded after step t's selection,
-//! off the critical path, overlapped with the rest of the step; the table shows how many of
-//! step t + 1's misses that leaves, and how many pages it loads.
+//! manager does. A miss is a load on the step's critical path. Two ways to load pages early,
+//! off that path, each a row of the table:
+//! - the runners-up: after a layer's selection, the next `extra` pages of its ranking, for the
+//!   same layer's next step;
+//! - speculation: while layer l computes, the selection that layer l + 1's queries estimated
+//!   from layer l's input ([`Model::query`]) would make, for layer l + 1 in the same step.
 
 #![allow(
     clippy::print_stdout,
@@ -31,8 +33,17 @@ const BUDGET: usize = 64;
 const HOT: usize = 2 * BUDGET;
 /// Layers attended densely (as in the engine's Quest variants).
 const DENSE_LAYERS: usize = 2;
-/// Runners-up prefetched per step and layer.
-const EXTRAS: [usize; 5] = [0, 8, 16, 32, 64];
+/// The settings: runners-up prefetched per step and layer, and whether the next layer's
+/// speculative selection is prefetched.
+const SETTINGS: [(usize, bool); 7] = [
+    (0, false),
+    (8, false),
+    (16, false),
+    (32, false),
+    (64, false),
+    (0, true),
+    (16, true),
+];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -78,7 +89,8 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
                 batch: &batch,
             },
             sim: &mut sim,
-            decode: false,
+            model: &model,
+            decode: None,
         };
         model.forward(chunk, &positions, &mut att, &[])?;
     }
@@ -90,7 +102,8 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
                 batch: &batch,
             },
             sim: &mut sim,
-            decode: true,
+            model: &model,
+            decode: Some(p),
         };
         model.forward(&ids[p..=p], &[p], &mut att, &[0])?;
     }
@@ -100,13 +113,15 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
          {DENSE_LAYERS}.. sparse"
     );
     println!(
-        "runners-up prefetched | critical-path misses per step and layer | miss rate | prefetched pages per step and layer | of them used next step"
+        "runners-up | speculative | misses per step and layer | miss rate | prefetched per \
+         step and layer | used"
     );
     let layer_steps = ((STEPS - 1) * (c.layers - DENSE_LAYERS)) as f64;
-    for (i, extra) in EXTRAS.iter().enumerate() {
+    for (i, (extra, spec)) in SETTINGS.iter().enumerate() {
         let t = &sim.tally[i];
         println!(
-            "{extra:>21} | {:>40.2} | {:>9.4} | {:>35.2} | {:>6.3}",
+            "{extra:>10} | {:>11} | {:>25.2} | {:>9.4} | {:>28.2} | {:>6.3}",
+            if *spec { "yes" } else { "no" },
             t.misses as f64 / layer_steps,
             t.misses as f64 / t.selected.max(1) as f64,
             t.prefetched as f64 / layer_steps,
@@ -116,11 +131,13 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Dense attention that also feeds the simulation its keys and decode queries.
+/// Dense attention that also feeds the simulation its keys, decode queries and speculative
+/// queries; `decode` is the decode step's position.
 struct Probe<'a, 'b> {
     dense: DenseAttention<'a, half::f16>,
     sim: &'b mut Sim,
-    decode: bool,
+    model: &'b Model,
+    decode: Option<usize>,
 }
 
 impl Attention for Probe<'_, '_> {
@@ -133,14 +150,26 @@ impl Attention for Probe<'_, '_> {
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         self.sim.keys(layer, k);
-        if self.decode && layer >= DENSE_LAYERS {
+        if self.decode.is_some() && layer >= DENSE_LAYERS {
             self.sim.step(layer, q);
         }
         self.dense.attend(layer, q, k, v, out)
     }
+
+    fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
+        let next = layer + 1;
+        if let Some(pos) = self.decode
+            && next >= DENSE_LAYERS
+            && next < self.model.config.layers
+        {
+            let q = self.model.query(next, x, &[pos])?;
+            self.sim.spec[next] = self.sim.select(next, &q).0;
+        }
+        Ok(())
+    }
 }
 
-/// Per layer, the pages' key min/max and one hot buffer per prefetch setting.
+/// Per layer, the pages' key min/max, and one hot buffer per setting.
 struct Sim {
     kv_heads: usize,
     q_heads: usize,
@@ -149,9 +178,11 @@ struct Sim {
     tokens: Vec<usize>,
     reps: Vec<Vec<f32>>,
     /// Per (setting, layer): the hot buffer's pages, least recently used first, and the
-    /// pages prefetched for the next step.
+    /// pages it loaded early for the coming step.
     hot: Vec<Vec<Vec<i64>>>,
     pending: Vec<Vec<Vec<i64>>>,
+    /// Per layer, the speculative selection of its coming step.
+    spec: Vec<Vec<i64>>,
     /// Per layer, whether its first decode step is done.
     warm: Vec<bool>,
     tally: Vec<Tally>,
@@ -173,10 +204,11 @@ impl Sim {
             d,
             tokens: vec![0; layers],
             reps: vec![Vec::new(); layers],
-            hot: vec![vec![Vec::new(); layers]; EXTRAS.len()],
-            pending: vec![vec![Vec::new(); layers]; EXTRAS.len()],
+            hot: vec![vec![Vec::new(); layers]; SETTINGS.len()],
+            pending: vec![vec![Vec::new(); layers]; SETTINGS.len()],
+            spec: vec![Vec::new(); layers],
             warm: vec![false; layers],
-            tally: (0..EXTRAS.len()).map(|_| Tally::default()).collect(),
+            tally: (0..SETTINGS.len()).map(|_| Tally::default()).collect(),
         }
     }
 
@@ -206,15 +238,14 @@ impl Sim {
         }
     }
 
-    /// One decode step of `layer` with query `q` (`[q_heads, d]`): Quest's ranking, then
-    /// each setting's diff against its hot buffer and its prefetch for the next step.
-    fn step(&mut self, layer: usize, q: &[f32]) {
+    /// Quest's selection for `layer` with query `q` (`[q_heads, d]`) over the keys seen so
+    /// far: the best middle pages and the first (the current page, in its reserved slot,
+    /// is never a miss), then the other middle pages, best first.
+    fn select(&self, layer: usize, q: &[f32]) -> (Vec<i64>, Vec<i64>) {
         let (h, d) = (self.kv_heads, self.d);
         let g = self.q_heads / h;
         let page_len = h * 2 * d;
-        let len = self.tokens[layer] + 1;
-        let current = (len - 1) / PAGE;
-        // Middle pages by their best bound over the query heads, highest first.
+        let current = self.tokens[layer] / PAGE;
         let mut ranked: Vec<(f32, i64)> = (1..current)
             .filter(|&p| (p + 1) * page_len <= self.reps[layer].len())
             .map(|p| {
@@ -237,20 +268,39 @@ impl Sim {
         let pick = BUDGET.saturating_sub(2).min(ranked.len());
         let mut sel: Vec<i64> = ranked[..pick].iter().map(|r| r.1).collect();
         sel.push(0);
-        // The current page lives in a reserved slot (never a miss). The first step fills an
-        // empty buffer in every setting alike and is not counted.
+        (sel, ranked[pick..].iter().map(|r| r.1).collect())
+    }
+
+    /// One decode step of `layer` with query `q` (`[q_heads, d]`), in every setting: its
+    /// early loads (the speculative selection), the diff against its hot buffer, and its
+    /// runners-up for the next step. The first step fills an empty buffer in every setting
+    /// alike and is not counted.
+    fn step(&mut self, layer: usize, q: &[f32]) {
+        let (sel, runners) = self.select(layer, q);
+        let spec = std::mem::take(&mut self.spec[layer]);
         let counted = std::mem::replace(&mut self.warm[layer], true);
-        for (i, &extra) in EXTRAS.iter().enumerate() {
+        for (i, &(extra, speculate)) in SETTINGS.iter().enumerate() {
             let hot = &mut self.hot[i][layer];
-            let pending = std::mem::take(&mut self.pending[i][layer]);
+            let mut early = std::mem::take(&mut self.pending[i][layer]);
             let mut t = Tally::default();
-            t.selected += sel.len() as u64;
+            if speculate {
+                // Loaded while the layer before computed: the newest pages of the buffer.
+                for &p in &spec {
+                    if !hot.contains(&p) {
+                        if hot.len() >= HOT {
+                            hot.remove(0);
+                        }
+                        hot.push(p);
+                        early.push(p);
+                        t.prefetched += 1;
+                    }
+                }
+            }
+            t.selected = sel.len() as u64;
             for &p in &sel {
                 if let Some(at) = hot.iter().position(|&x| x == p) {
                     hot.remove(at);
-                    if pending.contains(&p) {
-                        t.used += 1;
-                    }
+                    t.used += u64::from(early.contains(&p));
                 } else {
                     t.misses += 1;
                     if hot.len() >= HOT {
@@ -262,7 +312,7 @@ impl Sim {
             // Off the critical path: the runners-up go in behind the selection, evicting
             // the least recently used pages (never this step's selection).
             let mut next = Vec::new();
-            for &(_, p) in ranked[pick..].iter().take(extra) {
+            for &p in runners.iter().take(extra) {
                 if hot.contains(&p) {
                     continue;
                 }

@@ -149,6 +149,15 @@ pub trait Attention {
         v: &[f32],
         out: &mut [f32],
     ) -> Result<(), EngineError>;
+
+    /// Called in every forward with layer `layer`'s input, the residual stream `x` (`[tokens,
+    /// embed]`), before the layer runs: where a backend can look ahead, for instance estimate
+    /// the next layer's queries from it ([`Model::query`]) to select and load that layer's
+    /// pages while this one computes. Does nothing by default.
+    fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
+        let _ = (layer, x);
+        Ok(())
+    }
 }
 
 /// A model file's tensors, named as GGUF names them (`blk.0.attn_q.weight`), whatever the
@@ -308,6 +317,7 @@ impl Model {
             .flat_map(|&p| self.freqs.iter().map(move |&f| (p as f32 * f).sin_cos()))
             .collect();
         for (l, b) in self.blocks.iter().enumerate() {
+            attn.layer_input(l, &x)?;
             rms_norm(&x, &b.attn_norm, c.rms_eps, &mut h);
             b.wq.forward(&h, n, &mut q);
             b.wk.forward(&h, n, &mut k);
@@ -340,6 +350,42 @@ impl Model {
         let head = self.output.as_ref().unwrap_or(&self.embed);
         head.forward(&normed, logits_for.len(), &mut logits);
         Ok(logits)
+    }
+
+    /// The queries layer `layer` would compute from the residual stream `x` (`[tokens,
+    /// embed]`) of tokens at `positions`: its input norm, its query projection and RoPE,
+    /// `[tokens, q_heads, head_dim]`: exactly the layer's queries given its own input
+    /// ([`Attention::layer_input`]), an estimate of them given an earlier layer's (what a
+    /// speculative selection reads).
+    pub fn query(
+        &self,
+        layer: usize,
+        x: &[f32],
+        positions: &[usize],
+    ) -> Result<Vec<f32>, EngineError> {
+        let c = &self.config;
+        let n = positions.len();
+        let b = self
+            .blocks
+            .get(layer)
+            .ok_or_else(|| EngineError::Invalid(format!("no layer {layer} of {}", c.layers)))?;
+        if x.len() != n * c.embed {
+            return Err(EngineError::Invalid(format!(
+                "a stream of {} values for {n} positions of {}",
+                x.len(),
+                c.embed
+            )));
+        }
+        let mut h = vec![0.0f32; x.len()];
+        rms_norm(x, &b.attn_norm, c.rms_eps, &mut h);
+        let mut q = vec![0.0f32; n * c.q_heads * c.head_dim];
+        b.wq.forward(&h, n, &mut q);
+        let angles: Vec<(f32, f32)> = positions
+            .iter()
+            .flat_map(|&p| self.freqs.iter().map(move |&f| (p as f32 * f).sin_cos()))
+            .collect();
+        self.rope(&mut q, &angles);
+        Ok(q)
     }
 
     /// Rotates adjacent pairs `(2i, 2i + 1)` of every head of every row by `pos · freq_i`

@@ -438,3 +438,62 @@ fn passkey_prompts_fit_their_context_and_hide_the_key_deeper_each_trial() {
         "a context too small for the key is a typed error"
     );
 }
+
+#[test]
+fn a_layers_input_gives_its_queries_exactly() {
+    /// Dense attention that also keeps each layer's input and queries.
+    struct Probe<'a> {
+        dense: DenseAttention<'a, f32>,
+        inputs: Vec<Vec<f32>>,
+        queries: Vec<Vec<f32>>,
+    }
+    impl engine::Attention for Probe<'_> {
+        fn attend(
+            &mut self,
+            layer: usize,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            out: &mut [f32],
+        ) -> Result<(), EngineError> {
+            self.queries.push(q.to_vec());
+            self.dense.attend(layer, q, k, v, out)
+        }
+
+        fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
+            assert_eq!(layer, self.inputs.len(), "layers in order");
+            self.inputs.push(x.to_vec());
+            Ok(())
+        }
+    }
+    let g = tiny(DType::F32);
+    let m = Model::load(&g).expect("a valid model");
+    let ids = text(40);
+    let positions: Vec<usize> = (0..40).collect();
+    let blocks = 40usize.div_ceil(16);
+    let mut store = KvStore::<f32>::new(&TINY, blocks, 16).expect("a cache");
+    let batch = Batch::single(0, 40, blocks);
+    let mut probe = Probe {
+        dense: DenseAttention {
+            store: &mut store,
+            batch: &batch,
+        },
+        inputs: Vec::new(),
+        queries: Vec::new(),
+    };
+    m.forward(&ids, &positions, &mut probe, &[])
+        .expect("a valid forward");
+    assert_eq!(probe.inputs.len(), TINY.layers);
+    for (l, (x, q)) in probe.inputs.iter().zip(&probe.queries).enumerate() {
+        let got = m.query(l, x, &positions).expect("a valid layer and stream");
+        assert_eq!(&got, q, "layer {l}");
+    }
+    assert!(matches!(
+        m.query(TINY.layers, &probe.inputs[0], &positions),
+        Err(EngineError::Invalid(_))
+    ));
+    assert!(matches!(
+        m.query(0, &probe.inputs[0][1..], &positions),
+        Err(EngineError::Invalid(_))
+    ));
+}
