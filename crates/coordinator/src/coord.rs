@@ -92,6 +92,8 @@ pub(crate) struct Forward {
     pub(crate) offsets: Vec<usize>,
     pub(crate) tokens: usize,
     ended: Vec<bool>,
+    /// Per layer, whether its step has begun (a prefetch must come before).
+    begun: Vec<bool>,
 }
 
 impl<T: Element> SparseCoordinator<T> {
@@ -379,6 +381,7 @@ impl<T: Element> SparseCoordinator<T> {
             offsets,
             tokens,
             ended: vec![false; self.model.layers],
+            begun: vec![false; self.model.layers],
         });
         Ok(())
     }
@@ -396,6 +399,7 @@ impl<T: Element> SparseCoordinator<T> {
         v: &[T],
     ) -> Result<LayerPlan, CoordError> {
         self.check_layer_io(layer, Some(q.len()), k.len(), v.len())?;
+        self.mark_begun(layer);
         let f = self.forward.as_ref().expect("checked by check_layer_io");
         let mut routes = vec![Route::Dense; f.batch.len()];
         let Some(sl) = self.sparse_of[layer] else {
@@ -416,48 +420,16 @@ impl<T: Element> SparseCoordinator<T> {
             });
         }
         let m = self.model;
-        let (qs, kvs) = (m.q_heads * m.head_dim, m.kv_heads * m.head_dim);
+        let kvs = m.kv_heads * m.head_dim;
         let params = self.lowered.layers[layer]
             .as_ref()
             .expect("a sparse layer has parameters");
-        let q_rows: Vec<f32> = rows
-            .iter()
-            .flat_map(|r| q[r.row * qs..(r.row + 1) * qs].iter().copied())
-            .collect();
-        let seq_lens: Vec<usize> = rows.iter().map(|r| r.len + 1).collect();
-        let slots: Vec<usize> = rows.iter().map(|r| r.slot).collect();
+        let top = self.select_rows(layer, &rows, q, Some(k))?;
         let manager = self.manager.as_mut().expect("sparse layers have a manager");
-        let top = {
-            let host = manager.host();
-            let host = host.read();
-            let keys = HostKeys {
-                host: &host,
-                layer: sl,
-                seqs: host_seqs(
-                    manager,
-                    rows.iter()
-                        .map(|r| (r.id, r.len, &k[r.row * kvs..(r.row + 1) * kvs])),
-                )?,
-            };
-            let step = Decode {
-                layer: 0,
-                q: &q_rows,
-                q_heads: m.q_heads,
-                kv_heads: m.kv_heads,
-                head_dim: m.head_dim,
-                seq_lens: &seq_lens,
-                slots: &slots,
-                keys: params.caps.reads_keys.then_some(&keys as &dyn KeySource),
-            };
-            params.algo.retrieve_topk(&step, &self.pools[sl])?
-        };
         let mut meta_rows: Vec<MetaRow> = Vec::with_capacity(rows.len());
         let mut stats = StepStats::default();
         for (j, r) in rows.iter().enumerate() {
-            let heads: Vec<&[i32]> = (0..m.kv_heads).map(|h| top.row(j, h)).collect();
-            let mut union: Vec<i32> = heads.iter().flat_map(|h| h.iter().copied()).collect();
-            union.sort_unstable();
-            union.dedup();
+            let (heads, union) = head_union(&top, j, m.kv_heads);
             let plan = manager.step_with_new(r.id, sl, &union, 1)?;
             manager.device(sl).write().set_kv(
                 &plan.new_slots,
@@ -520,6 +492,19 @@ impl<T: Element> SparseCoordinator<T> {
             }
         }
         (decode, complete)
+    }
+
+    /// Records that `layer` of the forward in progress has begun its step.
+    pub(crate) fn mark_begun(&mut self, layer: usize) {
+        self.forward
+            .as_mut()
+            .expect("a layer begins inside a forward")
+            .begun[layer] = true;
+    }
+
+    /// Whether `layer` of the forward in progress has begun its step.
+    pub(crate) fn begun(&self, layer: usize) -> bool {
+        self.forward.as_ref().is_some_and(|f| f.begun[layer])
     }
 
     /// Records that `layer` of the forward in progress has ended its attention.
@@ -647,6 +632,64 @@ impl<T: Element> SparseCoordinator<T> {
     }
 
     /// The sparse-mode decode requests of the forward in progress, in batch order.
+    /// The selection of sparse layer `layer` for decode `rows` with the batch's queries `q`
+    /// (`[tokens, q_heads, head_dim]`): one row per decode row, over each request's tokens and
+    /// its new one. `k` is the batch's new keys, which algorithms that read keys need; without
+    /// them such an algorithm is answered with [`CoordError::Config`].
+    pub(crate) fn select_rows(
+        &self,
+        layer: usize,
+        rows: &[DecodeRow],
+        q: &[f32],
+        k: Option<&[T]>,
+    ) -> Result<TopK, CoordError> {
+        let m = self.model;
+        let (qs, kvs) = (m.q_heads * m.head_dim, m.kv_heads * m.head_dim);
+        let sl = self.sparse_of[layer].expect("a sparse layer");
+        let params = self.lowered.layers[layer]
+            .as_ref()
+            .expect("a sparse layer has parameters");
+        let q_rows: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| q[r.row * qs..(r.row + 1) * qs].iter().copied())
+            .collect();
+        let seq_lens: Vec<usize> = rows.iter().map(|r| r.len + 1).collect();
+        let slots: Vec<usize> = rows.iter().map(|r| r.slot).collect();
+        let manager = self.manager.as_ref().expect("sparse layers have a manager");
+        let host = manager.host();
+        let host = host.read();
+        let keys = match (params.caps.reads_keys, k) {
+            (false, _) => None,
+            (true, Some(k)) => Some(HostKeys {
+                host: &host,
+                layer: sl,
+                seqs: host_seqs(
+                    manager,
+                    rows.iter()
+                        .map(|r| (r.id, r.len, &k[r.row * kvs..(r.row + 1) * kvs])),
+                )?,
+            }),
+            (true, None) => {
+                return Err(CoordError::Config(format!(
+                    "layer {layer}: {} reads the new keys, which a selection made ahead of them \
+                     lacks",
+                    params.caps.name
+                )));
+            }
+        };
+        let step = Decode {
+            layer: 0,
+            q: &q_rows,
+            q_heads: m.q_heads,
+            kv_heads: m.kv_heads,
+            head_dim: m.head_dim,
+            seq_lens: &seq_lens,
+            slots: &slots,
+            keys: keys.as_ref().map(|k| k as &dyn KeySource),
+        };
+        Ok(params.algo.retrieve_topk(&step, &self.pools[sl])?)
+    }
+
     pub(crate) fn decode_rows(&self) -> Vec<DecodeRow> {
         let Some(f) = self.forward.as_ref() else {
             return Vec::new();
@@ -742,4 +785,14 @@ impl<T: Element> SparseCoordinator<T> {
         want("k", k, m.kv_heads)?;
         want("v", v, m.kv_heads)
     }
+}
+
+/// Row `j` of `top`: each of its `kv_heads` heads' pages, and their union (ascending, unique),
+/// what the request's one hot buffer takes.
+pub(crate) fn head_union(top: &TopK, j: usize, kv_heads: usize) -> (Vec<&[i32]>, Vec<i32>) {
+    let heads: Vec<&[i32]> = (0..kv_heads).map(|h| top.row(j, h)).collect();
+    let mut union: Vec<i32> = heads.iter().flat_map(|h| h.iter().copied()).collect();
+    union.sort_unstable();
+    union.dedup();
+    (heads, union)
 }

@@ -28,6 +28,7 @@ mod coord;
 pub mod cuda;
 mod error;
 mod keys;
+mod prefetch;
 mod tracker;
 
 pub use adaptor::{

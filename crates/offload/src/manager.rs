@@ -464,6 +464,58 @@ impl<T: Element> SparseKvCacheManager<T> {
         self.finish(layer, plan)
     }
 
+    /// Loads pages early, before a decode step of (request, layer) whose selection is not
+    /// known yet (a speculative selection, made from an estimate of the step's queries).
+    /// `pages` are checked as [`step_with_new`](Self::step_with_new) checks a selection:
+    /// ascending and unique, over the request's tokens plus `new_tokens` the step will add.
+    /// The hot buffer diffs them as a step would: the pages it lacks go into its evictable
+    /// slots, least recently used first, loaded from the host now, and `pages` become its
+    /// most recently used. The current page stays in the reserved slot, untouched. The step
+    /// that follows finds them as hits. Answers what was loaded: `misses` and `loaded_pages`
+    /// are the pages loaded early, `steps` is 0. These are not added to
+    /// [`totals`](Self::totals), which count steps.
+    pub fn prefetch(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        pages: &[i32],
+        new_tokens: usize,
+    ) -> Result<StepStats, OffloadError> {
+        let layer = self.check_layer(layer)?;
+        let len = self.check_step(id, layer, pages, new_tokens)?;
+        let c = self.config;
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("the step was checked, so the request is live");
+        let current = ((len + new_tokens).div_ceil(c.page_size) - 1) as i32;
+        let diff = r.hot[layer].diff(pages, current);
+        let loads: Vec<Load> = diff
+            .misses
+            .iter()
+            .map(|&(page, slot)| Load {
+                layer,
+                host_page: r.host_pages[page as usize],
+                first: 0,
+                tokens: c.page_size as u32,
+                device_block: (r.base + slot as usize) as u32,
+            })
+            .collect();
+        self.executor
+            .loads(&*self.host.read(), &loads, &mut self.device[layer].write())?;
+        let token_bytes = 2 * c.kv_heads * c.head_dim * size_of::<T>();
+        let n = loads.len() as u64;
+        Ok(StepStats {
+            steps: 0,
+            hits: u64::from(diff.hits),
+            misses: n,
+            loaded_pages: n,
+            bytes: n * (c.page_size * token_bytes) as u64,
+            reserved_loads: 0,
+            reused_plans: 0,
+        })
+    }
+
     /// One decode step of several layers that share a selection (one selection per step, as
     /// many engines use for every layer of a group): the diff runs once, and every later
     /// layer whose hot buffer and length equal the first's takes the same plan (same slots,

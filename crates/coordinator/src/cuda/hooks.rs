@@ -33,6 +33,7 @@ impl<T: CudaElement> SparseCoordinator<T> {
         v: &CudaSlice<T>,
     ) -> Result<DeviceLayerPlan, CoordError> {
         self.check_layer_io(layer, Some(q.len()), k.len(), v.len())?;
+        self.mark_begun(layer);
         let m = self.model;
         if dev.layers.len() != self.sparse_layers.len()
             || dev.epochs.len() != self.slot_epochs.len()

@@ -3,5 +3,6 @@
 mod config;
 mod decode;
 mod errors;
+mod prefetch;
 mod prefix;
 mod util;

@@ -69,6 +69,19 @@ pub(crate) struct Engine {
     /// Whose KV values a request's positions take (a request that reuses another's prefix
     /// shares its stream).
     pub(crate) stream: FxHashMap<RequestId, u64>,
+    /// Before each layer's step, a prefetch with these queries (the layer's own, or others).
+    pub(crate) prefetch: Option<Estimate>,
+    /// What the prefetches loaded.
+    pub(crate) prefetched: StepStats,
+}
+
+/// The queries a prefetch of the toy engine selects with.
+#[derive(Clone, Copy)]
+pub(crate) enum Estimate {
+    /// The layer's own queries: the prefetch loads exactly what the step then selects.
+    Exact,
+    /// Other queries (another stream of values): the step's selection differs.
+    Other,
 }
 
 impl Engine {
@@ -93,6 +106,8 @@ impl Engine {
             checked: 0,
             expect_dense: false,
             stream: FxHashMap::default(),
+            prefetch: None,
+            prefetched: StepStats::default(),
         }
     }
 
@@ -155,6 +170,23 @@ impl Engine {
                     )
                     .expect("in range");
                 off += n;
+            }
+            if let Some(estimate) = self.prefetch {
+                let guess = match estimate {
+                    Estimate::Exact => q.clone(),
+                    Estimate::Other => batch
+                        .iter()
+                        .flat_map(|&(id, n)| {
+                            let (start, s) = (self.own[&id].len, self.stream(id));
+                            rows(7, s, layer, start, n, QS)
+                        })
+                        .collect(),
+                };
+                let loaded = self
+                    .coord
+                    .prefetch(layer, &guess)
+                    .expect("a valid prefetch");
+                self.prefetched.add(&loaded);
             }
             let plan = self
                 .coord

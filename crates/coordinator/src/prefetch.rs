@@ -1,0 +1,61 @@
+//! Loads ahead of a layer's step: while an earlier layer computes, the engine can hand the
+//! coordinator an estimate of a later layer's queries, and the pages they select are loaded
+//! before that layer's own step needs them.
+
+use attn_op::Element;
+use offload::StepStats;
+
+use crate::{CoordError, SparseCoordinator};
+
+impl<T: Element> SparseCoordinator<T> {
+    /// Before layer `layer`'s [`attention_begin`](Self::attention_begin) in the forward in
+    /// progress, loads early the pages its algorithm would select with `q` (`[tokens,
+    /// q_heads, head_dim]`). `q` is an estimate of the layer's queries, for instance the
+    /// layer's query projection applied to an earlier layer's input. For each sparse-mode
+    /// decode request, the union over KV heads of that selection goes through
+    /// [`SparseKvCacheManager::prefetch`](offload::SparseKvCacheManager::prefetch). The
+    /// layer's own step then selects with its real queries and finds what was loaded as hits;
+    /// its attention is the same as without the prefetch.
+    ///
+    /// Answers the pages loaded early. A dense layer, or a batch without decode rows, loads
+    /// nothing. An algorithm that reads the new keys gets [`CoordError::Config`], and a
+    /// layer whose step has begun (or ended) gets [`CoordError::Invalid`].
+    ///
+    /// This is the CPU hooks' prefetch, the specification of one on the device. A
+    /// coordinator driven through the device hooks (`cuda`) keeps its hot buffers on the
+    /// device, so there this would diff stale CPU copies: the device path has no prefetch
+    /// yet.
+    pub fn prefetch(&mut self, layer: usize, q: &[f32]) -> Result<StepStats, CoordError> {
+        let f = self.check_layer(layer)?;
+        let m = self.model;
+        if q.len() != f.tokens * m.q_heads * m.head_dim {
+            return Err(CoordError::Invalid(format!(
+                "q of {} elements for {} tokens of {} heads of {}",
+                q.len(),
+                f.tokens,
+                m.q_heads,
+                m.head_dim
+            )));
+        }
+        if self.begun(layer) {
+            return Err(CoordError::Invalid(format!(
+                "layer {layer} has begun its step; a prefetch comes before it"
+            )));
+        }
+        let mut stats = StepStats::default();
+        let Some(sl) = self.sparse_of[layer] else {
+            return Ok(stats);
+        };
+        let rows = self.decode_rows();
+        if rows.is_empty() {
+            return Ok(stats);
+        }
+        let top = self.select_rows(layer, &rows, q, None)?;
+        let manager = self.manager.as_mut().expect("sparse layers have a manager");
+        for (j, r) in rows.iter().enumerate() {
+            let (_, union) = crate::coord::head_union(&top, j, m.kv_heads);
+            stats.add(&manager.prefetch(r.id, sl, &union, 1)?);
+        }
+        Ok(stats)
+    }
+}
