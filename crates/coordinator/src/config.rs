@@ -50,6 +50,13 @@ pub struct SparseConfig {
     pub layer: Vec<LayerOverride>,
     /// Layout of the host KV pool.
     pub host_layout: HostLayout,
+    /// Load each sparse layer's pages early: the engine estimates the layer's queries from
+    /// the layer before's input and prefetches what they select
+    /// ([`SparseCoordinator::prefetch`](crate::SparseCoordinator::prefetch)), so fewer loads
+    /// wait in the layer's own step; attention is unchanged. The engine's single-request
+    /// runs (`generate`, `eval`) do it on the CPU hooks; its scheduler does not yet, and the
+    /// device path refuses the option. Default: off.
+    pub prefetch: bool,
 }
 
 impl Default for SparseConfig {
@@ -85,6 +92,9 @@ pub struct Lowered {
     pub min_prompt_tokens: usize,
     /// Layout of the host KV pool.
     pub host_layout: HostLayout,
+    /// Whether the engine prefetches each sparse layer's estimated selection
+    /// ([`SparseConfig::prefetch`]).
+    pub prefetch: bool,
 }
 
 impl std::fmt::Debug for Lowered {
@@ -95,6 +105,7 @@ impl std::fmt::Debug for Lowered {
             .field("hot_pages", &self.hot_pages)
             .field("min_prompt_tokens", &self.min_prompt_tokens)
             .field("host_layout", &self.host_layout)
+            .field("prefetch", &self.prefetch)
             .finish()
     }
 }
@@ -163,6 +174,7 @@ impl SparseConfig {
             dense_layers: Vec::new(),
             layer: Vec::new(),
             host_layout: HostLayout::default(),
+            prefetch: false,
         }
     }
 
@@ -262,6 +274,7 @@ impl SparseConfig {
             hot_pages,
             min_prompt_tokens: self.min_prompt_tokens.unwrap_or(hot_pages * page_size),
             host_layout: self.host_layout,
+            prefetch: self.prefetch,
         })
     }
 }

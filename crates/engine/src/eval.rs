@@ -50,8 +50,12 @@ pub struct VariantReport {
     pub max_logit_diff: f32,
     /// Mean attention-mass recall of the selections (sparse rows, every query head).
     pub recall: Option<f64>,
-    /// Hot-buffer hits, misses and bytes moved over the decode.
+    /// Hot-buffer hits, misses and bytes moved over the decode (the misses: loads in the
+    /// steps themselves).
     pub stats: StepStats,
+    /// Pages loaded early by the configuration's prefetch (`misses`, `bytes`), off the
+    /// steps' own loads.
+    pub prefetched: StepStats,
     /// Device bytes the request holds at its full length: KV of dense layers, hot buffers
     /// and representations of sparse ones.
     pub device_bytes: usize,
@@ -301,6 +305,7 @@ impl<T: Element> Lockstep<T> {
                     recall,
                 )?;
                 run.report.stats.add(&one.stats);
+                run.report.prefetched.add(&one.prefetched);
                 if let Some(r) = one.recall {
                     run.recall.0 += r.iter().sum::<f64>();
                     run.recall.1 += r.len();

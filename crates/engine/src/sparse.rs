@@ -29,9 +29,41 @@ pub struct SparseAttention<'a, T: Element> {
     /// When set, the attention-mass recall of every sparse row's selection (per query head)
     /// is measured against `store`, which must then hold those requests' every token.
     pub recall: Option<Vec<f64>>,
+    /// When set, each layer's input gives the next layer's estimated queries
+    /// ([`Model::query`](crate::Model::query)), whose selection the coordinator loads
+    /// before that layer's step ([`SparseCoordinator::prefetch`]).
+    pub prefetch: Option<&'a crate::Model>,
+    /// What the prefetches loaded, summed over the forward's layers.
+    pub prefetched: StepStats,
 }
 
 impl<T: Element> Attention for SparseAttention<'_, T> {
+    fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
+        let Some(model) = self.prefetch else {
+            return Ok(());
+        };
+        let next = layer + 1;
+        // Only decode steps (one new token) select; a prefill would estimate for nothing.
+        if next >= model.config.layers
+            || self.coord.lowered().layers[next].is_none()
+            || self.requests.iter().all(|&(_, n)| n != 1)
+        {
+            return Ok(());
+        }
+        // Each token's position: its sequence's length less the tokens after it.
+        let b = self.batch;
+        let positions: Vec<usize> = (0..b.seq_lens_kv.len())
+            .flat_map(|i| {
+                let (q0, q1) = (b.cu_seqlens_q[i] as usize, b.cu_seqlens_q[i + 1] as usize);
+                let end = b.seq_lens_kv[i] as usize;
+                (end - (q1 - q0)..end).collect::<Vec<_>>()
+            })
+            .collect();
+        let q = model.query(next, x, &positions)?;
+        self.prefetched.add(&self.coord.prefetch(next, &q)?);
+        Ok(())
+    }
+
     fn attend(
         &mut self,
         layer: usize,
@@ -221,14 +253,20 @@ pub(crate) fn forward_one<T: Element>(
         requests: &[(id, tokens.len())],
         stats: StepStats::default(),
         recall: recall.then(Vec::new),
+        prefetch: None,
+        prefetched: StepStats::default(),
     };
+    if sa.coord.lowered().prefetch {
+        sa.prefetch = Some(model);
+    }
     let logits = model.forward(tokens, positions, &mut sa, logits_for)?;
-    let (stats, recall) = (sa.stats, sa.recall);
+    let (stats, recall, prefetched) = (sa.stats, sa.recall, sa.prefetched);
     coord.forward_end()?;
     Ok(OneForward {
         logits,
         stats,
         recall,
+        prefetched,
     })
 }
 
@@ -240,4 +278,6 @@ pub(crate) struct OneForward {
     pub(crate) stats: StepStats,
     /// The selections' mass recall, when asked.
     pub(crate) recall: Option<Vec<f64>>,
+    /// What the prefetches loaded (the configuration's `prefetch`).
+    pub(crate) prefetched: StepStats,
 }

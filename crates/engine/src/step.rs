@@ -98,6 +98,8 @@ impl<T: Element> Attention for StepAttention<'_, T> {
                     requests: &g.requests,
                     stats: StepStats::default(),
                     recall: None,
+                    prefetch: None,
+                    prefetched: StepStats::default(),
                 }
                 .attend(layer, q, k, v, out)?,
             }

@@ -68,6 +68,7 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool) -> Res<usize> {
         dense_layers: vec![0],
         layer: Vec::new(),
         host_layout: HostLayout::LayerFirst,
+        prefetch: false,
     };
     let cap = Capacity {
         max_requests: 4,

@@ -153,12 +153,17 @@ impl<T: CudaElement> DeviceSparse<T> {
     /// The device mirror of `coord`'s sparse layers: kernels compiled for `gpu`, the host pool
     /// registered in place, zeroed representations and hot buffers. Answers
     /// [`CoordError::Config`] without sparse layers, for an algorithm other than Quest, for
-    /// selections wider than the device diff takes, or for a host layout other than
-    /// layer-first.
+    /// selections wider than the device diff takes, for a host layout other than
+    /// layer-first, or with `prefetch` set (the device path has no prefetch yet).
     pub fn new(gpu: &Gpu, coord: &SparseCoordinator<T>) -> Result<Self, CoordError> {
         let manager = coord
             .manager()
             .ok_or_else(|| CoordError::Config("no sparse layers to run on the device".into()))?;
+        if coord.lowered.prefetch {
+            return Err(CoordError::Config(
+                "prefetch: the device path has no prefetch stage yet".into(),
+            ));
+        }
         let c = manager.config();
         let m = coord.model;
         let mut quests = Vec::new();

@@ -104,6 +104,7 @@ fn config() -> SparseConfig {
         dense_layers: Vec::new(),
         layer: Vec::new(),
         host_layout: HostLayout::LayerFirst,
+        prefetch: false,
     }
 }
 

@@ -497,3 +497,42 @@ fn a_layers_input_gives_its_queries_exactly() {
         Err(EngineError::Invalid(_))
     ));
 }
+
+/// A prefetch loads pages before the step that selects them: the logits stay the same bit
+/// for bit, and fewer loads are left to the steps.
+#[test]
+fn a_prefetch_moves_loads_ahead_and_changes_no_logit() {
+    let m = Model::load(&tiny(DType::Q4_1)).expect("a valid model");
+    let tokens = text(300);
+    let small = quest_pages(64, 4, true);
+    let variants = [
+        ("small".to_owned(), small.clone()),
+        (
+            "small-prefetch".to_owned(),
+            SparseConfig {
+                prefetch: true,
+                ..small
+            },
+        ),
+    ];
+    let opts = EvalOptions {
+        prefill: 200,
+        chunk: 64,
+        block_size: 16,
+        recall: false,
+    };
+    let r = teacher_forced::<f32>(&m, &tokens, &variants, &opts, |_, _| {}).expect("a valid run");
+    let (plain, early) = (&r[1], &r[2]);
+    assert!(plain.sparse && early.sparse);
+    assert_eq!(plain.nll, early.nll, "the same logits");
+    assert_eq!(plain.max_logit_diff, early.max_logit_diff);
+    assert_eq!(plain.top1_agreement, early.top1_agreement);
+    assert_eq!(plain.prefetched.loaded_pages, 0);
+    assert!(early.prefetched.loaded_pages > 0, "{:?}", early.prefetched);
+    assert!(
+        early.stats.misses < plain.stats.misses,
+        "fewer loads in the steps: {} against {}",
+        early.stats.misses,
+        plain.stats.misses
+    );
+}

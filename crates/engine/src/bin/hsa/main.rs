@@ -492,6 +492,7 @@ fn report_json(r: &VariantReport) -> serde_json::Value {
         "max_logit_diff": r.max_logit_diff, "mass_recall": r.recall,
         "device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
         "bytes_per_step": r.stats.bytes as f64 / r.positions.max(1) as f64,
+        "prefetched_bytes_per_step": r.prefetched.bytes as f64 / r.positions.max(1) as f64,
         "hit_rate": hit_rate(&r.stats), "tokens_per_s": r.tokens_per_s,
     })
 }
@@ -505,7 +506,7 @@ fn print_table(reports: &[VariantReport]) {
         .unwrap_or(0)
         .max(7);
     println!(
-        "{:<w$} {:>6} {:>9} {:>7} {:>9} {:>7} {:>10} {:>10} {:>11} {:>6} {:>7}",
+        "{:<w$} {:>6} {:>9} {:>7} {:>9} {:>7} {:>10} {:>10} {:>11} {:>11} {:>6} {:>7}",
         "variant",
         "mode",
         "ppl",
@@ -515,13 +516,14 @@ fn print_table(reports: &[VariantReport]) {
         "device MiB",
         "host MiB",
         "KiB/step",
+        "early KiB",
         "hit",
         "tok/s"
     );
     let mib = |b: usize| b as f64 / 1_048_576.0;
     for r in reports {
         println!(
-            "{:<w$} {:>6} {:>9.4} {:>7.4} {:>9.4} {:>7} {:>10.1} {:>10.1} {:>11.1} {:>6} {:>7.1}",
+            "{:<w$} {:>6} {:>9.4} {:>7.4} {:>9.4} {:>7} {:>10.1} {:>10.1} {:>11.1} {:>11.1} {:>6} {:>7.1}",
             r.name,
             if r.sparse { "sparse" } else { "dense" },
             r.perplexity(),
@@ -531,6 +533,7 @@ fn print_table(reports: &[VariantReport]) {
             mib(r.device_bytes),
             mib(r.host_bytes),
             r.stats.bytes as f64 / 1024.0 / r.positions.max(1) as f64,
+            r.prefetched.bytes as f64 / 1024.0 / r.positions.max(1) as f64,
             if r.sparse {
                 format!("{:.3}", hit_rate(&r.stats))
             } else {
