@@ -79,10 +79,15 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
     let blocks = n.div_ceil(PAGE);
     let mut store = KvStore::<half::f16>::new(&c, blocks, PAGE)?;
     let mut sim = Sim::new(c.layers, c.kv_heads, c.q_heads, c.head_dim);
-    for (i, chunk) in ids[..PREFILL].chunks(512).enumerate() {
-        let pos = i * 512;
-        let batch = Batch::single(pos, pos + chunk.len(), blocks);
-        let positions: Vec<usize> = (pos..pos + chunk.len()).collect();
+    // The prompt in chunks of 512 tokens, then one token a step.
+    let spans = (0..PREFILL)
+        .step_by(512)
+        .map(|s| (s, (s + 512).min(PREFILL)))
+        .chain((PREFILL..n).map(|p| (p, p + 1)));
+    for (start, end) in spans {
+        let decode = start >= PREFILL;
+        let batch = Batch::single(start, end, blocks);
+        let positions: Vec<usize> = (start..end).collect();
         let mut att = Probe {
             dense: DenseAttention {
                 store: &mut store,
@@ -90,22 +95,10 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
             },
             sim: &mut sim,
             model: &model,
-            decode: None,
+            decode: decode.then_some(start),
         };
-        model.forward(chunk, &positions, &mut att, &[])?;
-    }
-    for p in PREFILL..n {
-        let batch = Batch::single(p, p + 1, blocks);
-        let mut att = Probe {
-            dense: DenseAttention {
-                store: &mut store,
-                batch: &batch,
-            },
-            sim: &mut sim,
-            model: &model,
-            decode: Some(p),
-        };
-        model.forward(&ids[p..=p], &[p], &mut att, &[0])?;
+        let logits_for: &[usize] = if decode { &[0] } else { &[] };
+        model.forward(&ids[start..end], &positions, &mut att, logits_for)?;
     }
     println!(
         "{model_path}, {PREFILL} prefill + {STEPS} decode steps of {text_path}; head-shared \
