@@ -53,9 +53,9 @@ pub struct SparseConfig {
     /// Load each sparse layer's pages early: the engine estimates the layer's queries from
     /// the layer before's input and prefetches what they select
     /// ([`SparseCoordinator::prefetch`](crate::SparseCoordinator::prefetch)), so fewer loads
-    /// wait in the layer's own step; attention is unchanged. The engine's single-request
-    /// runs (`generate`, `eval`) do it on the CPU hooks; its scheduler does not yet, and the
-    /// device path refuses the option. Default: off.
+    /// wait in the layer's own step; attention is unchanged. The engine does it on the CPU
+    /// hooks (single requests and its scheduler); the device path refuses the option.
+    /// Default: off.
     pub prefetch: bool,
 }
 

@@ -151,6 +151,17 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Each new token's position: its sequence's length less the tokens after it.
+    pub fn positions(&self) -> Vec<usize> {
+        (0..self.seq_lens_kv.len())
+            .flat_map(|i| {
+                let n = (self.cu_seqlens_q[i + 1] - self.cu_seqlens_q[i]) as usize;
+                let end = self.seq_lens_kv[i] as usize;
+                end - n..end
+            })
+            .collect()
+    }
+
     /// One sequence whose blocks are `0..blocks` in order (the engine's single-request
     /// runs): the new tokens at positions `pos..end`, each written to the slot of its
     /// position.

@@ -713,6 +713,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
             store: &mut self.device,
             coords: self.coords.iter_mut().map(|c| &mut c.coord).collect(),
             groups: &mut groups,
+            model: self.model,
         };
         let logits = self
             .model

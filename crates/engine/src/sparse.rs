@@ -50,16 +50,7 @@ impl<T: Element> Attention for SparseAttention<'_, T> {
         {
             return Ok(());
         }
-        // Each token's position: its sequence's length less the tokens after it.
-        let b = self.batch;
-        let positions: Vec<usize> = (0..b.seq_lens_kv.len())
-            .flat_map(|i| {
-                let (q0, q1) = (b.cu_seqlens_q[i] as usize, b.cu_seqlens_q[i + 1] as usize);
-                let end = b.seq_lens_kv[i] as usize;
-                (end - (q1 - q0)..end).collect::<Vec<_>>()
-            })
-            .collect();
-        let q = model.query(next, x, &positions)?;
+        let q = model.query(next, x, &self.batch.positions())?;
         self.prefetched.add(&self.coord.prefetch(next, &q)?);
         Ok(())
     }

@@ -22,6 +22,8 @@ pub(crate) struct StepAttention<'a, T: Element> {
     pub(crate) coords: Vec<&'a mut SparseCoordinator<T>>,
     /// The groups, in batch order.
     pub(crate) groups: &'a mut [GroupRun],
+    /// The model, whose next layer's queries a prefetching group estimates.
+    pub(crate) model: &'a crate::Model,
 }
 
 /// Contiguous requests of a batch that share a backend.
@@ -67,6 +69,29 @@ impl GroupRun {
 }
 
 impl<T: Element> Attention for StepAttention<'_, T> {
+    /// For each group whose configuration prefetches ([`SparseAttention`]'s `prefetch`), the
+    /// next sparse layer's estimated queries from the group's rows of `x`, and their
+    /// selection loaded before that layer's step.
+    fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
+        let next = layer + 1;
+        let e = self.model.config.embed;
+        if next >= self.model.config.layers {
+            return Ok(());
+        }
+        for g in self.groups.iter() {
+            let Some(c) = g.coord else { continue };
+            let coord = &mut *self.coords[c];
+            let l = coord.lowered();
+            if !l.prefetch || l.layers[next].is_none() || g.requests.iter().all(|&(_, n)| n != 1) {
+                continue;
+            }
+            let rows = &x[g.rows.start * e..g.rows.end * e];
+            let q = self.model.query(next, rows, &g.sub.positions())?;
+            coord.prefetch(next, &q)?;
+        }
+        Ok(())
+    }
+
     fn attend(
         &mut self,
         layer: usize,

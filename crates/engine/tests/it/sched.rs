@@ -389,3 +389,43 @@ fn bad_requests_get_typed_errors_and_leave_nothing() {
     let (done, _) = drain(&mut s);
     assert_eq!(done[&id].tokens.len(), 4);
 }
+
+/// Requests whose configuration prefetches (the next layer's estimated selection loaded
+/// before its step) generate what they generate alone, and what the same request without the
+/// prefetch generates.
+#[test]
+fn prefetching_requests_generate_what_they_generate_without() {
+    let g = tiny(DType::Q8_0);
+    let m = Model::load(&g).expect("a valid model");
+    let tok = Tokenizer::from_gguf(&g).expect("a byte-level tokenizer");
+    let base = text(400);
+    let small = quest(64, Vec::new());
+    let early = SparseConfig {
+        prefetch: true,
+        ..small.clone()
+    };
+    let requests: Vec<Request> = [(200, 0, small), (200, 0, early.clone()), (150, 40, early)]
+        .into_iter()
+        .map(|(len, at, sparse)| Request {
+            prompt: base[at..at + len].to_vec(),
+            sampling: greedy(12),
+            sparse: Some(sparse),
+        })
+        .collect();
+    let mut s = Scheduler::<f32>::new(&m, Some(&tok), config(64 << 20)).expect("valid");
+    let ids: Vec<u64> = requests
+        .iter()
+        .map(|r| s.submit(r.clone()).expect("a valid request"))
+        .collect();
+    let (done, admitted) = drain(&mut s);
+    assert!(
+        admitted
+            .iter()
+            .all(|a| matches!(a, Event::Admitted { sparse: true, .. })),
+        "{admitted:?}"
+    );
+    for (id, r) in ids.iter().zip(&requests) {
+        assert_eq!(done[id].tokens, alone(&m, &tok, r), "request {id}");
+    }
+    assert_eq!(done[&ids[0]].tokens, done[&ids[1]].tokens);
+}
