@@ -70,6 +70,29 @@ fn drain(s: &mut Scheduler<'_, f32>) -> (BTreeMap<u64, Report>, Vec<Event>) {
 }
 
 /// The tokens `generate` gives for one request alone.
+/// `requests` through one scheduler, each compared with its generation alone; answers the
+/// reports by request (in submission order) and the admissions.
+fn batched_against_alone(
+    m: &Model,
+    tok: &Tokenizer,
+    requests: &[Request],
+) -> (Vec<Report>, Vec<Event>) {
+    let mut s = Scheduler::<f32>::new(m, Some(tok), config(64 << 20)).expect("valid");
+    let ids: Vec<u64> = requests
+        .iter()
+        .map(|r| s.submit(r.clone()).expect("a valid request"))
+        .collect();
+    let (mut done, admitted) = drain(&mut s);
+    let reports: Vec<Report> = ids
+        .iter()
+        .map(|id| done.remove(id).expect("every request finishes"))
+        .collect();
+    for (got, r) in reports.iter().zip(requests) {
+        assert_eq!(got.tokens, alone(m, tok, r), "request {}", got.id);
+    }
+    (reports, admitted)
+}
+
 fn alone(m: &Model, tok: &Tokenizer, r: &Request) -> Vec<u32> {
     engine::generate::<f32>(
         m,
@@ -105,22 +128,13 @@ fn batched_requests_generate_what_they_generate_alone() {
         sparse,
     })
     .collect();
-    let mut s = Scheduler::<f32>::new(&m, Some(&tok), config(64 << 20)).expect("valid");
-    let ids: Vec<u64> = requests
-        .iter()
-        .map(|r| s.submit(r.clone()).expect("a valid request"))
-        .collect();
-    let (done, admitted) = drain(&mut s);
+    let (reports, admitted) = batched_against_alone(&m, &tok, &requests);
     let sparse: Vec<bool> = admitted
         .iter()
         .map(|a| matches!(a, Event::Admitted { sparse: true, .. }))
         .collect();
     assert_eq!(sparse, [false, false, true, true, false, false]);
-    for (id, r) in ids.iter().zip(&requests) {
-        let got = &done[id];
-        assert_eq!(got.reason, FinishReason::Length);
-        assert_eq!(got.tokens, alone(&m, &tok, r), "request {id}");
-    }
+    assert!(reports.iter().all(|r| r.reason == FinishReason::Length));
 }
 
 #[test]
@@ -412,20 +426,12 @@ fn prefetching_requests_generate_what_they_generate_without() {
             sparse: Some(sparse),
         })
         .collect();
-    let mut s = Scheduler::<f32>::new(&m, Some(&tok), config(64 << 20)).expect("valid");
-    let ids: Vec<u64> = requests
-        .iter()
-        .map(|r| s.submit(r.clone()).expect("a valid request"))
-        .collect();
-    let (done, admitted) = drain(&mut s);
+    let (reports, admitted) = batched_against_alone(&m, &tok, &requests);
     assert!(
         admitted
             .iter()
             .all(|a| matches!(a, Event::Admitted { sparse: true, .. })),
         "{admitted:?}"
     );
-    for (id, r) in ids.iter().zip(&requests) {
-        assert_eq!(done[id].tokens, alone(&m, &tok, r), "request {id}");
-    }
-    assert_eq!(done[&ids[0]].tokens, done[&ids[1]].tokens);
+    assert_eq!(reports[0].tokens, reports[1].tokens);
 }
