@@ -5,9 +5,11 @@
 //! over the text (a prefill of [`PREFILL`] tokens, then [`STEPS`] teacher-forced decode
 //! steps), and beside it simulates what head-shared Quest over pages of 16 would select in
 //! every layer but the first two: a budget of [`BUDGET`] pages (the first and the current page
-//! always kept), diffed against an LRU hot buffer of [`HOT`] pages per layer, as the offload
-//! manager does. A miss is a load on the step's critical path. Two ways to load pages early,
-//! off that path, each a row of the table:
+//! always kept; scores by `sparse_algo::quest_bound`), diffed against an offload
+//! `HotBuffer` of [`HOT`] pages per layer, as the offload manager does. A miss is a load on the
+//! step's critical path. Two ways to load pages early, off that path, each a row of the
+//! table, each loaded as `SparseKvCacheManager::prefetch` does (the buffer's diff of the
+//! pages, which become its newest):
 //! - the runners-up: after a layer's selection, the next `extra` pages of its ranking, for the
 //!   same layer's next step;
 //! - speculation: while layer l computes, the selection that layer l + 1's queries estimated
@@ -23,6 +25,8 @@ use std::path::Path;
 
 use engine::gguf::Gguf;
 use engine::{Attention, Batch, DenseAttention, EngineError, KvStore, Model, Tokenizer};
+use offload::HotBuffer;
+use sparse_algo::quest_bound;
 
 /// Tokens prefilled, then decode steps measured.
 const PREFILL: usize = 4096;
@@ -170,12 +174,12 @@ struct Sim {
     /// Per layer: tokens seen, and per page `[kv_heads, 2, d]` (max then min).
     tokens: Vec<usize>,
     reps: Vec<Vec<f32>>,
-    /// Per (setting, layer): the hot buffer's pages, least recently used first, and the
-    /// pages it loaded early for the coming step.
-    hot: Vec<Vec<Vec<i64>>>,
-    pending: Vec<Vec<Vec<i64>>>,
+    /// Per (setting, layer): the hot buffer, and the pages it loaded early for the coming
+    /// step.
+    hot: Vec<Vec<HotBuffer>>,
+    pending: Vec<Vec<Vec<i32>>>,
     /// Per layer, the speculative selection of its coming step.
-    spec: Vec<Vec<i64>>,
+    spec: Vec<Vec<i32>>,
     /// Per layer, whether its first decode step is done.
     warm: Vec<bool>,
     tally: Vec<Tally>,
@@ -197,7 +201,7 @@ impl Sim {
             d,
             tokens: vec![0; layers],
             reps: vec![Vec::new(); layers],
-            hot: vec![vec![Vec::new(); layers]; SETTINGS.len()],
+            hot: vec![vec![HotBuffer::new(HOT); layers]; SETTINGS.len()],
             pending: vec![vec![Vec::new(); layers]; SETTINGS.len()],
             spec: vec![Vec::new(); layers],
             warm: vec![false; layers],
@@ -210,8 +214,7 @@ impl Sim {
         let (h, d) = (self.kv_heads, self.d);
         let page_len = h * 2 * d;
         for row in k.chunks_exact(h * d) {
-            let t = self.tokens[layer];
-            let p = t / PAGE;
+            let p = self.tokens[layer] / PAGE;
             let reps = &mut self.reps[layer];
             if reps.len() < (p + 1) * page_len {
                 reps.extend((0..h).flat_map(|_| {
@@ -232,35 +235,33 @@ impl Sim {
     }
 
     /// Quest's selection for `layer` with query `q` (`[q_heads, d]`) over the keys seen so
-    /// far: the best middle pages and the first (the current page, in its reserved slot,
-    /// is never a miss), then the other middle pages, best first.
-    fn select(&self, layer: usize, q: &[f32]) -> (Vec<i64>, Vec<i64>) {
+    /// far, ascending: the best middle pages and the first (the current page, in its
+    /// reserved slot, is never a miss); then the other middle pages, best first.
+    fn select(&self, layer: usize, q: &[f32]) -> (Vec<i32>, Vec<i32>) {
         let (h, d) = (self.kv_heads, self.d);
         let g = self.q_heads / h;
         let page_len = h * 2 * d;
         let current = self.tokens[layer] / PAGE;
-        let mut ranked: Vec<(f32, i64)> = (1..current)
+        let mut ranked: Vec<(f32, i32)> = (1..current)
             .filter(|&p| (p + 1) * page_len <= self.reps[layer].len())
             .map(|p| {
                 let page = &self.reps[layer][p * page_len..(p + 1) * page_len];
-                let mut best = f32::NEG_INFINITY;
-                for (j, qh) in q.chunks_exact(d).enumerate() {
-                    let r = &page[(j / g) * 2 * d..(j / g + 1) * 2 * d];
-                    let s: f32 = qh
-                        .iter()
-                        .zip(&r[..d])
-                        .zip(&r[d..])
-                        .map(|((&x, &hi), &lo)| (x * hi).max(x * lo))
-                        .sum();
-                    best = best.max(s);
-                }
-                (best, p as i64)
+                let best = q
+                    .chunks_exact(d)
+                    .enumerate()
+                    .map(|(j, qh)| {
+                        let r = &page[(j / g) * 2 * d..(j / g + 1) * 2 * d];
+                        quest_bound(qh, &r[..d], &r[d..])
+                    })
+                    .fold(f32::NEG_INFINITY, f32::max);
+                (best, p as i32)
             })
             .collect();
         ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let pick = BUDGET.saturating_sub(2).min(ranked.len());
-        let mut sel: Vec<i64> = ranked[..pick].iter().map(|r| r.1).collect();
+        let mut sel: Vec<i32> = ranked[..pick].iter().map(|r| r.1).collect();
         sel.push(0);
+        sel.sort_unstable();
         (sel, ranked[pick..].iter().map(|r| r.1).collect())
     }
 
@@ -271,52 +272,31 @@ impl Sim {
     fn step(&mut self, layer: usize, q: &[f32]) {
         let (sel, runners) = self.select(layer, q);
         let spec = std::mem::take(&mut self.spec[layer]);
+        let current = (self.tokens[layer] / PAGE) as i32;
         let counted = std::mem::replace(&mut self.warm[layer], true);
         for (i, &(extra, speculate)) in SETTINGS.iter().enumerate() {
             let hot = &mut self.hot[i][layer];
             let mut early = std::mem::take(&mut self.pending[i][layer]);
             let mut t = Tally::default();
             if speculate {
-                // Loaded while the layer before computed: the newest pages of the buffer.
-                for &p in &spec {
-                    if !hot.contains(&p) {
-                        if hot.len() >= HOT {
-                            hot.remove(0);
-                        }
-                        hot.push(p);
-                        early.push(p);
-                        t.prefetched += 1;
-                    }
-                }
+                // Loaded while the layer before computed.
+                let loaded = prefetch(hot, &spec, current);
+                t.prefetched += loaded.len() as u64;
+                early.extend(loaded);
             }
+            let diff = hot.diff(&sel, current);
             t.selected = sel.len() as u64;
-            for &p in &sel {
-                if let Some(at) = hot.iter().position(|&x| x == p) {
-                    hot.remove(at);
-                    t.used += u64::from(early.contains(&p));
-                } else {
-                    t.misses += 1;
-                    if hot.len() >= HOT {
-                        hot.remove(0);
-                    }
-                }
-                hot.push(p);
-            }
-            // Off the critical path: the runners-up go in behind the selection, evicting
-            // the least recently used pages (never this step's selection).
-            let mut next = Vec::new();
-            for &p in runners.iter().take(extra) {
-                if hot.contains(&p) {
-                    continue;
-                }
-                if hot.len() >= HOT {
-                    hot.remove(0);
-                }
-                hot.insert(hot.len().saturating_sub(sel.len()), p);
-                next.push(p);
-                t.prefetched += 1;
-            }
-            self.pending[i][layer] = next;
+            t.misses = diff.misses.len() as u64;
+            t.used = sel
+                .iter()
+                .filter(|p| early.contains(p) && !diff.misses.iter().any(|m| m.0 as i32 == **p))
+                .count() as u64;
+            // Off the critical path: the step's runners-up, for its next step.
+            let mut next: Vec<i32> = runners.iter().take(extra).copied().collect();
+            next.sort_unstable();
+            let loaded = prefetch(hot, &next, current);
+            t.prefetched += loaded.len() as u64;
+            self.pending[i][layer] = loaded;
             if counted {
                 let all = &mut self.tally[i];
                 all.selected += t.selected;
@@ -326,4 +306,17 @@ impl Sim {
             }
         }
     }
+}
+
+/// A prefetch of `pages` (ascending) into `hot`, as the offload manager's: the buffer's diff
+/// of them. Answers the pages it loaded.
+fn prefetch(hot: &mut HotBuffer, pages: &[i32], current: i32) -> Vec<i32> {
+    if pages.is_empty() {
+        return Vec::new();
+    }
+    hot.diff(pages, current)
+        .misses
+        .iter()
+        .map(|m| m.0 as i32)
+        .collect()
 }
