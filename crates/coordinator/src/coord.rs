@@ -769,21 +769,30 @@ impl<T: Element> SparseCoordinator<T> {
     ) -> Result<(), CoordError> {
         let f = self.check_layer(layer)?;
         let m = self.model;
-        let want = |what: &str, got: usize, heads: usize| {
-            if got == f.tokens * heads * m.head_dim {
-                Ok(())
-            } else {
-                Err(CoordError::Invalid(format!(
-                    "{what} of {got} elements for {} tokens of {heads} heads of {}",
-                    f.tokens, m.head_dim
-                )))
-            }
-        };
         if let Some(q) = q {
-            want("q", q, m.q_heads)?;
+            self.check_rows(f, "q", q, m.q_heads)?;
         }
-        want("k", k, m.kv_heads)?;
-        want("v", v, m.kv_heads)
+        self.check_rows(f, "k", k, m.kv_heads)?;
+        self.check_rows(f, "v", v, m.kv_heads)
+    }
+
+    /// That `got` elements are one row of `heads` heads per token of the forward `f`.
+    pub(crate) fn check_rows(
+        &self,
+        f: &Forward,
+        what: &str,
+        got: usize,
+        heads: usize,
+    ) -> Result<(), CoordError> {
+        let d = self.model.head_dim;
+        if got == f.tokens * heads * d {
+            Ok(())
+        } else {
+            Err(CoordError::Invalid(format!(
+                "{what} of {got} elements for {} tokens of {heads} heads of {d}",
+                f.tokens
+            )))
+        }
     }
 }
 

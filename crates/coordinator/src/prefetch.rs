@@ -28,15 +28,7 @@ impl<T: Element> SparseCoordinator<T> {
     pub fn prefetch(&mut self, layer: usize, q: &[f32]) -> Result<StepStats, CoordError> {
         let f = self.check_layer(layer)?;
         let m = self.model;
-        if q.len() != f.tokens * m.q_heads * m.head_dim {
-            return Err(CoordError::Invalid(format!(
-                "q of {} elements for {} tokens of {} heads of {}",
-                q.len(),
-                f.tokens,
-                m.q_heads,
-                m.head_dim
-            )));
-        }
+        self.check_rows(f, "q", q.len(), m.q_heads)?;
         if self.begun(layer) {
             return Err(CoordError::Invalid(format!(
                 "layer {layer} has begun its step; a prefetch comes before it"

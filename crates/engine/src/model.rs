@@ -312,10 +312,7 @@ impl Model {
         let mut o = vec![0.0f32; n * c.embed];
         let (mut g, mut u) = (vec![0.0f32; n * c.ffn], vec![0.0f32; n * c.ffn]);
         // Every layer and head rotates by the same angles: computed once per forward.
-        let angles: Vec<(f32, f32)> = positions
-            .iter()
-            .flat_map(|&p| self.freqs.iter().map(move |&f| (p as f32 * f).sin_cos()))
-            .collect();
+        let angles = self.angles(positions);
         for (l, b) in self.blocks.iter().enumerate() {
             attn.layer_input(l, &x)?;
             rms_norm(&x, &b.attn_norm, c.rms_eps, &mut h);
@@ -380,12 +377,16 @@ impl Model {
         rms_norm(x, &b.attn_norm, c.rms_eps, &mut h);
         let mut q = vec![0.0f32; n * c.q_heads * c.head_dim];
         b.wq.forward(&h, n, &mut q);
-        let angles: Vec<(f32, f32)> = positions
+        self.rope(&mut q, &self.angles(positions));
+        Ok(q)
+    }
+
+    /// Each position's `(sin, cos)` per rotated pair: the same for every layer and head.
+    fn angles(&self, positions: &[usize]) -> Vec<(f32, f32)> {
+        positions
             .iter()
             .flat_map(|&p| self.freqs.iter().map(move |&f| (p as f32 * f).sin_cos()))
-            .collect();
-        self.rope(&mut q, &angles);
-        Ok(q)
+            .collect()
     }
 
     /// Rotates adjacent pairs `(2i, 2i + 1)` of every head of every row by `pos · freq_i`

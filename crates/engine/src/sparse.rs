@@ -39,19 +39,10 @@ pub struct SparseAttention<'a, T: Element> {
 
 impl<T: Element> Attention for SparseAttention<'_, T> {
     fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
-        let Some(model) = self.prefetch else {
-            return Ok(());
-        };
-        let next = layer + 1;
-        // Only decode steps (one new token) select; a prefill would estimate for nothing.
-        if next >= model.config.layers
-            || self.coord.lowered().layers[next].is_none()
-            || self.requests.iter().all(|&(_, n)| n != 1)
-        {
-            return Ok(());
+        if let Some(model) = self.prefetch {
+            let loaded = prefetch_next(model, self.coord, layer, x, self.batch, self.requests)?;
+            self.prefetched.add(&loaded);
         }
-        let q = model.query(next, x, &self.batch.positions())?;
-        self.prefetched.add(&self.coord.prefetch(next, &q)?);
         Ok(())
     }
 
@@ -191,6 +182,31 @@ pub(crate) fn sub_batch(batch: &Batch, which: &[usize]) -> (Vec<i32>, Vec<i32>, 
         table.extend_from_slice(&batch.block_table[i * w..(i + 1) * w]);
     }
     (cu, lens, table)
+}
+
+/// With layer `layer`'s input `x` (`[tokens, embed]`, the tokens of `batch`, whose
+/// requests are `requests`): when `coord`'s configuration prefetches, the next layer is sparse
+/// and a request decodes (a prefill would estimate for nothing), the next layer's queries
+/// estimated from `x` and their selection loaded before its step. Answers what was loaded.
+pub(crate) fn prefetch_next<T: Element>(
+    model: &crate::Model,
+    coord: &mut SparseCoordinator<T>,
+    layer: usize,
+    x: &[f32],
+    batch: &Batch,
+    requests: &[(RequestId, usize)],
+) -> Result<StepStats, EngineError> {
+    let next = layer + 1;
+    let l = coord.lowered();
+    if !l.prefetch
+        || next >= model.config.layers
+        || l.layers[next].is_none()
+        || requests.iter().all(|&(_, n)| n != 1)
+    {
+        return Ok(StepStats::default());
+    }
+    let q = model.query(next, x, &batch.positions())?;
+    Ok(coord.prefetch(next, &q)?)
 }
 
 /// A coordinator for one request `id` of up to `max_tokens` tokens whose prompt holds

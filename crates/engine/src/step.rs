@@ -11,7 +11,7 @@ use offload::StepStats;
 use crate::EngineError;
 use crate::kv::{Batch, DenseAttention, KvStore};
 use crate::model::Attention;
-use crate::sparse::{SparseAttention, sub_batch};
+use crate::sparse::{SparseAttention, prefetch_next, sub_batch};
 
 /// The attention of a scheduler's forward: each group of requests attends through its own
 /// backend over its rows of q, k, v and out.
@@ -73,21 +73,12 @@ impl<T: Element> Attention for StepAttention<'_, T> {
     /// next sparse layer's estimated queries from the group's rows of `x`, and their
     /// selection loaded before that layer's step.
     fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
-        let next = layer + 1;
         let e = self.model.config.embed;
-        if next >= self.model.config.layers {
-            return Ok(());
-        }
         for g in self.groups.iter() {
-            let Some(c) = g.coord else { continue };
-            let coord = &mut *self.coords[c];
-            let l = coord.lowered();
-            if !l.prefetch || l.layers[next].is_none() || g.requests.iter().all(|&(_, n)| n != 1) {
-                continue;
+            if let Some(c) = g.coord {
+                let rows = &x[g.rows.start * e..g.rows.end * e];
+                prefetch_next(self.model, self.coords[c], layer, rows, &g.sub, &g.requests)?;
             }
-            let rows = &x[g.rows.start * e..g.rows.end * e];
-            let q = self.model.query(next, rows, &g.sub.positions())?;
-            coord.prefetch(next, &q)?;
         }
         Ok(())
     }
