@@ -8,6 +8,26 @@ use offload::StepStats;
 use crate::{CoordError, SparseCoordinator};
 
 impl<T: Element> SparseCoordinator<T> {
+    /// Turns prefetch on or off from now on (the configuration's
+    /// [`SparseConfig::prefetch`](crate::SparseConfig::prefetch)), for instance to measure
+    /// the same requests both ways. It only changes what
+    /// [`wants_prefetch`](Self::wants_prefetch) answers.
+    pub fn set_prefetch(&mut self, on: bool) {
+        self.lowered.prefetch = on;
+    }
+
+    /// Whether a prefetch of `layer` now could load anything, so an estimate of its queries
+    /// is worth making: the configuration asks for prefetch
+    /// ([`SparseConfig::prefetch`](crate::SparseConfig::prefetch)), `layer` is a sparse layer
+    /// of the forward in progress whose step has not begun, and the batch has decode rows.
+    pub fn wants_prefetch(&self, layer: usize) -> bool {
+        self.lowered.prefetch
+            && self.check_layer(layer).is_ok()
+            && self.sparse_of[layer].is_some()
+            && !self.begun(layer)
+            && !self.decode_rows().is_empty()
+    }
+
     /// Before layer `layer`'s [`attention_begin`](Self::attention_begin) in the forward in
     /// progress, loads early the pages its algorithm would select with `q` (`[tokens,
     /// q_heads, head_dim]`). `q` is an estimate of the layer's queries, for instance the
@@ -21,10 +41,9 @@ impl<T: Element> SparseCoordinator<T> {
     /// nothing. An algorithm that reads the new keys gets [`CoordError::Config`], and a
     /// layer whose step has begun (or ended) gets [`CoordError::Invalid`].
     ///
-    /// This is the CPU hooks' prefetch, the specification of one on the device. A
-    /// coordinator driven through the device hooks (`cuda`) keeps its hot buffers on the
-    /// device, so there this would diff stale CPU copies: the device path has no prefetch
-    /// yet.
+    /// This is the CPU hooks' prefetch, the specification of the device's
+    /// (`prefetch_device`, feature `cuda`). A coordinator driven through the device hooks
+    /// keeps its hot buffers on the device, so there this would diff stale CPU copies.
     pub fn prefetch(&mut self, layer: usize, q: &[f32]) -> Result<StepStats, CoordError> {
         let f = self.check_layer(layer)?;
         let m = self.model;

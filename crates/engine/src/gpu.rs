@@ -22,7 +22,7 @@ use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, compile_source};
 use attn_op::{AttnParams, BatchMeta, KvCache, KvLayout};
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use half::{bf16, f16};
 
@@ -62,6 +62,22 @@ pub trait GpuAttention<T: GpuFloat> {
         v: &CudaSlice<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), EngineError>;
+
+    /// At the start of layer `layer`, before it computes: the later layer whose queries this
+    /// attention would like estimated from `layer`'s input (for a prefetch of its pages),
+    /// if any. None by default.
+    fn early_query(&self, layer: usize) -> Option<usize> {
+        let _ = layer;
+        None
+    }
+
+    /// Takes the estimate [`early_query`](Self::early_query) asked for: layer `target`'s
+    /// queries `[tokens, q_heads, head_dim]` from an earlier layer's input
+    /// ([`GpuModel::query`]'s math), enqueued on `gpu`'s stream. Dropped by default.
+    fn early(&mut self, gpu: &Gpu, target: usize, q: CudaSlice<T>) -> Result<(), EngineError> {
+        let _ = (gpu, target, q);
+        Ok(())
+    }
 }
 
 /// A model's weights on the device, as `T`, and the means to run its forward there.
@@ -464,34 +480,24 @@ impl<T: GpuFloat> GpuModel<T> {
         // one block per row of `ids`, whose ids check_forward bounded by the vocabulary.
         unsafe { b.launch(per_row(n)?) }.map_err(device)?;
         for (l, w) in self.w.blocks.iter().enumerate() {
+            if let Some(target) = attn.early_query(l) {
+                let early = self.query_rows(target, x, all, &pos)?;
+                attn.early(g, target, early)?;
+            }
             self.norm(x, all, &w.attn_norm, h)?;
-            self.gemm(&w.qkv, qd + 2 * kvd, c.embed, h, n, qkv, false)?;
-            let (nn, qh, kvh, d) = (int(n)?, int(c.q_heads)?, int(c.kv_heads)?, int(c.head_dim)?);
-            let mut b = s.launch_builder(&self.kernels.rope_split);
-            b.arg(&*qkv)
-                .arg(&pos)
-                .arg(&self.w.freqs)
-                .arg(&mut *q)
-                .arg(&mut *k)
-                .arg(&mut *v)
-                .arg(&nn)
-                .arg(&qh)
-                .arg(&kvh)
-                .arg(&d);
-            // SAFETY: rope_split(qkv [n, qd + 2 kvd], pos [n], freqs [d / 2], q [n, qd],
-            // k and v [n, kvd], n, qh, kvh, d): one thread per pair, bounded by n.
-            unsafe { b.launch(flat(n * (qd + 2 * kvd) / 2)?) }.map_err(device)?;
+            self.gemm(&w.qkv.as_view(), qd + 2 * kvd, c.embed, h, n, qkv, false)?;
+            self.rope(qkv, &pos, c.kv_heads, q, k, v)?;
             attn.attend(g, l, q, k, v, att)?;
             self.convert(att, att16)?;
-            self.gemm(&w.wo, c.embed, qd, att16, n, x, true)?;
+            self.gemm(&w.wo.as_view(), c.embed, qd, att16, n, x, true)?;
             self.norm(x, all, &w.ffn_norm, h)?;
-            self.gemm(&w.gate_up, 2 * c.ffn, c.embed, h, n, gu, false)?;
-            let ffn = int(c.ffn)?;
+            self.gemm(&w.gate_up.as_view(), 2 * c.ffn, c.embed, h, n, gu, false)?;
+            let (nn, ffn) = (int(n)?, int(c.ffn)?);
             let mut b = s.launch_builder(&self.kernels.swiglu);
             b.arg(&*gu).arg(&mut *act).arg(&nn).arg(&ffn);
             // SAFETY: swiglu(gu [n, 2 ffn], out [n, ffn], n, ffn): one thread per output.
             unsafe { b.launch(flat(n * c.ffn)?) }.map_err(device)?;
-            self.gemm(&w.down, c.embed, c.ffn, act, n, x, true)?;
+            self.gemm(&w.down.as_view(), c.embed, c.ffn, act, n, x, true)?;
         }
         let m = logits_for.len();
         if m == 0 {
@@ -502,8 +508,101 @@ impl<T: GpuFloat> GpuModel<T> {
         self.norm(x, &picked, &self.w.output_norm, &mut normed)?;
         let mut logits = g.zeros::<f32>(m * c.vocab)?;
         let head = self.w.output.as_ref().unwrap_or(&self.w.embed);
-        self.gemm(head, c.vocab, c.embed, &normed, m, &mut logits, false)?;
+        self.gemm(
+            &head.as_view(),
+            c.vocab,
+            c.embed,
+            &normed,
+            m,
+            &mut logits,
+            false,
+        )?;
         Ok(Some(logits))
+    }
+
+    /// Layer `layer`'s queries `[n, q_heads, head_dim]` from the residual stream `x` `[n,
+    /// embed]` (all of its `n` rows, listed in `all`) at positions `pos`: the layer's
+    /// RMSNorm, query projection and RoPE, as its own forward computes them from its input.
+    /// Given an earlier layer's input, they estimate the layer's queries (InfiniGen's
+    /// speculation), as [`Model::query`] does on the CPU.
+    fn query_rows(
+        &self,
+        layer: usize,
+        x: &CudaSlice<f32>,
+        all: &CudaSlice<i32>,
+        pos: &CudaSlice<i32>,
+    ) -> Result<CudaSlice<T>, EngineError> {
+        let c = &self.config;
+        let w = self
+            .w
+            .blocks
+            .get(layer)
+            .ok_or_else(|| EngineError::Invalid(format!("no layer {layer} of {}", c.layers)))?;
+        let (n, qd, g) = (all.len(), c.q_heads * c.head_dim, &self.gpu);
+        let mut h = g.zeros::<T>(n * c.embed)?;
+        self.norm(x, all, &w.attn_norm, &mut h)?;
+        let mut qf = g.zeros::<f32>(n * qd)?;
+        // The fused projection's first q_heads * head_dim rows are the query projection.
+        self.gemm(
+            &w.qkv.slice(..qd * c.embed),
+            qd,
+            c.embed,
+            &h,
+            n,
+            &mut qf,
+            false,
+        )?;
+        let mut q = g.zeros::<T>(n * qd)?;
+        let (mut none_k, mut none_v) = (g.zeros::<T>(1)?, g.zeros::<T>(1)?);
+        self.rope(&qf, pos, 0, &mut q, &mut none_k, &mut none_v)?;
+        Ok(q)
+    }
+
+    /// Splits `qkv` (`[n, q_heads + 2 kv_heads, head_dim]`, f32) into `q`, `k` and `v` as `T`,
+    /// RoPE applied to q and k at positions `pos` (`[n]`); with `kv_heads` 0, `qkv` holds
+    /// queries only and `k` and `v` are not touched.
+    fn rope(
+        &self,
+        qkv: &CudaSlice<f32>,
+        pos: &CudaSlice<i32>,
+        kv_heads: usize,
+        q: &mut CudaSlice<T>,
+        k: &mut CudaSlice<T>,
+        v: &mut CudaSlice<T>,
+    ) -> Result<(), EngineError> {
+        let c = &self.config;
+        let n = pos.len();
+        let width = (c.q_heads + 2 * kv_heads) * c.head_dim;
+        if qkv.len() < n * width
+            || q.len() < n * c.q_heads * c.head_dim
+            || k.len() < n * kv_heads * c.head_dim
+            || v.len() < n * kv_heads * c.head_dim
+        {
+            return Err(EngineError::Invalid(format!(
+                "RoPE over {n} rows of {width} values with buffers of {}, {}, {} and {}",
+                qkv.len(),
+                q.len(),
+                k.len(),
+                v.len()
+            )));
+        }
+        let (nn, qh, kvh, d) = (int(n)?, int(c.q_heads)?, int(kv_heads)?, int(c.head_dim)?);
+        let mut b = self.gpu.stream().launch_builder(&self.kernels.rope_split);
+        b.arg(qkv)
+            .arg(pos)
+            .arg(&self.w.freqs)
+            .arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&nn)
+            .arg(&qh)
+            .arg(&kvh)
+            .arg(&d);
+        // SAFETY: rope_split(qkv [n, width], pos [n], freqs [d / 2], q [n, qd], k and v [n,
+        // kvd], n, qh, kvh, d) with the sizes checked above: one thread per pair of a row of
+        // qkv, bounded by n; with kvh 0 no thread reaches k or v.
+        unsafe { b.launch(flat(n * width / 2)?) }.map_err(device)?;
+        Ok(())
     }
 
     /// `out[i] = rms_norm(x[rows[i]]) * w` as `T`.
@@ -545,7 +644,7 @@ impl<T: GpuFloat> GpuModel<T> {
     )]
     fn gemm(
         &self,
-        w: &CudaSlice<T>,
+        w: &CudaView<'_, T>,
         rows: usize,
         cols: usize,
         x: &CudaSlice<T>,

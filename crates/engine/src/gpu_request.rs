@@ -37,13 +37,13 @@ pub struct GpuRequest<'m, T: GpuFloat> {
     max_tokens: usize,
 }
 
-/// A sparse request's coordinator, its device mirror, its sparse layers, and what its
-/// decode steps moved.
+/// A sparse request's coordinator, its device mirror, and what its decode steps moved.
 struct Sparse<T: GpuFloat> {
     coord: SparseCoordinator<T>,
     dev: DeviceSparse<T>,
-    layers: Vec<usize>,
     stats: StepStats,
+    /// What prefetches loaded ahead of the steps.
+    prefetched: StepStats,
 }
 
 impl<'m, T: GpuFloat> GpuRequest<'m, T> {
@@ -73,14 +73,11 @@ impl<'m, T: GpuFloat> GpuRequest<'m, T> {
                 };
                 let coord = single_request::<T>(&c, &s, ID, max_tokens, prompt_len)?;
                 let dev = DeviceSparse::new(model.gpu(), &coord)?;
-                let layers = (0..c.layers)
-                    .filter(|l| coord.lowered().layers[*l].is_some())
-                    .collect();
                 Some(Sparse {
                     coord,
                     dev,
-                    layers,
                     stats: StepStats::default(),
+                    prefetched: StepStats::default(),
                 })
             }
             None => None,
@@ -102,6 +99,16 @@ impl<'m, T: GpuFloat> GpuRequest<'m, T> {
             .as_ref()
             .and_then(|s| s.coord.tracker(ID))
             .is_some_and(|t| t.mode == Mode::Sparse)
+    }
+
+    /// What prefetches loaded ahead of the decode steps (zero unless the sparse
+    /// configuration prefetches): these loads are not in [`stats`](Self::stats), whose steps
+    /// found them as hits.
+    pub fn prefetched(&self) -> StepStats {
+        self.sparse
+            .as_ref()
+            .map(|s| s.prefetched)
+            .unwrap_or_default()
     }
 
     /// Tokens in the request's cache.
@@ -150,21 +157,22 @@ impl<'m, T: GpuFloat> GpuRequest<'m, T> {
             }
             Some(sp) => {
                 sp.coord.forward_begin(&[(ID, tokens.len())])?;
-                let mut att = GpuSparseAttention {
-                    coord: &mut sp.coord,
-                    dev: &mut sp.dev,
-                    params: AttnParams::new(c.q_heads, c.head_dim),
-                    dense: Some(dense),
-                };
+                let mut att = GpuSparseAttention::new(
+                    &mut sp.coord,
+                    &mut sp.dev,
+                    AttnParams::new(c.q_heads, c.head_dim),
+                    Some(dense),
+                );
                 let logits = self.model.forward(tokens, &positions, &mut att, &last);
                 self.kv = att.dense.take().map(|d| d.kv);
                 let logits = logits?;
                 sp.coord.forward_end()?;
-                // A decode step of a sparse-mode request ran the hooks in every sparse layer.
+                // A decode step of a sparse-mode request ran the hooks in every sparse layer:
+                // the device's running totals, read once (a selection that did not fit its
+                // hot buffer is an error here).
                 if sparse_mode && start > 0 {
-                    for &l in &sp.layers {
-                        sp.stats.add(&sp.dev.stats(self.model.gpu(), &sp.coord, l)?);
-                    }
+                    sp.stats = sp.dev.totals(self.model.gpu())?;
+                    sp.prefetched = sp.dev.prefetch_totals()?;
                 }
                 logits
             }

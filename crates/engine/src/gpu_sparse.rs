@@ -7,6 +7,10 @@
 //! device, and nothing waits for the stream except the end of a prompt (the coordinator
 //! builds its representations from the host pool).
 //!
+//! With prefetch configured, each layer's start also estimates the next layer's queries
+//! from its input and enqueues their pages' loads on a copy stream, under the layer's
+//! compute ([`GpuAttention::early_query`]).
+//!
 //! A layer's batch runs one way: every request sparse (sparse-mode decode requests in a
 //! sparse layer), or every request dense (a prefill, a dense layer, dense-mode requests),
 //! which needs the dense backend. A batch that mixes the two is answered with
@@ -33,6 +37,32 @@ pub struct GpuSparseAttention<'a, T: GpuFloat> {
     /// Dense attention over the engine's device cache, for the layers the coordinator routes
     /// densely; `None` where every route must be sparse.
     pub dense: Option<GpuDenseAttention<T>>,
+    /// The layers this forward prefetched, in order (read their loads with
+    /// [`DeviceSparse::prefetch_stats`]). Prefetch runs where the coordinator's
+    /// configuration asks for it ([`SparseCoordinator::wants_prefetch`]): at the start of
+    /// each layer, the next layer's queries are estimated from its input and their pages
+    /// loaded on a copy stream ([`SparseCoordinator::prefetch_device`]) under the layer's
+    /// compute.
+    pub prefetched: Vec<usize>,
+}
+
+impl<'a, T: GpuFloat> GpuSparseAttention<'a, T> {
+    /// One forward's attention through `coord` and its device mirror `dev`, dense layers
+    /// through `dense` where given; nothing prefetched yet.
+    pub fn new(
+        coord: &'a mut SparseCoordinator<T>,
+        dev: &'a mut DeviceSparse<T>,
+        params: AttnParams,
+        dense: Option<GpuDenseAttention<T>>,
+    ) -> Self {
+        GpuSparseAttention {
+            coord,
+            dev,
+            params,
+            dense,
+            prefetched: Vec::new(),
+        }
+    }
 }
 
 impl<T: GpuFloat> GpuAttention<T> for GpuSparseAttention<'_, T> {
@@ -72,6 +102,18 @@ impl<T: GpuFloat> GpuAttention<T> for GpuSparseAttention<'_, T> {
             )));
         }
         self.coord.attention_end_device(gpu, self.dev, layer)?;
+        Ok(())
+    }
+
+    fn early_query(&self, layer: usize) -> Option<usize> {
+        let next = layer + 1;
+        self.coord.wants_prefetch(next).then_some(next)
+    }
+
+    fn early(&mut self, gpu: &Gpu, target: usize, q: CudaSlice<T>) -> Result<(), EngineError> {
+        if self.coord.prefetch_device(gpu, self.dev, target, q)? {
+            self.prefetched.push(target);
+        }
         Ok(())
     }
 }

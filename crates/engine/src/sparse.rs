@@ -40,7 +40,7 @@ pub struct SparseAttention<'a, T: Element> {
 impl<T: Element> Attention for SparseAttention<'_, T> {
     fn layer_input(&mut self, layer: usize, x: &[f32]) -> Result<(), EngineError> {
         if let Some(model) = self.prefetch {
-            let loaded = prefetch_next(model, self.coord, layer, x, self.batch, self.requests)?;
+            let loaded = prefetch_next(model, self.coord, layer, x, self.batch)?;
             self.prefetched.add(&loaded);
         }
         Ok(())
@@ -184,25 +184,20 @@ pub(crate) fn sub_batch(batch: &Batch, which: &[usize]) -> (Vec<i32>, Vec<i32>, 
     (cu, lens, table)
 }
 
-/// With layer `layer`'s input `x` (`[tokens, embed]`, the tokens of `batch`, whose
-/// requests are `requests`): when `coord`'s configuration prefetches, the next layer is sparse
-/// and a request decodes (a prefill would estimate for nothing), the next layer's queries
-/// estimated from `x` and their selection loaded before its step. Answers what was loaded.
+/// With layer `layer`'s input `x` (`[tokens, embed]`, the tokens of `batch`): when `coord`
+/// wants a prefetch of the next layer ([`SparseCoordinator::wants_prefetch`]: its
+/// configuration prefetches, the layer is sparse, a request decodes), the next layer's
+/// queries estimated from `x` and their selection loaded before its step. Answers what was
+/// loaded.
 pub(crate) fn prefetch_next<T: Element>(
     model: &crate::Model,
     coord: &mut SparseCoordinator<T>,
     layer: usize,
     x: &[f32],
     batch: &Batch,
-    requests: &[(RequestId, usize)],
 ) -> Result<StepStats, EngineError> {
     let next = layer + 1;
-    let l = coord.lowered();
-    if !l.prefetch
-        || next >= model.config.layers
-        || l.layers[next].is_none()
-        || requests.iter().all(|&(_, n)| n != 1)
-    {
+    if !coord.wants_prefetch(next) {
         return Ok(StepStats::default());
     }
     let q = model.query(next, x, &batch.positions())?;

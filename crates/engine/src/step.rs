@@ -77,7 +77,7 @@ impl<T: Element> Attention for StepAttention<'_, T> {
         for g in self.groups.iter() {
             if let Some(c) = g.coord {
                 let rows = &x[g.rows.start * e..g.rows.end * e];
-                prefetch_next(self.model, self.coords[c], layer, rows, &g.sub, &g.requests)?;
+                prefetch_next(self.model, self.coords[c], layer, rows, &g.sub)?;
             }
         }
         Ok(())

@@ -84,8 +84,9 @@ fn to_u32(x: usize) -> Result<u32, AlgoError> {
     u32::try_from(x).map_err(|_| AlgoError::Invalid(format!("{x} does not fit a u32")))
 }
 
-/// sparse-algo's kernels, loaded for one [`Gpu`], launched on its stream.
-#[derive(Debug)]
+/// sparse-algo's kernels, loaded for one [`Gpu`], launched on its stream (or another stream
+/// of its context, through [`SelectKernels::on_stream`]).
+#[derive(Clone, Debug)]
 pub struct SelectKernels {
     stream: Arc<CudaStream>,
     /// `(quest_minmax, quest_score)` for f32, f16 and bf16, in [`type_index`] order.
@@ -515,6 +516,16 @@ impl SelectKernels {
     /// stay off on a device without them.
     pub fn set_dependent_launches(&mut self, gpu: &Gpu, on: bool) {
         self.dependent = on && gpu.has_sm90_features();
+    }
+
+    /// The same kernels, and the same scoring, launched on `stream`, a stream of the same
+    /// context: a selection on a copy stream, say, under compute on another. Ordering work
+    /// across the two streams (events) is the caller's.
+    pub fn on_stream(&self, stream: Arc<CudaStream>) -> Self {
+        SelectKernels {
+            stream,
+            ..self.clone()
+        }
     }
 
     /// How [`quest_topk`](Self::quest_topk) scores from now on.

@@ -3,8 +3,11 @@
 //! different lengths prefill, decode across page boundaries, end, and a new request takes a
 //! freed slot in a mixed prefill + decode batch. Per sparse layer and step: the routes, the
 //! selections, the hits and misses, and the attention outputs (relative error 1e-2 in bf16)
-//! must agree. The scenario runs twice: Quest with one selection shared by the KV heads, and
-//! with one per KV head (whose hot buffer holds their union).
+//! must agree. The scenario runs four times: Quest with one selection shared by the KV heads,
+//! and with one per KV head (whose hot buffer holds their union), each without and with
+//! prefetch. With prefetch, each layer's start prefetches the next layer from an estimate of
+//! its queries (`prefetch` on the CPU, `prefetch_device` on the copy stream, left running
+//! while the layer's own step is enqueued), and the pages each loaded early must agree too.
 
 use attn_op::cuda::Gpu;
 use attn_op::{AttnOut, AttnParams};
@@ -12,7 +15,7 @@ use coordinator::cuda::DeviceSparse;
 use coordinator::{Capacity, ModelShape, Route, SparseConfig, SparseCoordinator};
 use half::bf16;
 use kv_blocks::RequestId;
-use offload::{HostAlloc, HostLayout};
+use offload::{HostAlloc, HostLayout, StepStats};
 use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 use crate::rng::Rng;
@@ -38,21 +41,26 @@ struct Pair {
     compared: usize,
     hits: u64,
     misses: u64,
+    /// Pages loaded early on the device, over the prefetches compared.
+    early: u64,
 }
 
 /// Runs the scenario with one selection shared by the KV heads (pages of 16) and with one
-/// per KV head (pages of 4); answers the number of failed comparisons.
+/// per KV head (pages of 4), each without and with prefetch; answers the number of failed
+/// comparisons.
 pub(crate) fn check(gpu: &Gpu) -> Res<usize> {
     let mut failed = 0;
-    for (page_size, shared_heads) in [(16, true), (4, false)] {
-        failed += scenario(gpu, page_size, shared_heads)?;
+    for prefetch in [false, true] {
+        for (page_size, shared_heads) in [(16, true), (4, false)] {
+            failed += scenario(gpu, page_size, shared_heads, prefetch)?;
+        }
     }
     Ok(failed)
 }
 
 /// The scenario with Quest over pages of `page_size`, its selections shared by the KV heads
-/// or not.
-fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool) -> Res<usize> {
+/// or not, with or without prefetch.
+fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool, prefetch: bool) -> Res<usize> {
     let config = SparseConfig {
         algo: AlgoConfig::Quest(QuestConfig {
             page_size,
@@ -68,7 +76,7 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool) -> Res<usize> {
         dense_layers: vec![0],
         layer: Vec::new(),
         host_layout: HostLayout::LayerFirst,
-        prefetch: false,
+        prefetch,
     };
     let cap = Capacity {
         max_requests: 4,
@@ -94,6 +102,7 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool) -> Res<usize> {
         compared: 0,
         hits: 0,
         misses: 0,
+        early: 0,
     };
     let (a, b, c, d) = (RequestId(1), RequestId(2), RequestId(3), RequestId(4));
     for (id, len) in [(a, 300), (b, 517), (c, 1000)] {
@@ -113,19 +122,39 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool) -> Res<usize> {
     for _ in 0..8 {
         p.forward(gpu, &[(c, 1), (a, 1), (d, 1)])?;
     }
+    // The device's running totals (added up by `tally` after every diff) against the
+    // per-step counts read above.
+    let (totals, early) = (
+        p.dev.totals(gpu).map_err(err)?,
+        p.dev.prefetch_totals().map_err(err)?,
+    );
+    if (totals.hits, totals.misses, early.loaded_pages) != (p.hits, p.misses, p.early) {
+        p.failed += 1;
+        println!(
+            "FAIL coordinator totals: hits {} / {}, misses {} / {}, loaded early {} / {}",
+            totals.hits, p.hits, totals.misses, p.misses, early.loaded_pages, p.early
+        );
+    }
+    p.compared += 1;
     println!(
-        "{} coordinator, CPU hooks against device hooks ({}, pages of {page_size}): {} layer \
-         steps compared, {} failed; device {} hits, {} misses",
+        "{} coordinator, CPU hooks against device hooks ({}, pages of {page_size}{}): {} layer \
+         steps compared, {} failed; device {} hits, {} misses{}",
         if p.failed == 0 { "ok  " } else { "FAIL" },
         if shared_heads {
             "one selection shared by the KV heads"
         } else {
             "a selection per KV head"
         },
+        if prefetch { ", prefetch" } else { "" },
         p.compared,
         p.failed,
         p.hits,
-        p.misses
+        p.misses,
+        if prefetch {
+            format!(", {} pages loaded early", p.early)
+        } else {
+            String::new()
+        }
     );
     Ok(p.failed)
 }
@@ -148,7 +177,28 @@ impl Pair {
         self.cpu.forward_begin(batch).map_err(err)?;
         self.gco.forward_begin(batch).map_err(err)?;
         let params = AttnParams::new(MODEL.q_heads, MODEL.head_dim);
+        // The CPU's prefetches of the layers ahead, each compared once the device's has run
+        // under the layer before.
+        let mut early: Vec<(usize, StepStats)> = Vec::new();
         for layer in 0..MODEL.layers {
+            let next = layer + 1;
+            if self.gco.wants_prefetch(next) != self.cpu.wants_prefetch(next) {
+                self.failed += 1;
+                println!("FAIL coordinator layer {next}: the two want prefetch differently");
+            }
+            if self.gco.wants_prefetch(next) {
+                // An estimate of the next layer's queries: its query direction, other noise.
+                let qb: Vec<bf16> = (0..tokens * qs)
+                    .map(|i| bf16::from_f32(self.base_q[next][i % qs] + 0.3 * self.rng.unit()))
+                    .collect();
+                let qf: Vec<f32> = qb.iter().map(|x| x.to_f32()).collect();
+                let want = self.cpu.prefetch(next, &qf).map_err(err)?;
+                let q_dev = gpu.upload(&qb).map_err(err)?;
+                self.gco
+                    .prefetch_device(gpu, &mut self.dev, next, q_dev)
+                    .map_err(err)?;
+                early.push((next, want));
+            }
             // Queries exact in bf16, so the CPU's f32 scores see what the device's bf16 do.
             let qb: Vec<bf16> = (0..tokens * qs)
                 .map(|i| bf16::from_f32(self.base_q[layer][i % qs] + 0.3 * self.rng.unit()))
@@ -167,6 +217,21 @@ impl Pair {
                 .gco
                 .attention_begin_device(gpu, &mut self.dev, layer, &q_dev, &k_dev, &v_dev)
                 .map_err(err)?;
+            if let Some(at) = early.iter().position(|(l, _)| *l == layer) {
+                let (_, want) = early.swap_remove(at);
+                let st = self.dev.prefetch_stats(&self.gco, layer).map_err(err)?;
+                self.early += st.loaded_pages;
+                self.compared += 1;
+                if (st.hits, st.misses, st.loaded_pages, st.bytes)
+                    != (want.hits, want.misses, want.loaded_pages, want.bytes)
+                {
+                    self.failed += 1;
+                    println!(
+                        "FAIL coordinator layer {layer} prefetch: hits {} / {}, loaded {} / {}",
+                        st.hits, want.hits, st.loaded_pages, want.loaded_pages
+                    );
+                }
+            }
             if let Some(meta) = &want.meta {
                 let n = meta.num_seqs();
                 let mut ok = got.routes == want.routes && got.rows == n;

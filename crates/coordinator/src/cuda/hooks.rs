@@ -3,15 +3,17 @@
 
 use std::sync::Arc;
 
-use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, DeviceSelection, Gpu};
+use attn_op::cuda::{CudaElement, DeviceArrays, DeviceBatch, DeviceSelection, Gpu, StageClock};
 use attn_op::{BatchMeta, KvCache};
 use cudarc::driver::CudaSlice;
 use kv_blocks::RequestId;
 use offload::Load;
-use offload::cuda::{BufRows, DeviceDiff};
-use sparse_algo::cuda::DeviceTopK;
+use offload::cuda::{BufRows, DeviceDiff, IoKernels, PinnedHostPool};
+use sparse_algo::cuda::{DeviceTopK, SelectKernels};
 
-use super::{Backup, DeviceLayer, DeviceLayerPlan, DeviceSparse, LayerStep, RowsArrays, to_i32};
+use super::{
+    Backup, DeviceLayer, DeviceLayerPlan, DeviceSparse, Dims, LayerStep, RowsArrays, to_i32,
+};
 use crate::coord::DecodeRow;
 use crate::{CoordError, Mode, Route, SparseCoordinator};
 
@@ -34,21 +36,14 @@ impl<T: CudaElement> SparseCoordinator<T> {
     ) -> Result<DeviceLayerPlan, CoordError> {
         self.check_layer_io(layer, Some(q.len()), k.len(), v.len())?;
         self.mark_begun(layer);
-        let m = self.model;
-        if dev.layers.len() != self.sparse_layers.len()
-            || dev.epochs.len() != self.slot_epochs.len()
-            || (dev.q_heads, dev.kv_heads, dev.head_dim) != (m.q_heads, m.kv_heads, m.head_dim)
-        {
-            return Err(CoordError::Invalid(
-                "a device mirror made for another coordinator".to_owned(),
-            ));
-        }
+        self.check_mirror(dev)?;
         let f = self.forward.as_ref().expect("checked by check_layer_io");
         let mut routes = vec![Route::Dense; f.batch.len()];
         let Some(sl) = self.sparse_of[layer] else {
             return Ok(DeviceLayerPlan { routes, rows: 0 });
         };
-        dev.layers[sl].step = None;
+        // The layer's last step's buffers, for this one to reuse.
+        let last = dev.layers[sl].step.take().map(|s| s.sel);
         dev.mark("model")?;
         self.backup_device(gpu, dev, sl, k, v)?;
         let rows = self.decode_rows();
@@ -56,16 +51,8 @@ impl<T: CudaElement> SparseCoordinator<T> {
             dev.mark("write")?;
             return Ok(DeviceLayerPlan { routes, rows: 0 });
         }
-        for r in &rows {
-            if dev.epochs[r.slot] != self.slot_epochs[r.slot] {
-                dev.adopt(gpu, self, r.slot)?;
-            }
-        }
-        let manager = self.manager.as_ref().expect("sparse layers have a manager");
-        let arrays = dev.rows_arrays(gpu, &rows, &self.slot_epochs, |id| {
-            manager.host_pages(id).map(<[u32]>::to_vec)
-        })?;
-        let step = dev.begin_layer(gpu, sl, &rows, arrays, q, k, v)?;
+        let arrays = self.device_rows(gpu, dev, &rows)?;
+        let step = dev.begin_layer(gpu, sl, &rows, arrays, q, k, v, last)?;
         dev.layers[sl].step = Some(step);
         for (j, r) in rows.iter().enumerate() {
             routes[r.index] = Route::Sparse(j);
@@ -73,6 +60,40 @@ impl<T: CudaElement> SparseCoordinator<T> {
         Ok(DeviceLayerPlan {
             routes,
             rows: rows.len(),
+        })
+    }
+
+    /// Answers [`CoordError::Invalid`] where `dev` was made for another coordinator.
+    pub(super) fn check_mirror(&self, dev: &DeviceSparse<T>) -> Result<(), CoordError> {
+        let m = self.model;
+        if dev.layers.len() != self.sparse_layers.len()
+            || dev.epochs.len() != self.slot_epochs.len()
+            || (dev.dims.q_heads, dev.dims.kv_heads, dev.dims.head_dim)
+                != (m.q_heads, m.kv_heads, m.head_dim)
+        {
+            return Err(CoordError::Invalid(
+                "a device mirror made for another coordinator".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The device arrays of the forward's decode `rows`, after `dev` has taken over the
+    /// requests new in their slots.
+    pub(super) fn device_rows(
+        &self,
+        gpu: &Gpu,
+        dev: &mut DeviceSparse<T>,
+        rows: &[DecodeRow],
+    ) -> Result<Arc<RowsArrays>, CoordError> {
+        for r in rows {
+            if dev.epochs[r.slot] != self.slot_epochs[r.slot] {
+                dev.adopt(gpu, self, r.slot)?;
+            }
+        }
+        let manager = self.manager.as_ref().expect("sparse layers have a manager");
+        dev.rows_arrays(gpu, rows, &self.slot_epochs, |id| {
+            manager.host_pages(id).map(<[u32]>::to_vec)
         })
     }
 
@@ -176,7 +197,12 @@ impl<T: CudaElement> DeviceSparse<T> {
         if let Some(a) = self.rows.as_ref().filter(|a| a.key == key) {
             return Ok(a.clone());
         }
-        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
+        let Dims {
+            page_size: ps,
+            hot,
+            max_pages: mp,
+            ..
+        } = self.dims;
         let n = rows.len();
         let mut current_host = Vec::with_capacity(n);
         let mut new_slots = Vec::with_capacity(n);
@@ -243,10 +269,11 @@ impl<T: CudaElement> DeviceSparse<T> {
         Ok(arrays)
     }
 
-    /// Enqueues sparse layer `sl`'s step for `rows` over the forward's `arrays`.
+    /// Enqueues sparse layer `sl`'s step for `rows` over the forward's `arrays`, reusing the
+    /// buffers of its `last` step where they fit.
     #[allow(
         clippy::too_many_arguments,
-        reason = "the hook's inputs plus the rows and their arrays"
+        reason = "the hook's inputs plus the rows, their arrays and the last step's buffers"
     )]
     pub(super) fn begin_layer(
         &mut self,
@@ -257,11 +284,20 @@ impl<T: CudaElement> DeviceSparse<T> {
         q: &CudaSlice<T>,
         k: &CudaSlice<T>,
         v: &CudaSlice<T>,
+        last: Option<Selected<T>>,
     ) -> Result<LayerStep<T>, CoordError> {
-        let (ps, hot, mp) = (self.page_size, self.hot, self.max_pages);
-        let qs = self.q_heads * self.head_dim;
+        let Dims {
+            page_size: ps,
+            hot,
+            max_pages: mp,
+            ..
+        } = self.dims;
         let n = rows.len();
         let l = &mut self.layers[sl];
+        // Loads a prefetch enqueued on the copy lane come before this step's reads and writes.
+        if let Some(done) = l.prefetched.take() {
+            gpu.stream().wait(&done).map_err(driver)?;
+        }
         // The reserved slots of this layer: what each lacks of its current page comes from the
         // host, then the new tokens are written into them.
         let mut loads = Vec::new();
@@ -292,79 +328,40 @@ impl<T: CudaElement> DeviceSparse<T> {
         self.io
             .scatter_tokens(k, v, &arrays.token_rows, &mut l.kv, &arrays.new_slots)?;
         mark(&mut self.clock, "write")?;
-        // The rows' queries, gathered unless the batch is exactly them.
-        let direct = q.len() == n * qs && rows.iter().enumerate().all(|(j, r)| r.row == j);
-        let q_rows = if direct {
-            None
-        } else {
-            let mut g = gpu.zeros::<T>(n * qs)?;
-            for (j, r) in rows.iter().enumerate() {
-                gpu.stream()
-                    .memcpy_dtod(
-                        &q.slice(r.row * qs..(r.row + 1) * qs),
-                        &mut g.slice_mut(j * qs..(j + 1) * qs),
-                    )
-                    .map_err(|e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))?;
-            }
-            Some(g)
+        let dims = self.dims;
+        let lane = Lane {
+            gpu,
+            select: &self.select,
+            io: &self.io,
         };
-        // Quest: scores and top-k, one selection per request or per (request, KV head).
-        let per_head = !l.quest.config().shared_heads;
-        let mut top = DeviceTopK::new(gpu, &l.quest, n, self.kv_heads, mp * ps, !per_head)?;
-        self.select.quest_topk(
-            &l.quest,
-            q_rows.as_ref().unwrap_or(q),
-            self.q_heads,
-            &arrays.meta,
-            0,
-            &arrays.slots,
-            &l.reps,
-            &mut top,
-        )?;
-        mark(&mut self.clock, "selection")?;
-        // The diff against each request's hot buffer (of the union of its heads' pages, for
-        // per-head selections), then the loads of its misses.
-        let width = l.quest.row_width();
-        let union = if per_head {
-            let w = self.kv_heads * width;
-            let mut u = DeviceSelection::from_device(gpu.zeros(n * w)?, gpu.zeros(n)?, w)?;
-            self.io.union_heads(&top.sel, self.kv_heads, mp, &mut u)?;
-            Some(u)
-        } else {
-            None
-        };
-        let diffed = union.as_ref().unwrap_or(&top.sel);
-        let mut diff = DeviceDiff::new(gpu, n, diffed.max_len)?;
-        self.io.diff_rows(
-            &mut l.bufs,
-            &arrays.buf_rows,
-            diffed,
-            &arrays.current,
-            &arrays.blocks,
-            &mut diff,
-        )?;
-        mark(&mut self.clock, "diff")?;
-        self.io.load_misses(
+        let sel = lane.select_load(
+            l,
             &self.host,
             sl,
-            &arrays.host_table,
-            mp,
-            &arrays.blocks,
-            hot,
-            &diff,
-            &mut l.kv,
+            rows,
+            &arrays,
+            q,
+            dims,
+            &mut self.totals,
+            &mut self.clock,
+            last,
         )?;
-        mark(&mut self.clock, "loads")?;
-        let attn = match &union {
+        let host = &mut self.host_totals;
+        host.0 += n as u64;
+        host.1 += loads.len() as u64;
+        host.2 += reserved_tokens;
+        let per_head = sel.union.is_some();
+        let width = l.quest.row_width();
+        let attn = match &sel.union {
             Some(u) => {
                 // Per head: the rows' own lengths, and a block table of each row's union.
                 let mut block_table = gpu.zeros(n * mp)?;
-                self.io.page_table(u, &diff, mp, &mut block_table)?;
+                self.io.page_table(u, &sel.diff, mp, &mut block_table)?;
                 let dev_arrays = DeviceArrays {
                     seq_lens_kv: gpu
                         .stream()
                         .clone_dtod(arrays.meta.seq_lens_kv())
-                        .map_err(|e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))?,
+                        .map_err(driver)?,
                     block_table,
                     max_blocks: mp,
                 };
@@ -402,10 +399,8 @@ impl<T: CudaElement> DeviceSparse<T> {
         };
         Ok(LayerStep {
             rows: n,
-            q: q_rows,
-            top,
+            sel,
             per_head,
-            diff,
             arrays,
             attn,
             reserved_loads: loads.len() as u64,
@@ -415,12 +410,162 @@ impl<T: CudaElement> DeviceSparse<T> {
 }
 
 /// Marks the end of a stage on `clock`, if one is set.
-pub(super) fn mark(
-    clock: &mut Option<attn_op::cuda::StageClock>,
-    label: &'static str,
-) -> Result<(), CoordError> {
+pub(super) fn mark(clock: &mut Option<StageClock>, label: &'static str) -> Result<(), CoordError> {
     if let Some(c) = clock {
         c.mark(label)?;
     }
     Ok(())
+}
+
+/// Kernels launched on one stream, and the device handle that allocates on it: the compute
+/// stream's, or the copy lane's of a prefetch.
+pub(super) struct Lane<'a> {
+    pub(super) gpu: &'a Gpu,
+    pub(super) select: &'a SelectKernels,
+    pub(super) io: &'a IoKernels,
+}
+
+/// A selection's device buffers after its diff and loads.
+pub(super) struct Selected<T: CudaElement> {
+    /// The decode rows' queries, gathered from the batch's (`None`: the batch's q is exactly
+    /// them).
+    pub(super) q: Option<CudaSlice<T>>,
+    /// Quest's selection, one row per decode row or per (decode row, KV head).
+    pub(super) top: DeviceTopK,
+    /// For a per-head selection, the union of each row's heads' pages (what was diffed).
+    pub(super) union: Option<DeviceSelection>,
+    /// The diff against the rows' hot buffers.
+    pub(super) diff: DeviceDiff,
+}
+
+impl Lane<'_> {
+    /// Enqueues on this lane's stream, for the decode `rows` of sparse layer `sl`: Quest's
+    /// scores and top-k from `q` (the batch's queries), one selection per row or per (row, KV
+    /// head); the diff of each row's pages (the union of its heads' for per-head selections)
+    /// against its hot buffer, its counts added to entry `sl` of `totals`; the loads of the
+    /// misses from the host pool. Marks `selection`, `diff` and `loads` on `clock`. The
+    /// buffers of `last` (an earlier call's on this stream, for this layer) are reused where
+    /// they fit: every launch rewrites its outputs whole.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a layer's state, the host pool, the rows, their queries, the totals and the \
+                  clock"
+    )]
+    pub(super) fn select_load<T: CudaElement>(
+        &self,
+        l: &mut DeviceLayer<T>,
+        host: &PinnedHostPool<T>,
+        sl: usize,
+        rows: &[DecodeRow],
+        arrays: &RowsArrays,
+        q: &CudaSlice<T>,
+        dims: Dims,
+        totals: &mut CudaSlice<u64>,
+        clock: &mut Option<StageClock>,
+        last: Option<Selected<T>>,
+    ) -> Result<Selected<T>, CoordError> {
+        let Dims {
+            q_heads,
+            kv_heads,
+            head_dim,
+            page_size: ps,
+            hot,
+            max_pages: mp,
+        } = dims;
+        let gpu = self.gpu;
+        let qs = q_heads * head_dim;
+        let n = rows.len();
+        let per_head = !l.quest.config().shared_heads;
+        let union_width = kv_heads * l.quest.row_width();
+        let (last_q, last_top, last_union, last_diff) = match last {
+            Some(s) => (s.q, Some(s.top), s.union, Some(s.diff)),
+            None => (None, None, None, None),
+        };
+        // The rows' queries, gathered unless the batch is exactly them.
+        let direct = q.len() == n * qs && rows.iter().enumerate().all(|(j, r)| r.row == j);
+        let q_rows = if direct {
+            None
+        } else {
+            let mut g = match last_q.filter(|g| g.len() == n * qs) {
+                Some(g) => g,
+                None => gpu.zeros::<T>(n * qs)?,
+            };
+            for (j, r) in rows.iter().enumerate() {
+                gpu.stream()
+                    .memcpy_dtod(
+                        &q.slice(r.row * qs..(r.row + 1) * qs),
+                        &mut g.slice_mut(j * qs..(j + 1) * qs),
+                    )
+                    .map_err(driver)?;
+            }
+            Some(g)
+        };
+        // Quest: scores and top-k, one selection per request or per (request, KV head).
+        let top_rows = if per_head { n * kv_heads } else { n };
+        let mut top = match last_top.filter(|t| t.sel.rows == top_rows) {
+            Some(t) => t,
+            None => DeviceTopK::new(gpu, &l.quest, n, kv_heads, mp * ps, !per_head)?,
+        };
+        self.select.quest_topk(
+            &l.quest,
+            q_rows.as_ref().unwrap_or(q),
+            q_heads,
+            &arrays.meta,
+            0,
+            &arrays.slots,
+            &l.reps,
+            &mut top,
+        )?;
+        mark(clock, "selection")?;
+        // The diff against each request's hot buffer (of the union of its heads' pages, for
+        // per-head selections), then the loads of its misses.
+        let union = if per_head {
+            let w = union_width;
+            let mut u = match last_union.filter(|u| u.rows == n) {
+                Some(u) => u,
+                None => DeviceSelection::from_device(gpu.zeros(n * w)?, gpu.zeros(n)?, w)?,
+            };
+            self.io.union_heads(&top.sel, kv_heads, mp, &mut u)?;
+            Some(u)
+        } else {
+            None
+        };
+        let diffed = union.as_ref().unwrap_or(&top.sel);
+        let mut diff = match last_diff.filter(|d| d.rows() == n && d.sel_max == diffed.max_len) {
+            Some(d) => d,
+            None => DeviceDiff::new(gpu, n, diffed.max_len)?,
+        };
+        self.io.diff_rows(
+            &mut l.bufs,
+            &arrays.buf_rows,
+            diffed,
+            &arrays.current,
+            &arrays.blocks,
+            &mut diff,
+        )?;
+        self.io.tally(&diff, totals, sl)?;
+        mark(clock, "diff")?;
+        self.io.load_misses(
+            host,
+            sl,
+            &arrays.host_table,
+            mp,
+            &arrays.blocks,
+            hot,
+            &diff,
+            &mut l.kv,
+        )?;
+        mark(clock, "loads")?;
+        Ok(Selected {
+            q: q_rows,
+            top,
+            union,
+            diff,
+        })
+    }
+}
+
+/// A CUDA driver error as the coordinator's.
+pub(super) fn driver(e: impl std::fmt::Debug) -> CoordError {
+    CoordError::Attn(attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))
 }

@@ -28,19 +28,22 @@
 //! into stages: `write` (host backup, reserved slots, new tokens), `selection`, `diff`,
 //! `loads`, `attention`, `update` (min/max), and `model`, the time between hooks.
 
+mod early;
 mod hooks;
+
+use hooks::Selected;
 
 use std::sync::Arc;
 
 use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu, StageClock};
 use attn_op::{AttnParams, Element, KvCache, KvLayout};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaEvent, CudaSlice};
 use kv_blocks::RequestId;
 use offload::cuda::{
     BufRows, DeviceDiff, DeviceHotBuffers, IoKernels, MAX_DIFF_SELECTION, PinnedHostPool,
 };
 use offload::{HotBuffer, StepStats};
-use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, QuestScoring, SelectKernels};
+use sparse_algo::cuda::{DeviceRepPool, QuestScoring, SelectKernels};
 use sparse_algo::{AlgoConfig, Quest};
 
 use crate::{CoordError, Route, SparseCoordinator};
@@ -53,19 +56,43 @@ pub struct DeviceSparse<T: CudaElement> {
     layers: Vec<DeviceLayer<T>>,
     /// Per slot, the coordinator's epoch of the request whose state the device holds.
     epochs: Vec<u64>,
-    kv_heads: usize,
-    head_dim: usize,
-    q_heads: usize,
-    page_size: usize,
-    hot: usize,
-    /// Pages per request (the representation pools' extent).
-    max_pages: usize,
+    dims: Dims,
+    /// The stream prefetches run on, made by the first one.
+    lane: Option<CopyLane>,
+    /// `[sparse layers, 3]`: per layer, the hits, misses and rows that did not fit of every
+    /// decode step's diff so far, added up on the device (`IoKernels::tally`).
+    totals: CudaSlice<u64>,
+    /// The same for the prefetches' diffs (written on the copy lane).
+    early_totals: CudaSlice<u64>,
+    /// What the host knows of the decode steps so far: their rows, the loads that refreshed
+    /// reserved slots and those loads' tokens.
+    host_totals: (u64, u64, u64),
     /// The decode-row arrays of the last forward with sparse rows.
     rows: Option<Arc<RowsArrays>>,
     /// The token and host rows of the last host backup.
     backup: Option<Backup>,
     /// Where stage boundaries are marked, if anywhere.
     clock: Option<StageClock>,
+}
+
+/// The model's and the hot buffers' sizes the device path works with.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    page_size: usize,
+    /// Hot-buffer pages per request and layer.
+    hot: usize,
+    /// Pages per request (the representation pools' extent).
+    max_pages: usize,
+}
+
+/// A stream of its own for prefetches, and the kernels launched on it.
+struct CopyLane {
+    gpu: Gpu,
+    select: SelectKernels,
+    io: IoKernels,
 }
 
 /// The index lists of a host backup: batch token rows and the host rows they go to.
@@ -89,19 +116,34 @@ struct DeviceLayer<T: CudaElement> {
     /// What the last [`SparseCoordinator::attention_begin_device`] left for attention and
     /// the end of the layer.
     step: Option<LayerStep<T>>,
+    /// The last prefetch's buffers (its queries, selection and diff), kept until the next
+    /// one: the copy lane may still read them, and [`DeviceSparse::prefetch_stats`] counts
+    /// from them.
+    early: Option<EarlyStep<T>>,
+    /// Recorded on the copy lane after the last prefetch's loads, until the compute stream
+    /// has waited for it.
+    prefetched: Option<CudaEvent>,
+}
+
+/// The device buffers of a prefetch.
+struct EarlyStep<T: CudaElement> {
+    /// The estimated queries it selected with, as given.
+    _q: CudaSlice<T>,
+    /// The rows' arrays it read.
+    _arrays: Arc<RowsArrays>,
+    /// Its selection, gathered queries and diff.
+    selected: Selected<T>,
 }
 
 /// The device buffers of one layer's decode step.
 struct LayerStep<T: CudaElement> {
     rows: usize,
-    /// The decode rows' queries `[rows, q_heads, head_dim]` (`None`: the batch's q is
-    /// exactly them).
-    q: Option<CudaSlice<T>>,
-    top: DeviceTopK,
-    /// Whether `top` holds one selection per (row, KV head); the diff then took their union
-    /// per row, and `attn`'s block table maps each row's pages.
+    /// The rows' gathered queries, selection, union and diff (reused by the layer's next
+    /// step where its rows are as many).
+    sel: Selected<T>,
+    /// Whether the selection is one per (row, KV head); the diff then took their union per
+    /// row, and `attn`'s block table maps each row's pages.
     per_head: bool,
-    diff: DeviceDiff,
     /// The forward's decode-row arrays, shared by its sparse layers.
     arrays: Arc<RowsArrays>,
     /// The batch attention reads. Head-shared: the diff's table and the selection's covered
@@ -153,17 +195,12 @@ impl<T: CudaElement> DeviceSparse<T> {
     /// The device mirror of `coord`'s sparse layers: kernels compiled for `gpu`, the host pool
     /// registered in place, zeroed representations and hot buffers. Answers
     /// [`CoordError::Config`] without sparse layers, for an algorithm other than Quest, for
-    /// selections wider than the device diff takes, for a host layout other than
-    /// layer-first, or with `prefetch` set (the device path has no prefetch yet).
+    /// selections wider than the device diff takes, or for a host layout other than
+    /// layer-first.
     pub fn new(gpu: &Gpu, coord: &SparseCoordinator<T>) -> Result<Self, CoordError> {
         let manager = coord
             .manager()
             .ok_or_else(|| CoordError::Config("no sparse layers to run on the device".into()))?;
-        if coord.lowered.prefetch {
-            return Err(CoordError::Config(
-                "prefetch: the device path has no prefetch stage yet".into(),
-            ));
-        }
         let c = manager.config();
         let m = coord.model;
         let mut quests = Vec::new();
@@ -210,20 +247,29 @@ impl<T: CudaElement> DeviceSparse<T> {
                 bufs: DeviceHotBuffers::upload(gpu, &vec![HotBuffer::new(c.hot_pages); slots])?,
                 reserved: vec![(-1, 0); slots],
                 step: None,
+                early: None,
+                prefetched: None,
             });
         }
+        let n_layers = layers.len();
         Ok(DeviceSparse {
             select: SelectKernels::new(gpu)?,
             io: IoKernels::new(gpu)?,
             host,
             layers,
             epochs: vec![0; slots],
-            kv_heads: m.kv_heads,
-            head_dim: m.head_dim,
-            q_heads: m.q_heads,
-            page_size: c.page_size,
-            hot: c.hot_pages,
-            max_pages,
+            dims: Dims {
+                q_heads: m.q_heads,
+                kv_heads: m.kv_heads,
+                head_dim: m.head_dim,
+                page_size: c.page_size,
+                hot: c.hot_pages,
+                max_pages,
+            },
+            lane: None,
+            totals: gpu.zeros(3 * n_layers)?,
+            early_totals: gpu.zeros(3 * n_layers)?,
+            host_totals: (0, 0, 0),
             rows: None,
             backup: None,
             clock: None,
@@ -235,6 +281,9 @@ impl<T: CudaElement> DeviceSparse<T> {
     /// up to near ties).
     pub fn set_quest_scoring(&mut self, scoring: QuestScoring) {
         self.select.set_quest_scoring(scoring);
+        if let Some(lane) = self.lane.as_mut() {
+            lane.select.set_quest_scoring(scoring);
+        }
     }
 
     /// Sets (or, with `None`, removes) the clock the hooks mark their stages on, and answers
@@ -271,23 +320,23 @@ impl<T: CudaElement> DeviceSparse<T> {
             .step
             .as_mut()
             .ok_or_else(|| CoordError::Invalid(format!("layer {layer} has no device step")))?;
-        let q = step.q.as_ref().unwrap_or(q);
+        let q = step.sel.q.as_ref().unwrap_or(q);
         if step.per_head {
             // Each KV head's own pages, through the request's block table of the union.
-            gpu.sparse_page_attention(q, &l.kv, &step.attn, &step.top.sel, params, out, None)?;
+            gpu.sparse_page_attention(q, &l.kv, &step.attn, &step.sel.top.sel, params, out, None)?;
             return self.mark("attention");
         }
         // SAFETY: `covered` holds each row's selected tokens, at most row_width pages of
         // page_size tokens (the bound `attn` was made with), and the diff's table has the
         // batch's [rows, row_width] shape; both go back where they came from below.
         let (lens, table) = unsafe { step.attn.arrays_mut() };
-        std::mem::swap(lens, &mut step.top.covered);
-        std::mem::swap(table, &mut step.diff.table);
+        std::mem::swap(lens, &mut step.sel.top.covered);
+        std::mem::swap(table, &mut step.sel.diff.table);
         let res = gpu.paged_attention(q, &l.kv, &step.attn, params, out, None);
         // SAFETY: as above.
         let (lens, table) = unsafe { step.attn.arrays_mut() };
-        std::mem::swap(lens, &mut step.top.covered);
-        std::mem::swap(table, &mut step.diff.table);
+        std::mem::swap(lens, &mut step.sel.top.covered);
+        std::mem::swap(table, &mut step.sel.diff.table);
         res?;
         self.mark("attention")
     }
@@ -301,7 +350,7 @@ impl<T: CudaElement> DeviceSparse<T> {
         layer: usize,
     ) -> Result<Vec<Vec<i32>>, CoordError> {
         let step = self.step(coord, layer)?;
-        let sel = &step.top.sel;
+        let sel = &step.sel.top.sel;
         let (ids, lens) = (gpu.download(&sel.ids)?, gpu.download(&sel.lens)?);
         Ok((0..sel.rows)
             .map(|r| {
@@ -320,27 +369,38 @@ impl<T: CudaElement> DeviceSparse<T> {
         layer: usize,
     ) -> Result<StepStats, CoordError> {
         let step = self.step(coord, layer)?;
-        let d = &step.diff;
-        let (hits, misses) = (gpu.download(&d.hit_counts)?, gpu.download(&d.miss_counts)?);
-        if let Some(r) = gpu.download(&d.errors)?.iter().position(|&e| e != 0) {
-            return Err(CoordError::Invalid(format!(
-                "row {r}'s selection did not fit its hot buffer"
-            )));
-        }
-        let sum = |x: &[i32]| {
-            x.iter()
-                .map(|&v| u64::try_from(v).unwrap_or(0))
-                .sum::<u64>()
-        };
-        let misses = sum(&misses);
-        let token_bytes = (2 * self.kv_heads * self.head_dim * size_of::<T>()) as u64;
+        let (hits, misses) = diff_counts(gpu, &step.sel.diff)?;
         Ok(StepStats {
             steps: step.rows as u64,
-            hits: sum(&hits),
+            hits,
             misses,
             loaded_pages: misses,
-            bytes: (misses * self.page_size as u64 + step.reserved_tokens) * token_bytes,
+            bytes: (misses * self.dims.page_size as u64 + step.reserved_tokens)
+                * self.token_bytes(),
             reserved_loads: step.reserved_loads,
+            reused_plans: 0,
+        })
+    }
+
+    /// Bytes of one token's keys and values in a layer.
+    fn token_bytes(&self) -> u64 {
+        (2 * self.dims.kv_heads * self.dims.head_dim * size_of::<T>()) as u64
+    }
+
+    /// Hits, misses and bytes of every decode step of every sparse layer so far (waits for
+    /// the stream): one download of counts the device adds up after each diff, where
+    /// [`stats`](Self::stats) reads one layer's last step. Answers [`CoordError::Invalid`]
+    /// where a row's selection did not fit its hot buffer in any step.
+    pub fn totals(&self, gpu: &Gpu) -> Result<StepStats, CoordError> {
+        let (hits, misses) = sum_totals(&gpu.download(&self.totals)?)?;
+        let (steps, reserved_loads, reserved_tokens) = self.host_totals;
+        Ok(StepStats {
+            steps,
+            hits,
+            misses,
+            loaded_pages: misses,
+            bytes: (misses * self.dims.page_size as u64 + reserved_tokens) * self.token_bytes(),
+            reserved_loads,
             reused_plans: 0,
         })
     }
@@ -383,7 +443,7 @@ impl<T: CudaElement> DeviceSparse<T> {
                 .map(|&x| T::from_f32(x))
                 .collect();
             if !pages.is_empty() {
-                let row = self.max_pages * pool.shape().page_len();
+                let row = self.dims.max_pages * pool.shape().page_len();
                 let at = slot * row;
                 gpu.stream()
                     .memcpy_htod(
@@ -396,6 +456,44 @@ impl<T: CudaElement> DeviceSparse<T> {
         self.epochs[slot] = coord.slot_epochs[slot];
         Ok(())
     }
+}
+
+/// Hits and misses over the rows of `diff` (waits for `gpu`'s stream, which must be the one
+/// that wrote it). Answers [`CoordError::Invalid`] where a row's selection did not fit its
+/// hot buffer.
+fn diff_counts(gpu: &Gpu, diff: &DeviceDiff) -> Result<(u64, u64), CoordError> {
+    let (hits, misses) = (
+        gpu.download(&diff.hit_counts)?,
+        gpu.download(&diff.miss_counts)?,
+    );
+    if let Some(r) = gpu.download(&diff.errors)?.iter().position(|&e| e != 0) {
+        return Err(CoordError::Invalid(format!(
+            "row {r}'s selection did not fit its hot buffer"
+        )));
+    }
+    let sum = |x: &[i32]| {
+        x.iter()
+            .map(|&v| u64::try_from(v).unwrap_or(0))
+            .sum::<u64>()
+    };
+    Ok((sum(&hits), sum(&misses)))
+}
+
+/// Hits and misses summed over `[entries, 3]` totals (`IoKernels::tally`); answers
+/// [`CoordError::Invalid`] where a row's selection did not fit.
+fn sum_totals(totals: &[u64]) -> Result<(u64, u64), CoordError> {
+    let (mut hits, mut misses, mut unfit) = (0, 0, 0);
+    for t in totals.chunks_exact(3) {
+        hits += t[0];
+        misses += t[1];
+        unfit += t[2];
+    }
+    if unfit > 0 {
+        return Err(CoordError::Invalid(format!(
+            "{unfit} rows' selections did not fit their hot buffers"
+        )));
+    }
+    Ok((hits, misses))
 }
 
 /// The widest row the hot-buffer diff of `quest` takes: a head-shared selection, or the union
