@@ -294,6 +294,34 @@ extern "C" __global__ void __launch_bounds__(UNION_THREADS) page_table(
     }
 }
 
+// tally_diff: one CTA adds a diff's counts over its `rows` rows into totals[3 * at..][3] (hits,
+// misses, rows whose selection did not fit), so running totals stay on the device and are read
+// once, not after every step.
+
+#define TALLY_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(TALLY_THREADS) tally_diff(
+    const i32* __restrict__ hits, const i32* __restrict__ misses, const i32* __restrict__ errors,
+    i32 rows, unsigned long long* __restrict__ totals, i32 at) {
+    totals += 3 * (size_t)at;
+    unsigned long long h = 0, m = 0, e = 0;
+    for (int r = threadIdx.x; r < rows; r += TALLY_THREADS) {
+        h += (unsigned long long)max(hits[r], 0);
+        m += (unsigned long long)max(misses[r], 0);
+        e += errors[r] != 0 ? 1ull : 0ull;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        h += __shfl_down_sync(0xffffffffu, h, off);
+        m += __shfl_down_sync(0xffffffffu, m, off);
+        e += __shfl_down_sync(0xffffffffu, e, off);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (h != 0) atomicAdd(&totals[0], h);
+        if (m != 0) atomicAdd(&totals[1], m);
+        if (e != 0) atomicAdd(&totals[2], e);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Loads of the diff's misses, zero-copy from the pinned host pool into the device pool of one
 // layer. Host pool (K and V each): [layers, host_pages, page_elems] (offload's LayerFirst

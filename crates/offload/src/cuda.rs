@@ -37,6 +37,8 @@ pub const MAX_DIFF_SELECTION: usize = 2048;
 const IO_WARPS: usize = 8;
 /// Threads of a `union_heads` or `page_table` CTA (`UNION_THREADS`).
 const UNION_THREADS: u32 = 256;
+/// Threads of the `tally_diff` CTA (`TALLY_THREADS`).
+const TALLY_THREADS: u32 = 256;
 /// The shared memory a `union_heads` CTA may use for its bitmap (the default limit).
 const UNION_SMEM_MAX: usize = 48 << 10;
 
@@ -64,6 +66,7 @@ pub struct IoKernels {
     copy_rows: CudaFunction,
     union_heads: CudaFunction,
     page_table: CudaFunction,
+    tally_diff: CudaFunction,
 }
 
 /// The hot buffers of `rows` (request, layer) rows of `hot` slots each, on the device: the LRU
@@ -412,6 +415,7 @@ impl IoKernels {
             copy_rows: load("copy_rows")?,
             union_heads: load("union_heads")?,
             page_table: load("page_table")?,
+            tally_diff: load("tally_diff")?,
         })
     }
 
@@ -604,6 +608,45 @@ impl IoKernels {
         // `out.rows * heads` rows of `sel.max_len` ids (a `DeviceSelection` checks its sizes),
         // `out` `out.rows` rows of `out.max_len`; the bitmap of `max_pages` bits is the dynamic
         // shared memory given, within the default limit; the kernel skips ids outside it.
+        unsafe { b.launch(cfg) }.map_err(device_err)?;
+        Ok(())
+    }
+
+    /// Adds `diff`'s counts over its rows into entry `at` of `totals` (`[entries, 3]`: hits,
+    /// misses, and rows whose selection did not fit), on the device: running totals read
+    /// once, instead of the counts after every diff.
+    pub fn tally(
+        &self,
+        diff: &DeviceDiff,
+        totals: &mut CudaSlice<u64>,
+        at: usize,
+    ) -> Result<(), OffloadError> {
+        if totals.len() < 3 * (at + 1) {
+            return Err(OffloadError::Invalid(format!(
+                "entry {at} of diff totals of {} counters",
+                totals.len()
+            )));
+        }
+        let rows = diff.rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        let (rows_i, at_i) = (to_i32(rows)?, to_i32(at)?);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (TALLY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.tally_diff);
+        b.arg(&diff.hit_counts)
+            .arg(&diff.miss_counts)
+            .arg(&diff.errors)
+            .arg(&rows_i)
+            .arg(totals)
+            .arg(&at_i);
+        // SAFETY: the arguments follow `tally_diff` in kernels/offload.cu; the diff's three
+        // count arrays hold `rows` entries each (its allocation), and `totals` at least
+        // 3 (at + 1) (checked).
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }

@@ -126,10 +126,14 @@ fn check(gpu: &Gpu, io: &IoKernels) -> Result<i32, OffloadError> {
         let dblocks = gpu.upload(&blocks)?;
         let mut sels: Vec<Vec<i32>> = vec![Vec::new(); rows];
         let mut d = DeviceDiff::new(gpu, rows, k)?;
+        // Running totals on the device (`tally`), against the CPU's summed counts.
+        let mut totals = gpu.zeros::<u64>(3)?;
+        let mut want_totals = [0u64; 3];
         for step in 0..steps {
             sels = next_selections(&mut rng, &sels, pages, k, 30);
             let dsel = upload_selections(gpu, &sels, k)?;
             io.diff(&mut dev, &dsel, &current, &dblocks, &mut d)?;
+            io.tally(&d, &mut totals, 0)?;
             let (slots, table) = (gpu.download(&d.slots)?, gpu.download(&d.table)?);
             let (mp, ms) = (gpu.download(&d.miss_pages)?, gpu.download(&d.miss_slots)?);
             let (mc, hc) = (gpu.download(&d.miss_counts)?, gpu.download(&d.hit_counts)?);
@@ -160,6 +164,8 @@ fn check(gpu: &Gpu, io: &IoKernels) -> Result<i32, OffloadError> {
                     && lru[r * hot..(r + 1) * hot] == *cpu[r].lru()
                     && sp[r * hot..(r + 1) * hot] == *cpu[r].slot_pages();
             }
+            want_totals[0] += hits as u64;
+            want_totals[1] += misses as u64;
             failed += report(
                 &format!(
                     "diff {rows} rows HOT {hot} top-{k} step {step}: {misses} misses, {hits} hits \
@@ -172,6 +178,15 @@ fn check(gpu: &Gpu, io: &IoKernels) -> Result<i32, OffloadError> {
                 failed += usize::from(!check_loads(gpu, io, &d, (rows, hot, pages, nb), &blocks)?);
             }
         }
+        let got = gpu.download(&totals)?;
+        failed += report(
+            &format!(
+                "tally {rows} rows over {steps} diffs: hits {} / {}, misses {} / {}, rows that did \
+                 not fit {} / 0",
+                got[0], want_totals[0], got[1], want_totals[1], got[2]
+            ),
+            got == want_totals,
+        );
     }
     failed += usize::from(!check_rows(gpu, io)?);
     println!("check: {failed} failed");
