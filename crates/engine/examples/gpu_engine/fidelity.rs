@@ -4,8 +4,11 @@
 //! in the engine issue's two Quest variants (a 1024-token budget, layers 0 and 1 dense; pages
 //! of 16 shared by the KV heads, and pages of 4 selected per KV head with the first 16 and
 //! last 256 tokens kept), on the CPU (`engine::eval::teacher_forced`, f16 KV) and on the GPU
-//! (f16 weights and KV, `engine::gpu_request::GpuRequest`). Each side's sparse runs are compared with its own dense
-//! run: perplexity ratio and top-1 agreement.
+//! (f16 weights and KV, `engine::gpu_request::GpuRequest`). Each side's sparse runs are
+//! compared with its own dense run: perplexity ratio and top-1 agreement. The GPU's sparse
+//! runs are repeated with prefetch (each layer's start loads the next layer's estimated
+//! selection on a copy stream): their logits must be the same bits, and the miss rate left in
+//! the steps, the pages loaded early and the time per token are reported.
 
 use std::time::Instant;
 
@@ -92,7 +95,8 @@ pub(crate) fn fidelity(args: &[String]) -> Res<i32> {
     );
     let mut ok = true;
     let mut json = Vec::new();
-    for (i, ((name, _), (gpu_fig, misses))) in variants.iter().zip(gpu_runs).enumerate() {
+    for (i, ((name, _), v)) in variants.iter().zip(gpu_runs).enumerate() {
+        let gpu_fig = v.figures;
         let cpu = Figures {
             ppl_dense: reports[0].perplexity(),
             ppl_sparse: reports[i + 1].perplexity(),
@@ -112,17 +116,42 @@ pub(crate) fn fidelity(args: &[String]) -> Res<i32> {
                 f.top1
             );
         }
-        out += &format!("    gpu sparse decode: hot-buffer miss rate {misses:.3}\n");
+        // Prefetch changes where pages are loaded, never what attention reads: the logits
+        // must be the same bits.
+        let same =
+            v.prefetch.nll.to_bits() == v.plain.nll.to_bits() && v.prefetch.top == v.plain.top;
+        ok &= same;
+        let (plain, pf) = (&v.plain, &v.prefetch);
+        out += &format!(
+            "    gpu sparse decode: hot-buffer miss rate {:.3}, {:.2} ms a token\n    with \
+             prefetch: {}, miss rate left in the steps {:.3}, {:.1} pages a token loaded \
+             early, {:.2} ms a token\n",
+            plain.misses,
+            plain.ms,
+            if same {
+                "the same logits"
+            } else {
+                "OTHER LOGITS (FAILED)"
+            },
+            pf.misses,
+            pf.early,
+            pf.ms
+        );
         json.push(format!(
-            "{{\"name\":{name:?},\"cpu\":{},\"gpu\":{},\"gpu_miss_rate\":{misses}}}",
+            "{{\"name\":{name:?},\"cpu\":{},\"gpu\":{},\"gpu_miss_rate\":{},\"gpu_ms\":{},\"prefetch\":{{\"same_logits\":{same},\"miss_rate\":{},\"early_pages\":{},\"ms\":{}}}}}",
             cpu.json(),
-            gpu_fig.json()
+            gpu_fig.json(),
+            plain.misses,
+            plain.ms,
+            pf.misses,
+            pf.early,
+            pf.ms
         ));
     }
     out += &format!(
         "gpu_engine fidelity: {} (per variant, the GPU's perplexity ratio at most {:.0} % above \
          the CPU's and within {PPL_GOAL}x dense where the CPU's is, its top-1 agreement at most \
-         {TOP1_DRIFT} below)\n",
+         {TOP1_DRIFT} below, and the same logits with prefetch)\n",
         if ok { "0 failed" } else { "FAILED" },
         PPL_DRIFT * 100.0
     );
@@ -137,45 +166,81 @@ pub(crate) fn fidelity(args: &[String]) -> Res<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
-/// The GPU's dense run over `ids`, then each variant's sparse run: per variant its figures
-/// against dense and the sparse decode's miss rate.
+/// One GPU run's figures: the mean negative log-likelihood of the text's next tokens, the
+/// arg-maxes, the hot-buffer miss rate of the decode steps, the pages prefetches loaded per
+/// decoded token, and the decode's milliseconds per token.
+struct GpuRun {
+    nll: f64,
+    top: Vec<u32>,
+    misses: f64,
+    early: f64,
+    ms: f64,
+}
+
+/// What the GPU measured for one variant: its figures against dense, and its sparse runs
+/// without and with prefetch.
+struct GpuVariant {
+    figures: Figures,
+    plain: GpuRun,
+    prefetch: GpuRun,
+}
+
+/// The GPU's dense run over `ids`, then each variant's sparse run, without and with
+/// prefetch.
 fn gpu_figures(
     model: &Model,
     ids: &[u32],
     gpu: Gpu,
     variants: &[(String, SparseConfig)],
-) -> Res<Vec<(Figures, f64)>> {
+) -> Res<Vec<GpuVariant>> {
     let gm = GpuModel::<f16>::upload(model, gpu).map_err(|e| e.to_string())?;
     let n = ids.len();
-    // Per run: the mean negative log-likelihood of the text's next tokens and the arg-maxes.
-    let run = |sparse: Option<&SparseConfig>| -> Result<(f64, Vec<u32>, f64), EngineError> {
+    let run = |sparse: Option<&SparseConfig>| -> Result<GpuRun, EngineError> {
         let mut r = GpuRequest::new(&gm, n, PREFILL, sparse)?;
         r.forward(&ids[..PREFILL])?;
         let (mut sum, mut top) = (0.0, Vec::with_capacity(DECODE));
+        let t0 = Instant::now();
         for p in PREFILL..n - 1 {
             let logits = r.forward(&ids[p..=p])?;
             sum += nll(&logits, ids[p + 1] as usize);
             top.push(argmax(&logits));
         }
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / top.len() as f64;
         let st = r.stats();
-        let misses = st.misses as f64 / (st.hits + st.misses).max(1) as f64;
-        Ok((sum / top.len() as f64, top, misses))
+        Ok(GpuRun {
+            nll: sum / top.len() as f64,
+            misses: st.misses as f64 / (st.hits + st.misses).max(1) as f64,
+            early: r.prefetched().loaded_pages as f64 / top.len() as f64,
+            top,
+            ms,
+        })
     };
     let s = |e: EngineError| e.to_string();
-    let (dense_nll, dense_top, _) = run(None).map_err(s)?;
+    let dense = run(None).map_err(s)?;
     variants
         .iter()
         .map(|(_, config)| {
-            let (nll, top, misses) = run(Some(config)).map_err(s)?;
-            let agree = top.iter().zip(&dense_top).filter(|(a, b)| a == b).count();
-            Ok((
-                Figures {
-                    ppl_dense: dense_nll.exp(),
-                    ppl_sparse: nll.exp(),
-                    top1: agree as f64 / top.len() as f64,
+            let plain = run(Some(config)).map_err(s)?;
+            let with = SparseConfig {
+                prefetch: true,
+                ..config.clone()
+            };
+            let prefetch = run(Some(&with)).map_err(s)?;
+            let agree = plain
+                .top
+                .iter()
+                .zip(&dense.top)
+                .filter(|(a, b)| a == b)
+                .count();
+            Ok(GpuVariant {
+                figures: Figures {
+                    ppl_dense: dense.nll.exp(),
+                    ppl_sparse: plain.nll.exp(),
+                    top1: agree as f64 / plain.top.len() as f64,
                 },
-                misses,
-            ))
+                plain,
+                prefetch,
+            })
         })
         .collect()
 }

@@ -15,7 +15,9 @@
 //! separates the GPU path's own error from the type's. The check fails (exit 1) where the f16
 //! run's max rel exceeds 1e-2 or a logit is not finite; bf16's is reported (its weights alone
 //! keep 8 significant bits of the Q4_1 values, which moves this model's logits by about
-//! 2e-2). It also reports the weights' device bytes and the decode step time.
+//! 2e-2). It also reports the weights' device bytes and the decode step time, and checks
+//! prefetch's query estimate: over a few decode steps, the estimate of each layer's queries
+//! from that layer's own input must equal the queries the layer computes (within 1e-2).
 //!
 //! `gpu_engine fidelity MODEL TEXT [--json FILE]`: dense against hierarchical sparse decode
 //! of the real model on the CPU and on the GPU, each side's perplexity ratio and top-1
@@ -51,7 +53,7 @@ use std::time::Instant;
 use attn_op::cuda::Gpu;
 use engine::eval::{argmax, nll};
 use engine::gguf::{DType, Gguf};
-use engine::gpu::{GpuDenseAttention, GpuFloat, GpuModel};
+use engine::gpu::{GpuAttention, GpuDenseAttention, GpuFloat, GpuModel};
 use engine::{Batch, DenseAttention, KvStore, Model, Tokenizer};
 use half::{bf16, f16};
 
@@ -149,6 +151,66 @@ struct GpuRun {
     step_ms: f64,
     weight_bytes: usize,
     upload_s: f64,
+    /// The query estimate from a layer's own input against the layer's queries: the largest
+    /// absolute difference over the largest absolute query, and the layer steps compared.
+    query_rel: f64,
+    query_layers: usize,
+}
+
+/// Decode steps whose query estimates are compared.
+const PROBED: usize = 8;
+
+/// Dense attention that asks, at each layer's start, for the estimate of that same layer's
+/// queries from its input ([`GpuModel`]'s prefetch estimate), and compares it with the
+/// queries the layer then attends with.
+struct QueryProbe<T: GpuFloat> {
+    inner: Option<GpuDenseAttention<T>>,
+    early: Option<cudarc::driver::CudaSlice<T>>,
+    worst: f64,
+    layers: usize,
+}
+
+impl<T: GpuFloat> GpuAttention<T> for QueryProbe<T> {
+    fn attend(
+        &mut self,
+        gpu: &Gpu,
+        layer: usize,
+        q: &cudarc::driver::CudaSlice<T>,
+        k: &cudarc::driver::CudaSlice<T>,
+        v: &cudarc::driver::CudaSlice<T>,
+        out: &mut cudarc::driver::CudaSlice<f32>,
+    ) -> Result<(), engine::EngineError> {
+        let early = self.early.take().ok_or_else(|| {
+            engine::EngineError::Invalid(format!("layer {layer} got no query estimate"))
+        })?;
+        let (got, want) = (gpu.download(&early)?, gpu.download(q)?);
+        let top = want
+            .iter()
+            .fold(0f64, |m, x| m.max(f64::from(x.to_f32().abs())));
+        let worst = got.iter().zip(&want).fold(0f64, |m, (a, b)| {
+            m.max(f64::from((a.to_f32() - b.to_f32()).abs()))
+        });
+        self.worst = self.worst.max(worst / top.max(1e-30));
+        self.layers += 1;
+        let inner = self.inner.as_mut().ok_or_else(|| {
+            engine::EngineError::Invalid("the probe has no dense attention".into())
+        })?;
+        inner.attend(gpu, layer, q, k, v, out)
+    }
+
+    fn early_query(&self, layer: usize) -> Option<usize> {
+        Some(layer)
+    }
+
+    fn early(
+        &mut self,
+        _gpu: &Gpu,
+        _target: usize,
+        q: cudarc::driver::CudaSlice<T>,
+    ) -> Result<(), engine::EngineError> {
+        self.early = Some(q);
+        Ok(())
+    }
 }
 
 /// The GPU forward with weights, activations and KV cache of `T`: a prefill of the first
@@ -199,8 +261,25 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
         kv = att.kv;
     }
     let step_ms = t.elapsed().as_secs_f64() * 1e3 / (ids.len() - PREFILL) as f64;
+    // The query estimate (prefetch's) from each layer's own input against the layer's own
+    // queries, over the first decode steps again (the cache rewritten with the same values).
+    let mut probe = QueryProbe {
+        early: None,
+        worst: 0.0,
+        layers: 0,
+        inner: None,
+    };
+    for p in PREFILL..PREFILL + PROBED {
+        let batch = Batch::single(p, p + 1, blocks);
+        probe.inner =
+            Some(GpuDenseAttention::new(gm.gpu(), &c, kv, &batch.meta(), &batch.slots).map_err(s)?);
+        gm.forward(&ids[p..=p], &[p], &mut probe, &[0]).map_err(s)?;
+        kv = probe.inner.take().ok_or("the probe kept its cache")?.kv;
+    }
     Ok(GpuRun {
         name: T::KERNEL,
+        query_rel: probe.worst,
+        query_layers: probe.layers,
         same,
         prefill,
         decode,
@@ -338,7 +417,11 @@ fn check(args: &[String]) -> Res<i32> {
         .collect();
     let ppl = |x: f64| (x / DECODE as f64).exp();
     // The tolerance applies to f16, the type for a real model's weights; bf16 is reported.
-    let ok = tallies[0][0].max_rel <= TOLERANCE && tallies[0][1].max_rel <= TOLERANCE;
+    let ok = tallies[0][0].max_rel <= TOLERANCE
+        && tallies[0][1].max_rel <= TOLERANCE
+        && runs
+            .iter()
+            .all(|r| r.query_layers > 0 && r.query_rel <= TOLERANCE);
     let mut out = String::new();
     out += &format!(
         "gpu_engine check on {device}: {model_path}, {PREFILL} prefill + {DECODE} decode tokens \
@@ -357,6 +440,11 @@ fn check(args: &[String]) -> Res<i32> {
         out += &t[2].line(&format!("gpu {} decode vs cpu decode", r.name));
         out += &t[3].line(&format!("gpu {} prefill vs cpu {0}", r.name));
         out += &t[4].line(&format!("gpu {} decode vs cpu {0}", r.name));
+        out += &format!(
+            "    gpu {} query estimate from a layer's own input vs its queries: max rel {:.2e} \
+             over {} layer steps\n",
+            r.name, r.query_rel, r.query_layers
+        );
     }
     out += &format!(
         "  perplexity over the decoded positions: reference {:.4}, cpu decode {:.4}, gpu f16 decode {:.4}, gpu bf16 decode {:.4}\n",
@@ -370,7 +458,8 @@ fn check(args: &[String]) -> Res<i32> {
         runs[0].step_ms, runs[1].step_ms
     );
     out += &format!(
-        "gpu_engine check: {} (gpu f16 max rel within {TOLERANCE:.0e} of the reference)\n",
+        "gpu_engine check: {} (gpu f16 max rel within {TOLERANCE:.0e} of the reference, and \
+         each type's query estimates within {TOLERANCE:.0e} of the queries)\n",
         if ok { "0 failed" } else { "FAILED" }
     );
     print!("{out}");
@@ -380,7 +469,7 @@ fn check(args: &[String]) -> Res<i32> {
             .zip(&tallies)
             .map(|(r, t)| {
                 format!(
-                    "{:?}:{{\"prefill\":{},\"decode\":{},\"vs_cpu_decode\":{},\"prefill_vs_cpu_same\":{},\"decode_vs_cpu_same\":{},\"ppl_decode\":{},\"decode_ms\":{},\"weight_bytes\":{}}}",
+                    "{:?}:{{\"prefill\":{},\"decode\":{},\"vs_cpu_decode\":{},\"prefill_vs_cpu_same\":{},\"decode_vs_cpu_same\":{},\"ppl_decode\":{},\"decode_ms\":{},\"weight_bytes\":{},\"query_estimate_max_rel\":{}}}",
                     r.name,
                     t[0].json(),
                     t[1].json(),
@@ -389,7 +478,8 @@ fn check(args: &[String]) -> Res<i32> {
                     t[4].json(),
                     ppl(nll_of(&r.decode)),
                     r.step_ms,
-                    r.weight_bytes
+                    r.weight_bytes,
+                    r.query_rel
                 )
             })
             .collect();

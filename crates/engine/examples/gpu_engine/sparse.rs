@@ -117,6 +117,8 @@ struct Decoding {
     tokens: Vec<u32>,
     pos: Vec<usize>,
     params: AttnParams,
+    /// The layers the last step prefetched.
+    prefetched: Vec<usize>,
 }
 
 impl Decoding {
@@ -173,6 +175,7 @@ impl Decoding {
             pos: vec![context; n],
             params: AttnParams::new(c.q_heads, c.head_dim),
             ids,
+            prefetched: Vec::new(),
         })
     }
 
@@ -182,24 +185,22 @@ impl Decoding {
         let all: Vec<usize> = (0..batch).collect();
         let reqs: Vec<(RequestId, usize)> = self.ids[..batch].iter().map(|&id| (id, 1)).collect();
         self.coord.forward_begin(&reqs).map_err(e)?;
-        let mut att = GpuSparseAttention {
-            coord: &mut self.coord,
-            dev: &mut self.dev,
-            params: self.params.clone(),
-            dense: None,
-        };
+        let mut att =
+            GpuSparseAttention::new(&mut self.coord, &mut self.dev, self.params.clone(), None);
         let next = gm
             .forward_greedy(&self.tokens[..batch], &self.pos[..batch], &mut att, &all)
             .map_err(|e| e.to_string())?;
+        self.prefetched = std::mem::take(&mut att.prefetched);
         self.coord.forward_end().map_err(e)?;
         self.tokens[..batch].copy_from_slice(&next);
         self.pos[..batch].iter_mut().for_each(|p| *p += 1);
         Ok(())
     }
 
-    /// Hits and misses of the last step's selections over every layer.
-    fn hits(&self, gm: &GpuModel<bf16>) -> Res<(u64, u64)> {
-        let (mut hits, mut misses) = (0, 0);
+    /// Hits and misses of the last step's selections over every layer, and the pages its
+    /// prefetches loaded.
+    fn hits(&self, gm: &GpuModel<bf16>) -> Res<(u64, u64, u64)> {
+        let (mut hits, mut misses, mut early) = (0, 0, 0);
         for l in 0..gm.config.layers {
             let st = self
                 .dev
@@ -208,52 +209,111 @@ impl Decoding {
             hits += st.hits;
             misses += st.misses;
         }
-        Ok((hits, misses))
+        for &l in &self.prefetched {
+            early += self
+                .dev
+                .prefetch_stats(&self.coord, l)
+                .map_err(|e| e.to_string())?
+                .loaded_pages;
+        }
+        Ok((hits, misses, early))
     }
 }
 
 /// Prefills `max(batches)` requests of `context` tokens through the coordinator's CPU hooks,
 /// then, for each batch size, times decode steps of the first requests through its device
-/// hooks and profiles a few more by stage.
+/// hooks and profiles a few more by stage; with `prefetch`, then the same again with the
+/// coordinator's prefetch on.
 pub(crate) fn runs(
     gm: &GpuModel<bf16>,
     context: usize,
     ctx: Context,
     batches: &[usize],
     room: usize,
+    prefetch: bool,
 ) -> Res<Vec<Row>> {
     let most = batches.iter().copied().max().unwrap_or(0);
     let rss0 = resident();
     let t0 = Instant::now();
-    let mut d = Decoding::prefill(gm, context, ctx, most, batches.len())?;
+    // Runs of decode steps the requests' pages must hold: one per batch, two with prefetch.
+    let step_runs = batches.len() * if prefetch { 2 } else { 1 };
+    let mut d = Decoding::prefill(gm, context, ctx, most, step_runs)?;
     println!(
         "sparse {context:>6} tokens, {} keys: {most} prompts into the host pool, pinned and \
          mirrored on the device in {:.1} s; resident host memory {:.2} GiB per request (counted: {:.2})",
         ctx.name(),
         t0.elapsed().as_secs_f64(),
         resident().saturating_sub(rss0) as f64 / most.max(1) as f64 / f64::from(1u32 << 30),
-        host_bytes(gm, context, batches.len()) as f64 / f64::from(1u32 << 30)
+        host_bytes(gm, context, step_runs) as f64 / f64::from(1u32 << 30)
     );
     let device = d.dev.device_bytes() / most.max(1);
     let mut rows = Vec::new();
     for &batch in batches {
+        for early in [false, true].into_iter().filter(|&on| !on || prefetch) {
+            d.coord.set_prefetch(early);
+            let run = d.measure(gm, batch)?;
+            println!(
+                "sparse {context:>6} tokens, {} keys, batch {batch:>3}{}: {:.2} ms per step, \
+                 miss rate {:.3}{}",
+                ctx.name(),
+                if early { ", prefetch" } else { "" },
+                run.step_ms,
+                run.miss,
+                run.early.map_or(String::new(), |p| format!(
+                    ", {p:.0} pages a step loaded early"
+                ))
+            );
+            rows.push(Row {
+                context,
+                mode: "sparse",
+                keys: ctx.name(),
+                batch,
+                lanes: 1,
+                device,
+                host: host_bytes(gm, context, step_runs),
+                device_max: room / device.max(1),
+                step_ms: run.step_ms,
+                miss: Some(run.miss),
+                early: run.early,
+                stages: run.stages,
+            });
+        }
+        d.coord.set_prefetch(false);
+    }
+    Ok(rows)
+}
+
+/// What [`Decoding::measure`] measured.
+struct Measured {
+    step_ms: f64,
+    miss: f64,
+    /// With prefetch, the pages loaded early per step.
+    early: Option<f64>,
+    stages: Vec<(&'static str, f64)>,
+}
+
+impl Decoding {
+    /// Decode steps of the first `batch` requests: [`WARM`], then [`STEPS`] timed (their
+    /// median, and the hit rate over them), then [`PROFILED`] profiled by stage.
+    fn measure(&mut self, gm: &GpuModel<bf16>, batch: usize) -> Res<Measured> {
+        let e = |e: attn_op::AttnError| e.to_string();
         let mut times = Vec::new();
-        let (mut hits, mut misses) = (0u64, 0u64);
+        let (mut hits, mut misses, mut early) = (0u64, 0u64, 0u64);
         let mut stages: Vec<(&'static str, f64)> = Vec::new();
         for step in 0..WARM + STEPS + PROFILED {
             let profiled = step >= WARM + STEPS;
-            if profiled && d.dev.clock_mut().is_none() {
-                d.dev.set_clock(Some(StageClock::new(gm.gpu())));
+            if profiled && self.dev.clock_mut().is_none() {
+                self.dev.set_clock(Some(StageClock::new(gm.gpu())));
             }
-            if let Some(clock) = d.dev.clock_mut() {
-                clock.mark("model").map_err(|e| e.to_string())?;
+            if let Some(clock) = self.dev.clock_mut() {
+                clock.mark("model").map_err(e)?;
             }
             let t = Instant::now();
-            d.step(gm, batch)?;
+            self.step(gm, batch)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            if let Some(clock) = d.dev.clock_mut() {
-                clock.mark("model").map_err(|e| e.to_string())?;
-                for (label, t) in clock.take().map_err(|e| e.to_string())? {
+            if let Some(clock) = self.dev.clock_mut() {
+                clock.mark("model").map_err(e)?;
+                for (label, t) in clock.take().map_err(e)? {
                     match stages.iter_mut().find(|(l, _)| *l == label) {
                         Some((_, sum)) => *sum += t / PROFILED as f64,
                         None => stages.push((label, t / PROFILED as f64)),
@@ -261,34 +321,24 @@ pub(crate) fn runs(
                 }
             } else if step >= WARM {
                 times.push(ms);
-                let (h, m) = d.hits(gm)?;
+                let (h, m, p) = self.hits(gm)?;
                 hits += h;
                 misses += m;
+                early += p;
             }
         }
-        d.dev.set_clock(None);
-        let step_ms = median(&mut times);
-        let miss = misses as f64 / (hits + misses).max(1) as f64;
-        println!(
-            "sparse {context:>6} tokens, {} keys, batch {batch:>3}: {step_ms:.2} ms per step, \
-             miss rate {miss:.3}",
-            ctx.name()
-        );
-        rows.push(Row {
-            context,
-            mode: "sparse",
-            keys: ctx.name(),
-            batch,
-            lanes: 1,
-            device,
-            host: host_bytes(gm, context, batches.len()),
-            device_max: room / device.max(1),
-            step_ms,
-            miss: Some(miss),
+        self.dev.set_clock(None);
+        Ok(Measured {
+            step_ms: median(&mut times),
+            miss: misses as f64 / (hits + misses).max(1) as f64,
+            early: self
+                .coord
+                .lowered()
+                .prefetch
+                .then(|| early as f64 / STEPS as f64),
             stages,
-        });
+        })
     }
-    Ok(rows)
 }
 
 /// [`runs`] over [`lanes::LANES`] lanes: each lane prefills its share of `max(batches)`
@@ -322,7 +372,7 @@ pub(crate) fn lane_runs(
             let (mut hits, mut misses) = (0, 0);
             for _ in 0..PROFILED {
                 d.step(lm, mine)?;
-                let (h, m) = d.hits(lm)?;
+                let (h, m, _) = d.hits(lm)?;
                 hits += h;
                 misses += m;
             }
@@ -361,6 +411,7 @@ pub(crate) fn lane_runs(
             device_max: room / device.max(1),
             step_ms,
             miss: Some(miss),
+            early: None,
             stages: Vec::new(),
         });
     }

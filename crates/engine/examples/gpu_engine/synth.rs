@@ -60,6 +60,8 @@ pub(crate) struct Row {
     pub(crate) step_ms: f64,
     /// Fraction of the selected pages that missed the hot buffer (sparse).
     pub(crate) miss: Option<f64>,
+    /// With prefetch (sparse), the pages loaded early per step (every layer's).
+    pub(crate) early: Option<f64>,
     /// Device milliseconds per step by stage (sparse, profiled steps).
     pub(crate) stages: Vec<(&'static str, f64)>,
 }
@@ -103,6 +105,7 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             device_max,
             step_ms,
             miss: None,
+            early: None,
             stages: Vec::new(),
         };
         for &batch in &batches {
@@ -121,9 +124,17 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             );
             rows.push(row(batch, lanes::LANES, ms));
         }
-        rows.extend(sparse::runs(&gm, context, Context::Random, &[equal], room)?);
-        // Two runs of decode steps: at the equal batch and at the largest.
-        let per_host = sparse::host_bytes(&gm, context, 2);
+        rows.extend(sparse::runs(
+            &gm,
+            context,
+            Context::Random,
+            &[equal],
+            room,
+            false,
+        )?);
+        // Four runs of decode steps: at the equal batch and at the largest, each without and
+        // with prefetch.
+        let per_host = sparse::host_bytes(&gm, context, 4);
         let host_max = available_host()?.saturating_sub(HOST_MARGIN) / per_host;
         println!(
             "sparse {context:>6} tokens: {host_max} requests fit the host ({:.2} GiB each)",
@@ -133,7 +144,14 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
         if host_max > equal {
             heavy.push(host_max);
         }
-        rows.extend(sparse::runs(&gm, context, Context::Heavy, &heavy, room)?);
+        rows.extend(sparse::runs(
+            &gm,
+            context,
+            Context::Heavy,
+            &heavy,
+            room,
+            true,
+        )?);
         if with_lanes {
             heavy.retain(|&b| b >= lanes::LANES);
             rows.extend(sparse::lane_runs(
@@ -152,7 +170,7 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
             .iter()
             .map(|r| {
                 format!(
-                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"lanes\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"stages\":[{}]}}",
+                    "{{\"context\":{},\"mode\":{:?},\"keys\":{:?},\"batch\":{},\"lanes\":{},\"device_bytes\":{},\"host_bytes\":{},\"device_max\":{},\"step_ms\":{},\"tokens_per_s\":{},\"miss_rate\":{},\"early_pages\":{},\"stages\":[{}]}}",
                     r.context,
                     r.mode,
                     r.keys,
@@ -164,6 +182,7 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
                     r.step_ms,
                     r.batch as f64 / r.step_ms * 1e3,
                     r.miss.map_or("null".to_owned(), |m| m.to_string()),
+                    r.early.map_or("null".to_owned(), |p| p.to_string()),
                     r.stages
                         .iter()
                         .map(|(l, t)| format!("{{\"stage\":{l:?},\"ms\":{t}}}"))
@@ -187,7 +206,7 @@ pub(crate) fn bench(args: &[String]) -> Res<i32> {
 fn table(device: &str, rows: &[Row]) -> String {
     let mut out = format!(
         "synthetic 8B-class decode on {device} (weights and KV bf16; median of {STEPS} steps \
-         after {WARM}; lanes > 1: the slowest lane's mean step)\n{:>7} {:>6} {:>6} {:>5} {:>5} {:>14} {:>12} {:>10} {:>9} {:>10} {:>8} {:>6}\n",
+         after {WARM}; lanes > 1: the slowest lane's mean step)\n{:>7} {:>6} {:>6} {:>5} {:>5} {:>14} {:>12} {:>10} {:>9} {:>10} {:>8} {:>6} {:>10}\n",
         "context",
         "mode",
         "keys",
@@ -199,7 +218,8 @@ fn table(device: &str, rows: &[Row]) -> String {
         "ms/step",
         "tokens/s",
         "vs dense",
-        "miss"
+        "miss",
+        "early/step"
     );
     let tps = |r: &Row| r.batch as f64 / r.step_ms * 1e3;
     for r in rows {
@@ -209,7 +229,7 @@ fn table(device: &str, rows: &[Row]) -> String {
             .filter(|d| d.mode == "dense" && d.context == r.context && d.batch == r.batch)
             .max_by(|a, b| tps(a).total_cmp(&tps(b)));
         out += &format!(
-            "{:>7} {:>6} {:>6} {:>5} {:>5} {:>14.1} {:>12.2} {:>10} {:>9.2} {:>10.1} {:>8} {:>6}\n",
+            "{:>7} {:>6} {:>6} {:>5} {:>5} {:>14.1} {:>12.2} {:>10} {:>9.2} {:>10.1} {:>8} {:>6} {:>10}\n",
             r.context,
             r.mode,
             r.keys,
@@ -221,7 +241,8 @@ fn table(device: &str, rows: &[Row]) -> String {
             r.step_ms,
             tps(r),
             dense.map_or("-".to_owned(), |d| format!("{:.2}x", tps(r) / tps(d))),
-            r.miss.map_or("-".to_owned(), |m| format!("{m:.3}"))
+            r.miss.map_or("-".to_owned(), |m| format!("{m:.3}")),
+            r.early.map_or("-".to_owned(), |p| format!("{p:.0}"))
         );
     }
     for &context in &[32 * 1024, 128 * 1024] {
@@ -266,10 +287,11 @@ fn table(device: &str, rows: &[Row]) -> String {
             .map(|(l, t)| format!("{l} {t:.2} ({:.0} %)", 100.0 * t / sum.max(1e-9)))
             .collect();
         out += &format!(
-            "  {} {} keys batch {}: {sum:.2} ms = {}\n",
+            "  {} {} keys batch {}{}: {sum:.2} ms = {}\n",
             r.context,
             r.keys,
             r.batch,
+            if r.early.is_some() { ", prefetch" } else { "" },
             parts.join(", ")
         );
     }
