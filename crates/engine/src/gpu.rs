@@ -73,7 +73,8 @@ pub trait GpuAttention<T: GpuFloat> {
 
     /// Takes the estimate [`early_query`](Self::early_query) asked for: layer `target`'s
     /// queries `[tokens, q_heads, head_dim]` from an earlier layer's input
-    /// ([`GpuModel::query`]'s math), enqueued on `gpu`'s stream. Dropped by default.
+    /// (its RMSNorm, query projection and RoPE, as [`Model::query`] computes them),
+    /// enqueued on `gpu`'s stream. Dropped by default.
     fn early(&mut self, gpu: &Gpu, target: usize, q: CudaSlice<T>) -> Result<(), EngineError> {
         let _ = (gpu, target, q);
         Ok(())
