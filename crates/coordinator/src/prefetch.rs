@@ -5,6 +5,7 @@
 use attn_op::Element;
 use offload::StepStats;
 
+use crate::coord::DecodeRow;
 use crate::{CoordError, SparseCoordinator};
 
 impl<T: Element> SparseCoordinator<T> {
@@ -45,22 +46,11 @@ impl<T: Element> SparseCoordinator<T> {
     /// (`prefetch_device`, feature `cuda`). A coordinator driven through the device hooks
     /// keeps its hot buffers on the device, so there this would diff stale CPU copies.
     pub fn prefetch(&mut self, layer: usize, q: &[f32]) -> Result<StepStats, CoordError> {
-        let f = self.check_layer(layer)?;
         let m = self.model;
-        self.check_rows(f, "q", q.len(), m.q_heads)?;
-        if self.begun(layer) {
-            return Err(CoordError::Invalid(format!(
-                "layer {layer} has begun its step; a prefetch comes before it"
-            )));
-        }
         let mut stats = StepStats::default();
-        let Some(sl) = self.sparse_of[layer] else {
+        let Some((sl, rows)) = self.prefetch_rows(layer, q.len())? else {
             return Ok(stats);
         };
-        let rows = self.decode_rows();
-        if rows.is_empty() {
-            return Ok(stats);
-        }
         let top = self.select_rows(layer, &rows, q, None)?;
         let manager = self.manager.as_mut().expect("sparse layers have a manager");
         for (j, r) in rows.iter().enumerate() {
@@ -68,5 +58,27 @@ impl<T: Element> SparseCoordinator<T> {
             stats.add(&manager.prefetch(r.id, sl, &union, 1)?);
         }
         Ok(stats)
+    }
+
+    /// The checks of a prefetch of `layer` with `q_len` query values, and what it would
+    /// prefetch for: the layer's sparse index and the batch's decode rows (`None`: a dense
+    /// layer or no decode rows, nothing to load).
+    pub(crate) fn prefetch_rows(
+        &self,
+        layer: usize,
+        q_len: usize,
+    ) -> Result<Option<(usize, Vec<DecodeRow>)>, CoordError> {
+        let f = self.check_layer(layer)?;
+        self.check_rows(f, "q", q_len, self.model.q_heads)?;
+        if self.begun(layer) {
+            return Err(CoordError::Invalid(format!(
+                "layer {layer} has begun its step; a prefetch comes before it"
+            )));
+        }
+        let Some(sl) = self.sparse_of[layer] else {
+            return Ok(None);
+        };
+        let rows = self.decode_rows();
+        Ok((!rows.is_empty()).then_some((sl, rows)))
     }
 }

@@ -1,7 +1,7 @@
 //! Prefetch on the device: a later layer's selection, diff and loads on a copy stream of
 //! their own, enqueued while an earlier layer computes.
 
-use attn_op::cuda::Gpu;
+use attn_op::cuda::{CudaElement, Gpu};
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::CUevent_flags;
 use offload::StepStats;
@@ -9,7 +9,6 @@ use offload::StepStats;
 use super::hooks::{Lane, driver};
 use super::{CopyLane, DeviceSparse, EarlyStep, diff_counts, sparse_index};
 use crate::{CoordError, SparseCoordinator};
-use attn_op::cuda::CudaElement;
 
 impl<T: CudaElement> SparseCoordinator<T> {
     /// [`prefetch`](Self::prefetch) on the device: before layer `layer`'s
@@ -32,21 +31,10 @@ impl<T: CudaElement> SparseCoordinator<T> {
         layer: usize,
         q: CudaSlice<T>,
     ) -> Result<bool, CoordError> {
-        let f = self.check_layer(layer)?;
-        self.check_rows(f, "q", q.len(), self.model.q_heads)?;
         self.check_mirror(dev)?;
-        if self.begun(layer) {
-            return Err(CoordError::Invalid(format!(
-                "layer {layer} has begun its step; a prefetch comes before it"
-            )));
-        }
-        let Some(sl) = self.sparse_of[layer] else {
+        let Some((sl, rows)) = self.prefetch_rows(layer, q.len())? else {
             return Ok(false);
         };
-        let rows = self.decode_rows();
-        if rows.is_empty() {
-            return Ok(false);
-        }
         let arrays = self.device_rows(gpu, dev, &rows)?;
         if dev.lane.is_none() {
             let lane = gpu.fork()?;
@@ -112,15 +100,7 @@ impl<T: CudaElement> DeviceSparse<T> {
             return Ok(StepStats::default());
         };
         let (hits, misses) = super::sum_totals(&lane.gpu.download(&self.early_totals)?)?;
-        Ok(StepStats {
-            steps: 0,
-            hits,
-            misses,
-            loaded_pages: misses,
-            bytes: misses * self.dims.page_size as u64 * self.token_bytes(),
-            reserved_loads: 0,
-            reused_plans: 0,
-        })
+        Ok(self.early_stats(hits, misses))
     }
 
     /// What the last [`SparseCoordinator::prefetch_device`] of `layer` loaded (waits for the
@@ -140,7 +120,13 @@ impl<T: CudaElement> DeviceSparse<T> {
             )));
         };
         let (hits, misses) = diff_counts(&lane.gpu, &early.selected.diff)?;
-        Ok(StepStats {
+        Ok(self.early_stats(hits, misses))
+    }
+
+    /// A prefetch's counts as [`SparseKvCacheManager::prefetch`](offload::SparseKvCacheManager::prefetch)
+    /// answers them: no steps, every miss a whole page loaded.
+    fn early_stats(&self, hits: u64, misses: u64) -> StepStats {
+        StepStats {
             steps: 0,
             hits,
             misses,
@@ -148,6 +134,6 @@ impl<T: CudaElement> DeviceSparse<T> {
             bytes: misses * self.dims.page_size as u64 * self.token_bytes(),
             reserved_loads: 0,
             reused_plans: 0,
-        })
+        }
     }
 }

@@ -24,6 +24,11 @@
 //! bytes the device writes are complete once the stream has drained ([`Gpu::synchronize`]);
 //! read them through the offload manager only then.
 //!
+//! [`SparseCoordinator::prefetch_device`] is the CPU `prefetch` on the device: before a
+//! layer's step, from estimated queries, it enqueues the layer's selection, diff and loads on
+//! a copy stream of the mirror's own, ordered against the compute stream by events, so the
+//! loads run under an earlier layer's compute and the step finds them as hits.
+//!
 //! A [`StageClock`] given to [`DeviceSparse::set_clock`] splits the device time of the hooks
 //! into stages: `write` (host backup, reserved slots, new tokens), `selection`, `diff`,
 //! `loads`, `attention`, `update` (min/max), and `model`, the time between hooks.
