@@ -482,7 +482,17 @@ impl<T: GpuFloat> GpuModel<T> {
         unsafe { b.launch(per_row(n)?) }.map_err(device)?;
         for (l, w) in self.w.blocks.iter().enumerate() {
             if let Some(target) = attn.early_query(l) {
-                let early = self.query_rows(target, x, all, &pos)?;
+                // Layer `target`'s queries from this layer's input: its RMSNorm, query
+                // projection (the fused projection's first rows) and RoPE, as its own forward
+                // computes them from its input (InfiniGen's speculation; `Model::query` on
+                // the CPU). h, qkv, k and v are free until this layer writes them below.
+                let tw = self.w.blocks.get(target).ok_or_else(|| {
+                    EngineError::Invalid(format!("no layer {target} of {}", c.layers))
+                })?;
+                self.norm(x, all, &tw.attn_norm, h)?;
+                self.gemm(&tw.qkv.slice(..qd * c.embed), qd, c.embed, h, n, qkv, false)?;
+                let mut early = g.zeros::<T>(n * qd)?;
+                self.rope(qkv, &pos, 0, &mut early, k, v)?;
                 attn.early(g, target, early)?;
             }
             self.norm(x, all, &w.attn_norm, h)?;
@@ -519,44 +529,6 @@ impl<T: GpuFloat> GpuModel<T> {
             false,
         )?;
         Ok(Some(logits))
-    }
-
-    /// Layer `layer`'s queries `[n, q_heads, head_dim]` from the residual stream `x` `[n,
-    /// embed]` (all of its `n` rows, listed in `all`) at positions `pos`: the layer's
-    /// RMSNorm, query projection and RoPE, as its own forward computes them from its input.
-    /// Given an earlier layer's input, they estimate the layer's queries (InfiniGen's
-    /// speculation), as [`Model::query`] does on the CPU.
-    fn query_rows(
-        &self,
-        layer: usize,
-        x: &CudaSlice<f32>,
-        all: &CudaSlice<i32>,
-        pos: &CudaSlice<i32>,
-    ) -> Result<CudaSlice<T>, EngineError> {
-        let c = &self.config;
-        let w = self
-            .w
-            .blocks
-            .get(layer)
-            .ok_or_else(|| EngineError::Invalid(format!("no layer {layer} of {}", c.layers)))?;
-        let (n, qd, g) = (all.len(), c.q_heads * c.head_dim, &self.gpu);
-        let mut h = g.zeros::<T>(n * c.embed)?;
-        self.norm(x, all, &w.attn_norm, &mut h)?;
-        let mut qf = g.zeros::<f32>(n * qd)?;
-        // The fused projection's first q_heads * head_dim rows are the query projection.
-        self.gemm(
-            &w.qkv.slice(..qd * c.embed),
-            qd,
-            c.embed,
-            &h,
-            n,
-            &mut qf,
-            false,
-        )?;
-        let mut q = g.zeros::<T>(n * qd)?;
-        let (mut none_k, mut none_v) = (g.zeros::<T>(1)?, g.zeros::<T>(1)?);
-        self.rope(&qf, pos, 0, &mut q, &mut none_k, &mut none_v)?;
-        Ok(q)
     }
 
     /// Splits `qkv` (`[n, q_heads + 2 kv_heads, head_dim]`, f32) into `q`, `k` and `v` as `T`,

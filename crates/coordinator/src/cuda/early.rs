@@ -36,32 +36,30 @@ impl<T: CudaElement> SparseCoordinator<T> {
             return Ok(false);
         };
         let arrays = self.device_rows(gpu, dev, &rows)?;
+        let event = || {
+            gpu.context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(driver)
+        };
         if dev.lane.is_none() {
             let lane = gpu.fork()?;
             dev.lane = Some(CopyLane {
                 select: dev.select.on_stream(lane.stream().clone()),
                 io: dev.io.on_stream(lane.stream().clone()),
                 gpu: lane,
+                start: event()?,
             });
         }
         let lane = dev.lane.as_ref().expect("made just above");
         let l = &mut dev.layers[sl];
-        let last = l.early.take().map(|e| e.selected);
         // An earlier prefetch the layer's step never waited for: the compute stream frees
-        // its buffers below, so it waits for them first.
-        if let Some(done) = l.prefetched.take() {
-            gpu.stream().wait(&done).map_err(driver)?;
-        }
-        let event = || {
-            gpu.context()
-                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(driver)
-        };
+        // that prefetch's queries and arrays below, so it waits for its work first.
+        l.wait_prefetch(gpu)?;
+        let last = l.early.take().map(|e| e.selected);
         // The copy stream starts after the compute stream's work so far: q, the rows' arrays,
         // and the layer's last update of its representations and hot buffers.
-        let start = event()?;
-        start.record(gpu.stream()).map_err(driver)?;
-        lane.gpu.stream().wait(&start).map_err(driver)?;
+        lane.start.record(gpu.stream()).map_err(driver)?;
+        lane.gpu.stream().wait(&lane.start).map_err(driver)?;
         let selected = Lane {
             gpu: &lane.gpu,
             select: &lane.select,
@@ -79,9 +77,13 @@ impl<T: CudaElement> SparseCoordinator<T> {
             &mut None,
             last,
         )?;
-        let done = event()?;
+        let done = match l.done.take() {
+            Some(done) => done,
+            None => event()?,
+        };
         done.record(lane.gpu.stream()).map_err(driver)?;
-        l.prefetched = Some(done);
+        l.done = Some(done);
+        l.pending = true;
         l.early = Some(EarlyStep {
             _q: q,
             _arrays: arrays,

@@ -295,9 +295,7 @@ impl<T: CudaElement> DeviceSparse<T> {
         let n = rows.len();
         let l = &mut self.layers[sl];
         // Loads a prefetch enqueued on the copy lane come before this step's reads and writes.
-        if let Some(done) = l.prefetched.take() {
-            gpu.stream().wait(&done).map_err(driver)?;
-        }
+        l.wait_prefetch(gpu)?;
         // The reserved slots of this layer: what each lacks of its current page comes from the
         // host, then the new tokens are written into them.
         let mut loads = Vec::new();

@@ -98,6 +98,8 @@ struct CopyLane {
     gpu: Gpu,
     select: SelectKernels,
     io: IoKernels,
+    /// Recorded on the compute stream before each prefetch, which the lane waits for.
+    start: CudaEvent,
 }
 
 /// The index lists of a host backup: batch token rows and the host rows they go to.
@@ -125,9 +127,23 @@ struct DeviceLayer<T: CudaElement> {
     /// one: the copy lane may still read them, and [`DeviceSparse::prefetch_stats`] counts
     /// from them.
     early: Option<EarlyStep<T>>,
-    /// Recorded on the copy lane after the last prefetch's loads, until the compute stream
-    /// has waited for it.
-    prefetched: Option<CudaEvent>,
+    /// Recorded on the copy lane after each prefetch's loads (made by the first prefetch).
+    done: Option<CudaEvent>,
+    /// Whether the compute stream has yet to wait for `done`.
+    pending: bool,
+}
+
+impl<T: CudaElement> DeviceLayer<T> {
+    /// Makes `gpu`'s stream wait for the loads of the layer's last prefetch, where it has
+    /// not waited for them yet.
+    fn wait_prefetch(&mut self, gpu: &Gpu) -> Result<(), CoordError> {
+        if std::mem::take(&mut self.pending)
+            && let Some(done) = &self.done
+        {
+            gpu.stream().wait(done).map_err(hooks::driver)?;
+        }
+        Ok(())
+    }
 }
 
 /// The device buffers of a prefetch.
@@ -253,7 +269,8 @@ impl<T: CudaElement> DeviceSparse<T> {
                 reserved: vec![(-1, 0); slots],
                 step: None,
                 early: None,
-                prefetched: None,
+                done: None,
+                pending: false,
             });
         }
         let n_layers = layers.len();
