@@ -1,7 +1,7 @@
 //! The engine's own paged KV cache (one block tensor per layer) and dense attention over it.
 
 use attn_op::{
-    AttnOut, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv, paged_attention,
+    AttnOut, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv, Simd, paged_attention,
 };
 
 use crate::EngineError;
@@ -50,6 +50,11 @@ impl<T: Element> KvStore<T> {
     /// The attention parameters of every layer.
     pub fn params(&self) -> &AttnParams {
         &self.params
+    }
+
+    /// Runs every layer's attention with the CPU build `simd` (attn-op's [`Simd`]).
+    pub fn set_simd(&mut self, simd: Simd) {
+        self.params.simd = simd;
     }
 
     /// Writes `k`, `v` (`[tokens, kv_heads, head_dim]`) of layer `layer` into `slots`.

@@ -213,6 +213,9 @@ pub struct Model {
     pub(crate) blocks: Vec<Block>,
     /// Per pair `i` of a head, `rope_base^(-2i / head_dim)`.
     pub(crate) freqs: Vec<f32>,
+    /// The type every input of a projection and of the attention is rounded to before use
+    /// (`None`: kept in f32), as a GPU forward in that type rounds them.
+    pub(crate) inputs: Option<DType>,
 }
 
 impl Model {
@@ -251,7 +254,20 @@ impl Model {
             output_norm: self.output_norm.clone(),
             blocks,
             freqs: self.freqs.clone(),
+            inputs: self.inputs,
         })
+    }
+
+    /// The same model computing as a GPU forward in `dtype` (F32, F16 or BF16) does: its
+    /// weights rounded once ([`Model::with_float_weights`]) and every input of a projection and
+    /// of the attention (the normed stream, the queries, keys and values, the attention's
+    /// output, the SwiGLU product) rounded to `dtype` before use; products accumulate and the
+    /// residual stream stays in f32. With a KV store of `dtype`, this is the CPU specification
+    /// of that GPU forward: the two differ only by the order of f32 sums.
+    pub fn computing_in(&self, dtype: DType) -> Result<Model, EngineError> {
+        let mut m = self.with_float_weights(dtype)?;
+        m.inputs = (dtype != DType::F32).then_some(dtype);
+        Ok(m)
     }
 
     /// Builds a model of shape `c` from the weights `w` holds.
@@ -285,6 +301,7 @@ impl Model {
             blocks,
             freqs,
             config: c,
+            inputs: None,
         })
     }
 
@@ -316,15 +333,21 @@ impl Model {
         for (l, b) in self.blocks.iter().enumerate() {
             attn.layer_input(l, &x)?;
             rms_norm(&x, &b.attn_norm, c.rms_eps, &mut h);
+            self.round(&mut h);
             b.wq.forward(&h, n, &mut q);
             b.wk.forward(&h, n, &mut k);
             b.wv.forward(&h, n, &mut v);
             self.rope(&mut q, &angles);
             self.rope(&mut k, &angles);
+            for t in [&mut q, &mut k, &mut v] {
+                self.round(t);
+            }
             attn.attend(l, &q, &k, &v, &mut att)?;
+            self.round(&mut att);
             b.wo.forward(&att, n, &mut o);
             add(&mut x, &o);
             rms_norm(&x, &b.ffn_norm, c.rms_eps, &mut h);
+            self.round(&mut h);
             b.gate.forward(&h, n, &mut g);
             b.up.forward(&h, n, &mut u);
             g.par_chunks_mut(c.ffn)
@@ -334,6 +357,7 @@ impl Model {
                         *a = *a / (1.0 + (-*a).exp()) * b;
                     }
                 });
+            self.round(&mut g);
             b.down.forward(&g, n, &mut o);
             add(&mut x, &o);
         }
@@ -343,6 +367,7 @@ impl Model {
         }
         let mut normed = vec![0.0f32; last.len()];
         rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
+        self.round(&mut normed);
         let mut logits = vec![0.0f32; logits_for.len() * c.vocab];
         let head = self.output.as_ref().unwrap_or(&self.embed);
         head.forward(&normed, logits_for.len(), &mut logits);
@@ -375,10 +400,24 @@ impl Model {
         }
         let mut h = vec![0.0f32; x.len()];
         rms_norm(x, &b.attn_norm, c.rms_eps, &mut h);
+        self.round(&mut h);
         let mut q = vec![0.0f32; n * c.q_heads * c.head_dim];
         b.wq.forward(&h, n, &mut q);
         self.rope(&mut q, &self.angles(positions));
+        self.round(&mut q);
         Ok(q)
+    }
+
+    /// Rounds every value of `x` to the type of [`Model::computing_in`] (to nearest even),
+    /// where the model has one.
+    fn round(&self, x: &mut [f32]) {
+        let rounded: fn(f32) -> f32 = match self.inputs {
+            Some(DType::BF16) => |v| half::bf16::from_f32(v).to_f32(),
+            Some(DType::F16) => |v| half::f16::from_f32(v).to_f32(),
+            _ => return,
+        };
+        x.par_chunks_mut(4096)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = rounded(*v)));
     }
 
     /// Each position's `(sin, cos)` per rotated pair: the same for every layer and head.

@@ -10,12 +10,16 @@
 //! compared with the reference: per row the largest absolute logit difference over the largest
 //! absolute logit (max rel) and the L2 norms' ratio (L2 rel), the worst row reported, with
 //! top-1 agreement and perplexity over the decoded positions. Each GPU run is also compared
-//! with the CPU forward at its own precision ("vs cpu f16", "vs cpu bf16": the weights
-//! rounded to the type once, as the upload does, and a KV cache of the type), which
-//! separates the GPU path's own error from the type's. The check fails (exit 1) where the f16
-//! run's max rel exceeds 1e-2 or a logit is not finite; bf16's is reported (its weights alone
-//! keep 8 significant bits of the Q4_1 values, which moves this model's logits by about
-//! 2e-2). It also reports the weights' device bytes and the decode step time, and checks
+//! with the CPU forward at its own precision ("vs cpu f16", "vs cpu bf16":
+//! `Model::computing_in`, which rounds the weights once, as the upload does, and every input
+//! of a projection and of the attention, as the GPU's kernels do, with a KV cache of the
+//! type), which separates the GPU path's own error from the type's; and that CPU forward with
+//! the attention's portable build, whose f32 sums run in another order, is compared with
+//! itself: the type's noise floor on this model, below which no forward of the type can match
+//! another. The check fails (exit 1) where the f16 run's max rel exceeds 1e-2 or a logit is
+//! not finite; bf16's is reported (its weights alone keep 8 significant bits of the Q4_1
+//! values, which moves this model's logits by about 2e-2, and its noise floor lies above
+//! 1e-2). It also reports the weights' device bytes and the decode step time, and checks
 //! prefetch's query estimate: over a few decode steps, the estimate of each layer's queries
 //! from that layer's own input must equal the queries the layer computes (within 1e-2).
 //!
@@ -50,6 +54,7 @@ mod synth;
 use std::path::Path;
 use std::time::Instant;
 
+use attn_op::Simd;
 use attn_op::cuda::Gpu;
 use engine::eval::{argmax, nll};
 use engine::gguf::{DType, Gguf};
@@ -143,9 +148,13 @@ impl Tally {
 /// logits, the decode step's mean time, and the weights' bytes and upload time.
 struct GpuRun {
     name: &'static str,
-    /// The CPU forward of all the tokens at once at the run's own precision: weights rounded
-    /// to `T` once, as the upload does, and a KV cache of `T` (f32 activations).
+    /// The CPU forward of all the tokens at once at the run's own precision
+    /// ([`Model::computing_in`]: weights rounded to `T` once, as the upload does, every input
+    /// of a projection and of the attention rounded to `T`, a KV cache of `T`).
     same: Vec<f32>,
+    /// The same CPU forward with the attention's portable build: it differs from `same` only
+    /// by the order of the attention's f32 sums (the type's noise floor on this model).
+    reordered: Vec<f32>,
     prefill: Vec<f32>,
     decode: Vec<f32>,
     step_ms: f64,
@@ -225,19 +234,18 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
     };
     let rows: Vec<usize> = (0..ids.len()).collect();
     let blocks = (ids.len() + 1).div_ceil(BLOCK);
-    let same = model
-        .with_float_weights(dtype)
-        .map_err(s)?
-        .forward(
-            ids,
-            &rows,
-            &mut DenseAttention {
-                store: &mut KvStore::<T>::new(&c, blocks, BLOCK).map_err(s)?,
-                batch: &Batch::single(0, ids.len(), blocks),
-            },
-            &rows,
-        )
-        .map_err(s)?;
+    let spec = model.computing_in(dtype).map_err(s)?;
+    let cpu = |simd| -> Res<Vec<f32>> {
+        let mut store = KvStore::<T>::new(&c, blocks, BLOCK).map_err(s)?;
+        store.set_simd(simd);
+        let batch = Batch::single(0, ids.len(), blocks);
+        let attn = &mut DenseAttention {
+            store: &mut store,
+            batch: &batch,
+        };
+        spec.forward(ids, &rows, attn, &rows).map_err(s)
+    };
+    let (same, reordered) = (cpu(Simd::Auto)?, cpu(Simd::Portable)?);
     let t0 = Instant::now();
     let gm = GpuModel::<T>::upload(model, gpu).map_err(s)?;
     gm.gpu().synchronize().map_err(|e| e.to_string())?;
@@ -281,6 +289,7 @@ fn gpu_run<T: GpuFloat>(model: &Model, ids: &[u32], gpu: Gpu) -> Res<GpuRun> {
         query_rel: probe.worst,
         query_layers: probe.layers,
         same,
+        reordered,
         prefill,
         decode,
         step_ms,
@@ -403,15 +412,16 @@ fn check(args: &[String]) -> Res<i32> {
     let reference = decoded(&want);
     let mut cpu = Tally::default();
     cpu.add(&cpu_decode, &reference, vocab);
-    let tallies: Vec<[Tally; 5]> = runs
+    let tallies: Vec<[Tally; 6]> = runs
         .iter()
         .map(|r| {
-            let mut t: [Tally; 5] = Default::default();
+            let mut t: [Tally; 6] = Default::default();
             t[0].add(&r.prefill, &want[..PREFILL * vocab], vocab);
             t[1].add(&r.decode, &reference, vocab);
             t[2].add(&r.decode, &cpu_decode, vocab);
             t[3].add(&r.prefill, &r.same[..PREFILL * vocab], vocab);
             t[4].add(&r.decode, &decoded(&r.same), vocab);
+            t[5].add(&r.reordered, &r.same, vocab);
             t
         })
         .collect();
@@ -440,6 +450,10 @@ fn check(args: &[String]) -> Res<i32> {
         out += &t[2].line(&format!("gpu {} decode vs cpu decode", r.name));
         out += &t[3].line(&format!("gpu {} prefill vs cpu {0}", r.name));
         out += &t[4].line(&format!("gpu {} decode vs cpu {0}", r.name));
+        out += &t[5].line(&format!(
+            "cpu {} vs itself, attention sums reordered (all rows)",
+            r.name
+        ));
         out += &format!(
             "    gpu {} query estimate from a layer's own input vs its queries: max rel {:.2e} \
              over {} layer steps\n",
@@ -469,13 +483,14 @@ fn check(args: &[String]) -> Res<i32> {
             .zip(&tallies)
             .map(|(r, t)| {
                 format!(
-                    "{:?}:{{\"prefill\":{},\"decode\":{},\"vs_cpu_decode\":{},\"prefill_vs_cpu_same\":{},\"decode_vs_cpu_same\":{},\"ppl_decode\":{},\"decode_ms\":{},\"weight_bytes\":{},\"query_estimate_max_rel\":{}}}",
+                    "{:?}:{{\"prefill\":{},\"decode\":{},\"vs_cpu_decode\":{},\"prefill_vs_cpu_same\":{},\"decode_vs_cpu_same\":{},\"cpu_vs_reordered\":{},\"ppl_decode\":{},\"decode_ms\":{},\"weight_bytes\":{},\"query_estimate_max_rel\":{}}}",
                     r.name,
                     t[0].json(),
                     t[1].json(),
                     t[2].json(),
                     t[3].json(),
                     t[4].json(),
+                    t[5].json(),
                     ppl(nll_of(&r.decode)),
                     r.step_ms,
                     r.weight_bytes,

@@ -196,6 +196,21 @@ fn float_copies_round_each_weight_once() {
         moved > 0.0 && moved < 0.1,
         "bf16 weights moved the logits by {moved}"
     );
+    // Computing in f32 is the exact forward; computing in bf16 also rounds every input of a
+    // projection and of the attention, which moves the logits again, by a bounded amount.
+    let computing = |dtype| m.computing_in(dtype).expect("a float type");
+    assert_eq!(logits(&computing(DType::F32), &tokens, 40), exact);
+    let rounded = logits(&computing(DType::BF16), &tokens, 40);
+    let weights_only = logits(&as_bf16, &tokens, 40);
+    let apart = rounded
+        .iter()
+        .zip(&weights_only)
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0.0f32, f32::max);
+    assert!(
+        apart > 0.0 && apart < 0.1,
+        "rounded inputs moved the logits by {apart}"
+    );
 }
 
 fn quest(budget: usize, dense: Vec<usize>) -> SparseConfig {
@@ -467,33 +482,42 @@ fn a_layers_input_gives_its_queries_exactly() {
         }
     }
     let g = tiny(DType::F32);
-    let m = Model::load(&g).expect("a valid model");
+    let exact = Model::load(&g).expect("a valid model");
     let ids = text(40);
     let positions: Vec<usize> = (0..40).collect();
     let blocks = 40usize.div_ceil(16);
-    let mut store = KvStore::<f32>::new(&TINY, blocks, 16).expect("a cache");
-    let batch = Batch::single(0, 40, blocks);
-    let mut probe = Probe {
-        dense: DenseAttention {
-            store: &mut store,
-            batch: &batch,
-        },
-        inputs: Vec::new(),
-        queries: Vec::new(),
-    };
-    m.forward(&ids, &positions, &mut probe, &[])
-        .expect("a valid forward");
-    assert_eq!(probe.inputs.len(), TINY.layers);
-    for (l, (x, q)) in probe.inputs.iter().zip(&probe.queries).enumerate() {
-        let got = m.query(l, x, &positions).expect("a valid layer and stream");
-        assert_eq!(&got, q, "layer {l}");
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
+    // A model computing in bf16 hands the attention bf16 queries, keys and values, and its
+    // estimate rounds the queries the same way.
+    let rounded = exact.computing_in(DType::BF16).expect("a float type");
+    for (m, in_bf16) in [(&exact, false), (&rounded, true)] {
+        let mut store = KvStore::<f32>::new(&TINY, blocks, 16).expect("a cache");
+        let batch = Batch::single(0, 40, blocks);
+        let mut probe = Probe {
+            dense: DenseAttention {
+                store: &mut store,
+                batch: &batch,
+            },
+            inputs: Vec::new(),
+            queries: Vec::new(),
+        };
+        m.forward(&ids, &positions, &mut probe, &[])
+            .expect("a valid forward");
+        assert_eq!(probe.inputs.len(), TINY.layers);
+        for (l, (x, q)) in probe.inputs.iter().zip(&probe.queries).enumerate() {
+            let got = m.query(l, x, &positions).expect("a valid layer and stream");
+            assert_eq!(&got, q, "layer {l}");
+            let representable = q.iter().all(|&v| bf16(v) == v);
+            assert_eq!(representable, in_bf16, "layer {l}'s queries in bf16");
+        }
     }
+    let x = vec![0.5f32; 40 * TINY.embed];
     assert!(matches!(
-        m.query(TINY.layers, &probe.inputs[0], &positions),
+        exact.query(TINY.layers, &x, &positions),
         Err(EngineError::Invalid(_))
     ));
     assert!(matches!(
-        m.query(0, &probe.inputs[0][1..], &positions),
+        exact.query(0, &x[1..], &positions),
         Err(EngineError::Invalid(_))
     ));
 }
