@@ -94,6 +94,25 @@ impl DeviceBatch {
         })
     }
 
+    /// Makes `kv_bound` the bound of every KV length (a batch made by
+    /// [`DeviceBatch::from_device`] whose lengths grow from one use to the next), checked
+    /// against the block table's width as there.
+    ///
+    /// # Safety
+    ///
+    /// As for [`DeviceBatch::from_device`]: every KV length the device holds whenever the
+    /// batch is next used must lie in `0..=kv_bound`.
+    pub unsafe fn set_kv_bound(&mut self, kv_bound: usize) -> Result<(), AttnError> {
+        if kv_bound > self.max_blocks * self.layout.block_size {
+            return Err(AttnError::Invalid(format!(
+                "KV lengths up to {kv_bound} need more than {} blocks of {}",
+                self.max_blocks, self.layout.block_size
+            )));
+        }
+        self.kv_lens.fill(kv_bound);
+        Ok(())
+    }
+
     /// The KV lengths and the block table, for kernels that rewrite them in place or for a swap
     /// with buffers of the same length.
     ///

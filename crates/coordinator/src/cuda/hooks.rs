@@ -43,7 +43,7 @@ impl<T: CudaElement> SparseCoordinator<T> {
             return Ok(DeviceLayerPlan { routes, rows: 0 });
         };
         // The layer's last step's buffers, for this one to reuse.
-        let last = dev.layers[sl].step.take().map(|s| s.sel);
+        let last = dev.layers[sl].step.take();
         dev.mark("model")?;
         self.backup_device(gpu, dev, sl, k, v)?;
         let rows = self.decode_rows();
@@ -284,8 +284,9 @@ impl<T: CudaElement> DeviceSparse<T> {
         q: &CudaSlice<T>,
         k: &CudaSlice<T>,
         v: &CudaSlice<T>,
-        last: Option<Selected<T>>,
+        last: Option<LayerStep<T>>,
     ) -> Result<LayerStep<T>, CoordError> {
+        let (last, last_attn) = last.map(|s| (s.sel, (s.per_head, s.attn))).unzip();
         let Dims {
             page_size: ps,
             hot,
@@ -350,51 +351,44 @@ impl<T: CudaElement> DeviceSparse<T> {
         host.2 += reserved_tokens;
         let per_head = sel.union.is_some();
         let width = l.quest.row_width();
-        let attn = match &sel.union {
-            Some(u) => {
-                // Per head: the rows' own lengths, and a block table of each row's union.
-                let mut block_table = gpu.zeros(n * mp)?;
-                self.io.page_table(u, &sel.diff, mp, &mut block_table)?;
-                let dev_arrays = DeviceArrays {
-                    seq_lens_kv: gpu
-                        .stream()
-                        .clone_dtod(arrays.meta.seq_lens_kv())
-                        .map_err(driver)?,
-                    block_table,
-                    max_blocks: mp,
-                };
-                // SAFETY: the lengths are the rows' batch's (`arrays.meta`, validated with
-                // their bound on upload), and every table entry is -1 or a block of a row's
-                // hot buffer, below the layout's block count.
-                unsafe {
-                    DeviceBatch::from_device(
-                        gpu,
-                        dev_arrays,
-                        vec![1; n],
-                        arrays.meta.max_kv_len(),
-                        &l.kv.layout(),
-                    )
-                }?
-            }
+        // The attention's batch: the last step's where its shape fits (both are made for the
+        // same layer and row count), else a new one of zero lengths (within any bound).
+        let cols = if per_head { mp } else { width };
+        let mut attn = match last_attn
+            .filter(|(was, b)| *was == per_head && b.num_seqs() == n && b.max_blocks() == cols)
+        {
+            Some((_, b)) => b,
             None => {
                 let dev_arrays = DeviceArrays {
                     seq_lens_kv: gpu.zeros(n)?,
-                    block_table: gpu.zeros(n * width)?,
-                    max_blocks: width,
+                    block_table: gpu.zeros(n * cols)?,
+                    max_blocks: cols,
                 };
-                // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at
-                // most `width` pages of `ps` tokens, the bound given here (zeros until then).
-                unsafe {
-                    DeviceBatch::from_device(
-                        gpu,
-                        dev_arrays,
-                        vec![1; n],
-                        width * ps,
-                        &l.kv.layout(),
-                    )
-                }?
+                // SAFETY: zero lengths lie within any bound; what is written below keeps
+                // to the bound set with it.
+                unsafe { DeviceBatch::from_device(gpu, dev_arrays, vec![1; n], 0, &l.kv.layout()) }?
             }
         };
+        match &sel.union {
+            Some(u) => {
+                // Per head: the rows' own lengths, and a block table of each row's union.
+                // SAFETY: the lengths are the rows' batch's (`arrays.meta`, validated with
+                // their bound on upload, which is set as this batch's bound), and every table
+                // entry is -1 or a block of a row's hot buffer, below the layout's block
+                // count; the buffers keep their lengths.
+                unsafe {
+                    let (lens, table) = attn.arrays_mut();
+                    self.io.page_table(u, &sel.diff, mp, table)?;
+                    gpu.stream()
+                        .memcpy_dtod(arrays.meta.seq_lens_kv(), lens)
+                        .map_err(driver)?;
+                    attn.set_kv_bound(arrays.meta.max_kv_len())?;
+                }
+            }
+            // SAFETY: the lengths this batch is used with are a top-k's covered tokens, at
+            // most `width` pages of `ps` tokens (swapped in by `attend`).
+            None => unsafe { attn.set_kv_bound(width * ps) }?,
+        }
         Ok(LayerStep {
             rows: n,
             sel,
