@@ -36,6 +36,22 @@ use crate::{EngineError, Model, ModelConfig};
 /// The CUDA C source of the forward's small kernels, embedded at build time.
 pub const MODEL_KERNELS: &str = include_str!("../../../kernels/model.cu");
 
+/// Opens CUDA device `ordinal` the way the engine runs on it: attn-op's [`Gpu`] with cudarc's
+/// per-buffer event tracking turned off for its context. The engine orders its streams itself:
+/// the coordinator's prefetch lane starts after an event recorded on the compute stream, and
+/// the compute stream waits for the lane's event before it touches that layer's buffers or
+/// frees the prefetch's; [`GpuModel::fork`] waits for the weights before another stream reads
+/// them. With tracking on, once a second stream exists, cudarc records and waits on an event
+/// for every buffer argument of every launch: driver calls that the host, which bounds a small
+/// model's decode step, pays on every layer.
+pub fn open_gpu(ordinal: usize) -> Result<Gpu, EngineError> {
+    let gpu = Gpu::new(ordinal)?;
+    // SAFETY: every buffer the engine shares between streams is ordered by explicit events
+    // (above); nothing was allocated on this context before, so no buffer keeps tracking.
+    unsafe { gpu.context().disable_event_tracking() };
+    Ok(gpu)
+}
+
 /// The element type of a GPU forward: its weights', GEMM inputs' and KV cache's.
 pub trait GpuFloat: CudaElement {
     /// cuBLAS's name of the type.

@@ -63,7 +63,7 @@ impl Figures {
 
 pub(crate) fn fidelity(args: &[String]) -> Res<i32> {
     let s = |e: EngineError| e.to_string();
-    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    let gpu = engine::gpu::open_gpu(0).map_err(|e| e.to_string())?;
     let device = gpu.name().map_err(|e| e.to_string())?;
     let Inputs {
         model,

@@ -68,10 +68,12 @@ pub(crate) fn run<R: Send>(
     work: impl Fn(usize, &GpuModel<bf16>, &Meet) -> Res<R> + Sync,
 ) -> Res<Vec<R>> {
     let ctx = gm.gpu().context();
+    let tracking = ctx.is_event_tracking();
     // SAFETY: the lanes share only the weights, which `GpuModel::fork` waits for before a
     // lane's stream can read them; every other buffer a lane allocates and uses on its own
     // stream. With tracking on, cudarc would record and wait on events for every argument of
-    // every launch of both threads (a driver call each).
+    // every launch of both threads (a driver call each). (`engine::gpu::open_gpu` has it off
+    // already.)
     unsafe { ctx.disable_event_tracking() };
     let meet = Meet::new();
     let (work, meet_ref) = (&work, &meet);
@@ -100,7 +102,9 @@ pub(crate) fn run<R: Send>(
             })
             .collect::<Res<Vec<R>>>()
     });
-    // SAFETY: the lanes' streams are gone with their threads; tracking is the default again.
-    unsafe { ctx.enable_event_tracking() };
+    if tracking {
+        // SAFETY: the lanes' streams are gone with their threads; tracking is as it was.
+        unsafe { ctx.enable_event_tracking() };
+    }
     out
 }

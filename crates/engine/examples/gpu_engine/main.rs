@@ -334,7 +334,7 @@ fn inputs<'a>(cmd: &str, args: &'a [String], tokens: usize) -> Res<Inputs<'a>> {
 }
 
 fn check(args: &[String]) -> Res<i32> {
-    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    let gpu = engine::gpu::open_gpu(0).map_err(|e| e.to_string())?;
     let device = gpu.name().map_err(|e| e.to_string())?;
     let s = |e: engine::EngineError| e.to_string();
     let total = PREFILL + DECODE + 1;
@@ -407,7 +407,11 @@ fn check(args: &[String]) -> Res<i32> {
     }
     let runs = [
         gpu_run::<f16>(&model, &ids[..n], gpu)?,
-        gpu_run::<bf16>(&model, &ids[..n], Gpu::new(0).map_err(|e| e.to_string())?)?,
+        gpu_run::<bf16>(
+            &model,
+            &ids[..n],
+            engine::gpu::open_gpu(0).map_err(|e| e.to_string())?,
+        )?,
     ];
     let reference = decoded(&want);
     let mut cpu = Tally::default();

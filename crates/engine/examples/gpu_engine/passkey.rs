@@ -10,7 +10,6 @@
 use std::path::Path;
 use std::time::Instant;
 
-use attn_op::cuda::Gpu;
 use coordinator::SparseConfig;
 use engine::eval::{PASSKEY_ANSWER, default_variants, passkey_prompt};
 use engine::gguf::Gguf;
@@ -33,7 +32,7 @@ pub(crate) fn passkey(args: &[String]) -> Res<i32> {
         .first()
         .ok_or("usage: gpu_engine passkey MODEL [--json FILE]")?;
     let s = |e: engine::EngineError| e.to_string();
-    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    let gpu = engine::gpu::open_gpu(0).map_err(|e| e.to_string())?;
     let device = gpu.name().map_err(|e| e.to_string())?;
     let file = Gguf::open(Path::new(model_path)).map_err(s)?;
     let model = Model::load(&file).map_err(s)?;

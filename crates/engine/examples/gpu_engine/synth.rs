@@ -21,7 +21,6 @@
 use std::time::Instant;
 
 use attn_op::BatchMeta;
-use attn_op::cuda::Gpu;
 use engine::gpu::{GpuDenseAttention, GpuModel};
 use engine::synthetic::LLAMA3_8B;
 use half::bf16;
@@ -68,7 +67,7 @@ pub(crate) struct Row {
 
 pub(crate) fn bench(args: &[String]) -> Res<i32> {
     let with_lanes = args.iter().any(|a| a == "--lanes");
-    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    let gpu = engine::gpu::open_gpu(0).map_err(|e| e.to_string())?;
     let name = gpu.name().map_err(|e| e.to_string())?;
     let s = |e: engine::EngineError| e.to_string();
     let t0 = Instant::now();

@@ -353,7 +353,7 @@ fn generate_gpu(
 ) -> Result<(Vec<u32>, engine::GenerateStats), EngineError> {
     #[cfg(feature = "cuda")]
     {
-        let gpu = attn_op::cuda::Gpu::new(0)?;
+        let gpu = engine::gpu::open_gpu(0)?;
         let gm = engine::gpu::GpuModel::<half::f16>::upload(model, gpu)?;
         engine::gpu_request::generate_gpu(&gm, tok, prompt, sampling, sparse, on_text, progress)
     }
