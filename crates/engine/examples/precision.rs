@@ -20,45 +20,23 @@
     reason = "a command-line tool"
 )]
 
-use std::path::Path;
+#[path = "shared/real.rs"]
+mod real;
 
 use attn_op::{Element, Simd};
-use engine::gguf::{DType, Gguf};
-use engine::{Batch, DenseAttention, EngineError, KvStore, Model, Tokenizer};
+use engine::gguf::DType;
+use engine::{Batch, DenseAttention, EngineError, KvStore, Model};
 use half::{bf16, f16};
 
 /// Tokens of the text run at once (the GPU check's prefill and decode rows).
 const TOKENS: usize = 320;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let model = args
-        .first()
-        .map_or("models/SmolLM2-135M-Instruct.Q4_1.gguf", String::as_str);
-    let text = args
-        .get(1)
-        .map_or("/usr/share/common-licenses/GPL-3", String::as_str);
-    if let Err(e) = run(model, text) {
-        eprintln!("precision: {e}");
-        std::process::exit(1);
-    }
+    real::main_with("precision", run);
 }
 
 fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
-    let file = Gguf::open(Path::new(model_path))?;
-    let model = Model::load(&file)?;
-    let text = std::fs::read_to_string(text_path).map_err(|source| EngineError::Io {
-        path: text_path.into(),
-        source,
-    })?;
-    let mut ids = Tokenizer::from_gguf(&file)?.encode(&text)?;
-    if ids.len() < TOKENS {
-        return Err(EngineError::Invalid(format!(
-            "{text_path} has {} tokens; {TOKENS} needed",
-            ids.len()
-        )));
-    }
-    ids.truncate(TOKENS);
+    let (model, ids) = real::load(model_path, text_path, TOKENS)?;
     let vocab = model.config.vocab;
     let exact = logits::<f32>(&model, &ids, Simd::Auto)?;
     println!(

@@ -21,10 +21,10 @@
     reason = "a command-line tool"
 )]
 
-use std::path::Path;
+#[path = "shared/real.rs"]
+mod real;
 
-use engine::gguf::Gguf;
-use engine::{Attention, Batch, DenseAttention, EngineError, KvStore, Model, Tokenizer};
+use engine::{Attention, Batch, DenseAttention, EngineError, KvStore, Model};
 use offload::HotBuffer;
 use sparse_algo::quest_bound;
 
@@ -50,35 +50,12 @@ const SETTINGS: [(usize, bool); 7] = [
 ];
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let model = args
-        .first()
-        .map_or("models/SmolLM2-135M-Instruct.Q4_1.gguf", String::as_str);
-    let text = args
-        .get(1)
-        .map_or("/usr/share/common-licenses/GPL-3", String::as_str);
-    if let Err(e) = run(model, text) {
-        eprintln!("prefetch: {e}");
-        std::process::exit(1);
-    }
+    real::main_with("prefetch", run);
 }
 
 fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
-    let file = Gguf::open(Path::new(model_path))?;
-    let model = Model::load(&file)?;
-    let tok = Tokenizer::from_gguf(&file)?;
-    let text = std::fs::read_to_string(text_path).map_err(|source| EngineError::Io {
-        path: text_path.into(),
-        source,
-    })?;
-    let ids = tok.encode(&text)?;
     let n = PREFILL + STEPS;
-    if ids.len() < n {
-        return Err(EngineError::Invalid(format!(
-            "{text_path} has {} tokens; {n} needed",
-            ids.len()
-        )));
-    }
+    let (model, ids) = real::load(model_path, text_path, n)?;
     let c = model.config;
     let blocks = n.div_ceil(PAGE);
     let mut store = KvStore::<half::f16>::new(&c, blocks, PAGE)?;

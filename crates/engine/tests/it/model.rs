@@ -186,30 +186,28 @@ fn float_copies_round_each_weight_once() {
     let exact = logits(&m, &tokens, 40);
     let as_f32 = m.with_float_weights(DType::F32).expect("a float type");
     assert_eq!(logits(&as_f32, &tokens, 40), exact);
+    // The largest change of a logit, relative to 1 + its size.
+    let moved = |got: &[f32], from: &[f32]| {
+        got.iter()
+            .zip(from)
+            .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+            .fold(0.0f32, f32::max)
+    };
     let as_bf16 = m.with_float_weights(DType::BF16).expect("a float type");
-    let moved = logits(&as_bf16, &tokens, 40)
-        .iter()
-        .zip(&exact)
-        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
-        .fold(0.0f32, f32::max);
+    let weights_only = logits(&as_bf16, &tokens, 40);
+    let by_weights = moved(&weights_only, &exact);
     assert!(
-        moved > 0.0 && moved < 0.1,
-        "bf16 weights moved the logits by {moved}"
+        by_weights > 0.0 && by_weights < 0.1,
+        "bf16 weights moved the logits by {by_weights}"
     );
     // Computing in f32 is the exact forward; computing in bf16 also rounds every input of a
     // projection and of the attention, which moves the logits again, by a bounded amount.
     let computing = |dtype| m.computing_in(dtype).expect("a float type");
     assert_eq!(logits(&computing(DType::F32), &tokens, 40), exact);
-    let rounded = logits(&computing(DType::BF16), &tokens, 40);
-    let weights_only = logits(&as_bf16, &tokens, 40);
-    let apart = rounded
-        .iter()
-        .zip(&weights_only)
-        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
-        .fold(0.0f32, f32::max);
+    let by_inputs = moved(&logits(&computing(DType::BF16), &tokens, 40), &weights_only);
     assert!(
-        apart > 0.0 && apart < 0.1,
-        "rounded inputs moved the logits by {apart}"
+        by_inputs > 0.0 && by_inputs < 0.1,
+        "rounded inputs moved the logits by {by_inputs}"
     );
 }
 
