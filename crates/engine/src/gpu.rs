@@ -26,7 +26,8 @@ use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, compile_source};
 use attn_op::{AttnParams, BatchMeta, KvCache, KvLayout};
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use half::{bf16, f16};
 
@@ -216,6 +217,17 @@ impl Kernels {
 
 /// Threads of a row-wise kernel's block (`ROW_THREADS` in kernels/model.cu).
 const ROW_THREADS: u32 = 256;
+
+/// A buffer of `len` elements on `gpu`'s stream, allocated without the memset that
+/// `Gpu::zeros` enqueues: for a forward's per-call outputs, which its next launch writes whole.
+///
+/// # Safety
+///
+/// The caller writes every element before anything reads it.
+unsafe fn unwritten<U: DeviceRepr>(gpu: &Gpu, len: usize) -> Result<CudaSlice<U>, EngineError> {
+    // SAFETY: the contents are unspecified until written, which the caller does first.
+    unsafe { gpu.stream().alloc::<U>(len) }.map_err(device)
+}
 
 fn device(e: impl std::fmt::Debug) -> EngineError {
     EngineError::Attn(attn_op::AttnError::Device(format!("{e:?}")))
@@ -511,7 +523,8 @@ impl<T: GpuFloat> GpuModel<T> {
                 })?;
                 self.norm(x, all, &tw.attn_norm, h)?;
                 self.gemm(&tw.qkv.slice(..qd * c.embed), qd, c.embed, h, n, qkv, false)?;
-                let mut early = g.zeros::<T>(n * qd)?;
+                // SAFETY: rope_split writes every query of the n rows below.
+                let mut early = unsafe { unwritten::<T>(g, n * qd) }?;
                 self.rope(qkv, &pos, 0, &mut early, k, v)?;
                 attn.early(g, target, early)?;
             }
@@ -535,9 +548,11 @@ impl<T: GpuFloat> GpuModel<T> {
             return Ok(None);
         }
         let picked = g.upload(&picked)?;
-        let mut normed = g.zeros::<T>(m * c.embed)?;
+        // SAFETY: the norm writes all m rows, and the GEMM (beta 0) every logit.
+        let mut normed = unsafe { unwritten::<T>(g, m * c.embed) }?;
         self.norm(x, &picked, &self.w.output_norm, &mut normed)?;
-        let mut logits = g.zeros::<f32>(m * c.vocab)?;
+        // SAFETY: as above.
+        let mut logits = unsafe { unwritten::<f32>(g, m * c.vocab) }?;
         let head = self.w.output.as_ref().unwrap_or(&self.w.embed);
         self.gemm(
             &head.as_view(),
