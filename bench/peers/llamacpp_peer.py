@@ -7,7 +7,10 @@ Two jobs:
   engine's own tokenization) in one pass with every position's logits, and prints llama.cpp's
   perplexity over them. With the engine's arg-max file (`hsa eval --argmax-out A.json`: a JSON
   object {"start": s, "argmax": [...]}, the engine's prediction after each position s, s+1, ...)
-  it prints the share of positions where both predict the same next token. With `--configs`,
+  it prints the share of positions where both predict the same next token. Where the file also
+  holds "like_llama_cpp" (the engine's model rounding as llama.cpp's CPU backend does), it
+  prints that trace's agreement and how many of its largest logits equal llama.cpp's bit for
+  bit. With `--configs`,
   it also evaluates the tokens under other llama.cpp settings that should not change the model
   (flash attention on, an f32 KV cache, one token per forward) and prints how often each pair of
   llama.cpp settings, and the engine against each, agree: llama.cpp's own floor of agreement.
@@ -63,6 +66,7 @@ def top1(args):
         logits = np.asarray(llm.scores[: len(tokens)], dtype=np.float64)
         argmax[name] = logits.argmax(axis=1)
         if name == "default":
+            top_logit = np.asarray(llm.scores[: len(tokens)], dtype=np.float32).max(axis=1)
             m = logits.max(axis=1, keepdims=True)
             lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
             nll = lse[:-1] - logits[np.arange(len(tokens) - 1), tokens[1:]]
@@ -76,6 +80,19 @@ def top1(args):
         argmax["ours"] = pred
         same = int((argmax["default"] == pred).sum())
         result.update({"positions": len(pred), "agree": same, "top1_agreement": same / len(pred)})
+        like = ours.get("like_llama_cpp")
+        if like:
+            # The engine's forward rounding as llama.cpp does: every largest logit should be
+            # llama.cpp's own, bit for bit.
+            lp = np.asarray(like["argmax"])
+            argmax["ours_ggml"] = lp
+            top = top_logit[start : start + len(lp)]
+            exact = int((np.asarray(like["top_logit"], dtype=np.float32) == top).sum())
+            result.update({
+                "agree_like_llama_cpp": int((argmax["default"] == lp).sum()),
+                "top1_agreement_like_llama_cpp": float((argmax["default"] == lp).mean()),
+                "identical_top_logits_like_llama_cpp": exact,
+            })
     if args.configs:
         keys = list(argmax)
         result["pairwise"] = {a: {b: float((argmax[a] == argmax[b]).mean()) for b in keys} for a in keys}

@@ -14,6 +14,7 @@ use offload::StepStats;
 use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
 
 use crate::EngineError;
+use crate::ggml::GgmlAttention;
 use crate::kv::{Batch, DenseAttention, KvStore};
 use crate::model::{Attention, Model};
 use crate::sparse::{forward_one, single_request};
@@ -471,33 +472,83 @@ pub fn passkey_prompt(
     Ok((prompt, key.to_string()))
 }
 
-/// The dense model's arg-max after every position of `tokens` (one prefill with every row's
-/// logits, in chunks): what it predicts for position `i + 1`.
+/// The dense model's prediction after every position of a text ([`greedy_trace`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Trace {
+    /// After each position `i`, the arg-max of the logits: the prediction for `i + 1`.
+    pub argmax: Vec<u32>,
+    /// After each position, the largest logit, as computed (to compare bit for bit).
+    pub top_logit: Vec<f32>,
+}
+
+/// The dense model's [`Trace`] over `tokens`: one prefill with every row's logits, in chunks
+/// of `opts.chunk`, through the engine's attention over a cache of `T`. `progress` gets the
+/// tokens done after each chunk.
 pub fn greedy_trace<T: Element>(
     model: &Model,
     tokens: &[u32],
     opts: &EvalOptions,
-) -> Result<Vec<u32>, EngineError> {
-    let n = tokens.len();
-    let blocks = n.div_ceil(opts.block_size.max(1));
+    progress: impl FnMut(usize),
+) -> Result<Trace, EngineError> {
+    let blocks = tokens.len().div_ceil(opts.block_size.max(1));
     let mut store = KvStore::<T>::new(&model.config, blocks, opts.block_size.max(1))?;
-    let mut out = Vec::with_capacity(n);
-    for (i, chunk) in tokens.chunks(opts.chunk.max(1)).enumerate() {
-        let pos = i * opts.chunk.max(1);
-        let e = pos + chunk.len();
-        let batch = Batch::single(pos, e, blocks);
-        let rows: Vec<usize> = (0..chunk.len()).collect();
-        let positions: Vec<usize> = (pos..e).collect();
-        let logits = model.forward(
-            chunk,
-            &positions,
-            &mut DenseAttention {
-                store: &mut store,
-                batch: &batch,
-            },
-            &rows,
-        )?;
-        out.extend(logits.chunks(model.config.vocab).map(argmax));
+    trace(tokens, opts.chunk, progress, |chunk, pos| {
+        let batch = Batch::single(pos, pos + chunk.len(), blocks);
+        let mut attn = DenseAttention {
+            store: &mut store,
+            batch: &batch,
+        };
+        forward_all(model, chunk, pos, &mut attn)
+    })
+}
+
+/// [`greedy_trace`] computed as llama.cpp's CPU backend computes it: the model
+/// [`Model::like_llama_cpp`], attention through [`GgmlAttention`]. In chunks of 512 (its
+/// default batch), on the build [`crate::ggml`] names, its logits are llama.cpp's bit for bit.
+pub fn greedy_trace_like_llama_cpp(
+    model: &Model,
+    tokens: &[u32],
+    opts: &EvalOptions,
+    progress: impl FnMut(usize),
+) -> Result<Trace, EngineError> {
+    let model = model.clone().like_llama_cpp();
+    let mut attn = GgmlAttention::new(&model.config);
+    trace(tokens, opts.chunk, progress, |chunk, pos| {
+        forward_all(&model, chunk, pos, &mut attn)
+    })
+}
+
+/// Runs `forward(chunk, first position)` over `tokens` in chunks of `chunk` and keeps each
+/// row's arg-max and largest logit.
+fn trace(
+    tokens: &[u32],
+    chunk: usize,
+    mut progress: impl FnMut(usize),
+    mut forward: impl FnMut(&[u32], usize) -> Result<(Vec<f32>, usize), EngineError>,
+) -> Result<Trace, EngineError> {
+    let mut out = Trace::default();
+    for (i, c) in tokens.chunks(chunk.max(1)).enumerate() {
+        let pos = i * chunk.max(1);
+        let (logits, vocab) = forward(c, pos)?;
+        for row in logits.chunks(vocab) {
+            let best = argmax(row);
+            out.argmax.push(best);
+            out.top_logit.push(row[best as usize]);
+        }
+        progress(pos + c.len());
     }
     Ok(out)
+}
+
+/// One forward of `chunk` at positions `pos..`, with every row's logits, and the vocabulary.
+fn forward_all(
+    model: &Model,
+    chunk: &[u32],
+    pos: usize,
+    attn: &mut dyn Attention,
+) -> Result<(Vec<f32>, usize), EngineError> {
+    let rows: Vec<usize> = (0..chunk.len()).collect();
+    let positions: Vec<usize> = (pos..pos + chunk.len()).collect();
+    let logits = model.forward(chunk, &positions, attn, &rows)?;
+    Ok((logits, model.config.vocab))
 }

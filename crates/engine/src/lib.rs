@@ -21,6 +21,7 @@ pub mod capacity;
 mod error;
 pub mod eval;
 mod generate;
+pub mod ggml;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;

@@ -190,6 +190,7 @@ impl Weights for Gguf {
 }
 
 /// One transformer block's weights.
+#[derive(Clone)]
 pub(crate) struct Block {
     pub(crate) attn_norm: Vec<f32>,
     pub(crate) wq: Linear,
@@ -203,6 +204,7 @@ pub(crate) struct Block {
 }
 
 /// A loaded model.
+#[derive(Clone)]
 pub struct Model {
     /// Its shape.
     pub config: ModelConfig,
@@ -216,6 +218,8 @@ pub struct Model {
     /// The type every input of a projection and of the attention is rounded to before use
     /// (`None`: kept in f32), as a GPU forward in that type rounds them.
     pub(crate) inputs: Option<DType>,
+    /// Whether the forward rounds as llama.cpp's CPU backend does ([`Model::like_llama_cpp`]).
+    pub(crate) like_ggml: bool,
 }
 
 impl Model {
@@ -255,6 +259,7 @@ impl Model {
             blocks,
             freqs: self.freqs.clone(),
             inputs: self.inputs,
+            like_ggml: self.like_ggml,
         })
     }
 
@@ -268,6 +273,25 @@ impl Model {
         let mut m = self.with_float_weights(dtype)?;
         m.inputs = (dtype != DType::F32).then_some(dtype);
         Ok(m)
+    }
+
+    /// The same model computing as llama.cpp's CPU backend does (the build [`crate::ggml`]
+    /// names), where its rounding differs from this forward's:
+    /// - every input of a quantized matrix (Q8_0, Q4_0, Q4_1) is quantized to 8 bits in
+    ///   blocks of 32 with ggml's rounding (to nearest even, the block's scale and sum in f16),
+    ///   at every row count, not only in decode;
+    /// - RMSNorm adds its squares in f64;
+    /// - RoPE's angle is multiplied from one pair to the next in f32, and each rotation fuses
+    ///   its first product with the sum, as GCC compiles ggml's;
+    /// - SwiGLU takes ggml's polynomial `expf`.
+    ///
+    /// With attention through [`crate::ggml::GgmlAttention`], the logits of Q4_1 and Q8_0
+    /// matrices equal that build's bit for bit (on x86-64 with AVX2, whose integer dot
+    /// products this forward shares with ggml). The engine's own forward stays the default:
+    /// this one exists to compare the two models beyond their rounding.
+    pub fn like_llama_cpp(mut self) -> Model {
+        self.like_ggml = true;
+        self
     }
 
     /// Builds a model of shape `c` from the weights `w` holds.
@@ -302,6 +326,7 @@ impl Model {
             freqs,
             config: c,
             inputs: None,
+            like_ggml: false,
         })
     }
 
@@ -332,11 +357,11 @@ impl Model {
         let angles = self.angles(positions);
         for (l, b) in self.blocks.iter().enumerate() {
             attn.layer_input(l, &x)?;
-            rms_norm(&x, &b.attn_norm, c.rms_eps, &mut h);
+            self.rms_norm(&x, &b.attn_norm, &mut h);
             self.round(&mut h);
-            b.wq.forward(&h, n, &mut q);
-            b.wk.forward(&h, n, &mut k);
-            b.wv.forward(&h, n, &mut v);
+            self.matmul(&b.wq, &h, n, &mut q);
+            self.matmul(&b.wk, &h, n, &mut k);
+            self.matmul(&b.wv, &h, n, &mut v);
             self.rope(&mut q, &angles);
             self.rope(&mut k, &angles);
             for t in [&mut q, &mut k, &mut v] {
@@ -344,21 +369,25 @@ impl Model {
             }
             attn.attend(l, &q, &k, &v, &mut att)?;
             self.round(&mut att);
-            b.wo.forward(&att, n, &mut o);
+            self.matmul(&b.wo, &att, n, &mut o);
             add(&mut x, &o);
-            rms_norm(&x, &b.ffn_norm, c.rms_eps, &mut h);
+            self.rms_norm(&x, &b.ffn_norm, &mut h);
             self.round(&mut h);
-            b.gate.forward(&h, n, &mut g);
-            b.up.forward(&h, n, &mut u);
+            self.matmul(&b.gate, &h, n, &mut g);
+            self.matmul(&b.up, &h, n, &mut u);
+            let silu: fn(f32) -> f32 = match self.like_ggml {
+                true => crate::ggml::silu,
+                false => |a| a / (1.0 + (-a).exp()),
+            };
             g.par_chunks_mut(c.ffn)
                 .zip(u.par_chunks(c.ffn))
                 .for_each(|(g, u)| {
                     for (a, &b) in g.iter_mut().zip(u) {
-                        *a = *a / (1.0 + (-*a).exp()) * b;
+                        *a = silu(*a) * b;
                     }
                 });
             self.round(&mut g);
-            b.down.forward(&g, n, &mut o);
+            self.matmul(&b.down, &g, n, &mut o);
             add(&mut x, &o);
         }
         let mut last = Vec::with_capacity(logits_for.len() * c.embed);
@@ -366,11 +395,11 @@ impl Model {
             last.extend_from_slice(&x[r * c.embed..(r + 1) * c.embed]);
         }
         let mut normed = vec![0.0f32; last.len()];
-        rms_norm(&last, &self.output_norm, c.rms_eps, &mut normed);
+        self.rms_norm(&last, &self.output_norm, &mut normed);
         self.round(&mut normed);
         let mut logits = vec![0.0f32; logits_for.len() * c.vocab];
         let head = self.output.as_ref().unwrap_or(&self.embed);
-        head.forward(&normed, logits_for.len(), &mut logits);
+        self.matmul(head, &normed, logits_for.len(), &mut logits);
         Ok(logits)
     }
 
@@ -399,10 +428,10 @@ impl Model {
             )));
         }
         let mut h = vec![0.0f32; x.len()];
-        rms_norm(x, &b.attn_norm, c.rms_eps, &mut h);
+        self.rms_norm(x, &b.attn_norm, &mut h);
         self.round(&mut h);
         let mut q = vec![0.0f32; n * c.q_heads * c.head_dim];
-        b.wq.forward(&h, n, &mut q);
+        self.matmul(&b.wq, &h, n, &mut q);
         self.rope(&mut q, &self.angles(positions));
         self.round(&mut q);
         Ok(q)
@@ -420,8 +449,42 @@ impl Model {
             .for_each(|c| c.iter_mut().for_each(|v| *v = rounded(*v)));
     }
 
+    /// `out [n, rows] = x [n, cols] · Wᵀ`, rounded as the model's forward rounds.
+    fn matmul(&self, w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
+        match self.like_ggml {
+            true => w.forward_like_ggml(x, n, out),
+            false => w.forward(x, n, out),
+        }
+    }
+
+    /// `out = x / rms(x) * w`, row by row: the squares added in f32, or in f64 as ggml adds
+    /// them.
+    fn rms_norm(&self, x: &[f32], w: &[f32], out: &mut [f32]) {
+        let (d, eps) = (w.len(), self.config.rms_eps);
+        let wide = self.like_ggml;
+        out.par_chunks_mut(d)
+            .zip(x.par_chunks(d))
+            .for_each(|(o, x)| {
+                let mean = match wide {
+                    true => (x.iter().map(|v| f64::from(v * v)).sum::<f64>() / d as f64) as f32,
+                    false => x.iter().map(|v| v * v).sum::<f32>() / d as f32,
+                };
+                let r = 1.0 / (mean + eps).sqrt();
+                for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                    *o = x * r * w;
+                }
+            });
+    }
+
     /// Each position's `(sin, cos)` per rotated pair: the same for every layer and head.
     fn angles(&self, positions: &[usize]) -> Vec<(f32, f32)> {
+        if self.like_ggml {
+            let c = &self.config;
+            return positions
+                .iter()
+                .flat_map(|&p| crate::ggml::rope_angles(p, c.head_dim / 2, c.rope_base, c.head_dim))
+                .collect();
+        }
         positions
             .iter()
             .flat_map(|&p| self.freqs.iter().map(move |&f| (p as f32 * f).sin_cos()))
@@ -436,14 +499,16 @@ impl Model {
         let half = d / 2;
         let rows = angles.len() / half.max(1);
         let width = x.len() / rows.max(1);
+        let rotate: fn(f32, f32, f32, f32) -> (f32, f32) = match self.like_ggml {
+            true => crate::ggml::rotate,
+            false => |a, b, s, c| (a * c - b * s, a * s + b * c),
+        };
         x.par_chunks_mut(width)
             .zip(angles.par_chunks(half))
             .for_each(|(row, angles)| {
                 for head in row.chunks_exact_mut(d) {
                     for (pair, &(s, c)) in head.chunks_exact_mut(2).zip(angles) {
-                        let (a, b) = (pair[0], pair[1]);
-                        pair[0] = a * c - b * s;
-                        pair[1] = a * s + b * c;
+                        (pair[0], pair[1]) = rotate(pair[0], pair[1], s, c);
                     }
                 }
             });
@@ -475,20 +540,6 @@ pub(crate) fn check_forward(
         return Err(EngineError::Invalid(format!("logits of row {r} of {n}")));
     }
     Ok(())
-}
-
-/// `out = x / rms(x) * w`, row by row.
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let d = w.len();
-    out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .for_each(|(o, x)| {
-            let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            let r = 1.0 / (ss + eps).sqrt();
-            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                *o = x * r * w;
-            }
-        });
 }
 
 /// `x += y`.

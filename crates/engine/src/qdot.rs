@@ -30,8 +30,9 @@ pub(crate) struct Q8Rows {
 
 impl Q8Rows {
     /// Quantizes the `n` rows of `x`, each `cols` long (a multiple of 32): `d` is the block's
-    /// largest magnitude over 127, and `q` rounds `x / d` to nearest.
-    pub(crate) fn new(x: &[f32], n: usize, cols: usize) -> Q8Rows {
+    /// largest magnitude over 127, and `q` rounds `x / d` to nearest. `like_ggml` rounds as
+    /// ggml's x86 `quantize_row_q8_1` does: `q` to nearest even, then `d` and `d · Σq` to f16.
+    pub(crate) fn new(x: &[f32], n: usize, cols: usize, like_ggml: bool) -> Q8Rows {
         let blocks = n * cols / 32;
         let mut r = Q8Rows {
             q: vec![0; n * cols],
@@ -44,13 +45,21 @@ impl Q8Rows {
             let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             let mut sum = 0i32;
             for (q, &v) in qb.iter_mut().zip(xb) {
-                // |v · id| ≤ 127 up to rounding; the clamp makes the cast exact.
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                let v = v * id;
+                let v = if like_ggml {
+                    v.round_ties_even()
+                } else {
+                    v.round()
+                };
+                // |v| ≤ 127 up to rounding; the clamp makes the cast exact.
+                *q = v.clamp(-127.0, 127.0) as i8;
                 sum += i32::from(*q);
             }
             let d = amax / 127.0;
-            r.d.push(d);
-            r.s.push(d * sum as f32);
+            let s = d * sum as f32;
+            let half = |v: f32| half::f16::from_f32(v).to_f32();
+            r.d.push(if like_ggml { half(d) } else { d });
+            r.s.push(if like_ggml { half(s) } else { s });
         }
         r
     }
@@ -245,7 +254,7 @@ mod tests {
         let x: Vec<f32> = (0..n * cols)
             .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 37.0)
             .collect();
-        let q = Q8Rows::new(&x, n, cols);
+        let q = Q8Rows::new(&x, n, cols, false);
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
             let (_, bytes) = dtype.block();
             let row_bytes = cols / 32 * bytes;

@@ -1,6 +1,7 @@
 //! Integration tests of the engine.
 
 mod capacity;
+mod ggml;
 mod gguf;
 mod hf;
 mod model;

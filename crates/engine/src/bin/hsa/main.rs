@@ -147,7 +147,9 @@ struct EvalArgs {
     /// Write the evaluated token ids here (JSON), for the llama.cpp peer.
     #[arg(long)]
     tokens_out: Option<PathBuf>,
-    /// Write the dense variant's per-position arg-max here (JSON), for the llama.cpp peer.
+    /// Write the dense model's per-position arg-max and largest logit here (JSON), for the
+    /// llama.cpp peer: the engine's forward, and the same model rounding as llama.cpp does
+    /// (`like_llama_cpp`, see `engine::ggml`).
     #[arg(long)]
     argmax_out: Option<PathBuf>,
 }
@@ -449,8 +451,27 @@ fn eval(
         write_json(p, &serde_json::json!(ids))?;
     }
     if let Some(p) = &a.argmax_out {
-        let am = engine::eval::greedy_trace::<half::f16>(model, &ids, &opts)?;
-        write_json(p, &serde_json::json!({ "start": 0, "argmax": am }))?;
+        // Both traces in llama.cpp's default batch, so that the second rounds as it does.
+        let opts = EvalOptions { chunk: 512, ..opts };
+        let b = bar(n, "arg-max");
+        let ours = engine::eval::greedy_trace::<half::f16>(model, &ids, &opts, |d| {
+            b.set_position(d as u64);
+        })?;
+        b.finish_and_clear();
+        let b = bar(n, "llama.cpp's");
+        let like = engine::eval::greedy_trace_like_llama_cpp(model, &ids, &opts, |d| {
+            b.set_position(d as u64);
+        })?;
+        b.finish_and_clear();
+        write_json(
+            p,
+            &serde_json::json!({
+                "start": 0,
+                "argmax": ours.argmax,
+                "top_logit": ours.top_logit,
+                "like_llama_cpp": { "argmax": like.argmax, "top_logit": like.top_logit },
+            }),
+        )?;
     }
     if let Some(p) = &a.json {
         let mut v = Vec::with_capacity(reports.len());
