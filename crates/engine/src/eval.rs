@@ -492,14 +492,20 @@ pub fn greedy_trace<T: Element>(
 ) -> Result<Trace, EngineError> {
     let blocks = tokens.len().div_ceil(opts.block_size.max(1));
     let mut store = KvStore::<T>::new(&model.config, blocks, opts.block_size.max(1))?;
-    trace(tokens, opts.chunk, progress, |chunk, pos| {
-        let batch = Batch::single(pos, pos + chunk.len(), blocks);
-        let mut attn = DenseAttention {
-            store: &mut store,
-            batch: &batch,
-        };
-        forward_all(model, chunk, pos, &mut attn)
-    })
+    trace(
+        tokens,
+        opts.chunk,
+        model.config.vocab,
+        progress,
+        |chunk, pos| {
+            let batch = Batch::single(pos, pos + chunk.len(), blocks);
+            let mut attn = DenseAttention {
+                store: &mut store,
+                batch: &batch,
+            };
+            forward_all(model, chunk, pos, &mut attn)
+        },
+    )
 }
 
 /// [`greedy_trace`] computed as llama.cpp's CPU backend computes it: the model
@@ -513,23 +519,28 @@ pub fn greedy_trace_like_llama_cpp(
 ) -> Result<Trace, EngineError> {
     let model = model.clone().like_llama_cpp();
     let mut attn = GgmlAttention::new(&model.config);
-    trace(tokens, opts.chunk, progress, |chunk, pos| {
-        forward_all(&model, chunk, pos, &mut attn)
-    })
+    trace(
+        tokens,
+        opts.chunk,
+        model.config.vocab,
+        progress,
+        |chunk, pos| forward_all(&model, chunk, pos, &mut attn),
+    )
 }
 
 /// Runs `forward(chunk, first position)` over `tokens` in chunks of `chunk` and keeps each
-/// row's arg-max and largest logit.
+/// row's arg-max and largest logit (rows of `vocab` logits).
 fn trace(
     tokens: &[u32],
     chunk: usize,
+    vocab: usize,
     mut progress: impl FnMut(usize),
-    mut forward: impl FnMut(&[u32], usize) -> Result<(Vec<f32>, usize), EngineError>,
+    mut forward: impl FnMut(&[u32], usize) -> Result<Vec<f32>, EngineError>,
 ) -> Result<Trace, EngineError> {
     let mut out = Trace::default();
     for (i, c) in tokens.chunks(chunk.max(1)).enumerate() {
         let pos = i * chunk.max(1);
-        let (logits, vocab) = forward(c, pos)?;
+        let logits = forward(c, pos)?;
         for row in logits.chunks(vocab) {
             let best = argmax(row);
             out.argmax.push(best);
@@ -540,15 +551,14 @@ fn trace(
     Ok(out)
 }
 
-/// One forward of `chunk` at positions `pos..`, with every row's logits, and the vocabulary.
+/// One forward of `chunk` at positions `pos..`, with every row's logits.
 fn forward_all(
     model: &Model,
     chunk: &[u32],
     pos: usize,
     attn: &mut dyn Attention,
-) -> Result<(Vec<f32>, usize), EngineError> {
+) -> Result<Vec<f32>, EngineError> {
     let rows: Vec<usize> = (0..chunk.len()).collect();
     let positions: Vec<usize> = (pos..pos + chunk.len()).collect();
-    let logits = model.forward(chunk, &positions, attn, &rows)?;
-    Ok((logits, model.config.vocab))
+    model.forward(chunk, &positions, attn, &rows)
 }

@@ -100,6 +100,7 @@ impl Attention for GgmlAttention {
         // llamafile's tinyBLAS takes a batch of two or more tokens when the dot products'
         // length is a multiple of its 16 lanes; anything else runs ggml_vec_dot_f16.
         let batched = n >= 2 && d % 16 == 0;
+        let scale = 1.0 / (d as f32).sqrt();
         out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
             let (i, h) = (row / qh, row % qh);
             let len = start + i + 1;
@@ -117,7 +118,7 @@ impl Attention for GgmlAttention {
                     } else {
                         vec_dot(d, |c| k[c].to_f32() * q16[c])
                     };
-                    dot * (1.0 / (d as f32).sqrt())
+                    dot * scale
                 })
                 .collect();
             let p = probabilities(&scores);

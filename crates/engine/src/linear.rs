@@ -108,6 +108,33 @@ impl Linear {
 
     /// `out [n, rows] = x [n, cols] · Wᵀ` (nothing when `n` is 0).
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        self.forward_rounding(x, n, out, false);
+    }
+
+    /// [`Linear::forward`] as ggml rounds it (for [`crate::Model::like_llama_cpp`]): a
+    /// quantized matrix meets its input rows quantized to 8 bits with ggml's rounding at every
+    /// row count, [`MAX_ROWS`](crate::qdot::MAX_ROWS) rows at a time; a float matrix takes the
+    /// usual path.
+    pub(crate) fn forward_like_ggml(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        assert!(
+            x.len() == n * self.cols && out.len() == n * self.rows,
+            "Linear::forward_like_ggml: callers size x and out from the model's own shapes"
+        );
+        if !crate::qdot::supports(self.dtype) {
+            return self.forward(x, n, out);
+        }
+        let rows = crate::qdot::MAX_ROWS;
+        for (x, out) in x
+            .chunks(rows * self.cols)
+            .zip(out.chunks_mut(rows * self.rows))
+        {
+            self.forward_rounding(x, x.len() / self.cols, out, true);
+        }
+    }
+
+    /// [`Linear::forward`], its 8-bit rows (fewer than [`GEMM_ROWS`]) rounded as ggml rounds
+    /// them where `like_ggml`.
+    fn forward_rounding(&self, x: &[f32], n: usize, out: &mut [f32], like_ggml: bool) {
         assert!(
             x.len() == n * self.cols && out.len() == n * self.rows,
             "Linear::forward: callers size x and out from the model's own shapes"
@@ -118,7 +145,7 @@ impl Linear {
         let isa = isa();
         // Quantized weights meet the few decode rows as 8-bit blocks, quantized once here.
         let q8 = (n < GEMM_ROWS && crate::qdot::supports(self.dtype))
-            .then(|| crate::qdot::Q8Rows::new(x, n, self.cols, false));
+            .then(|| crate::qdot::Q8Rows::new(x, n, self.cols, like_ggml));
         let q8 = q8.as_ref();
         let weights = |t: usize| {
             let r0 = t * TILE;
@@ -153,42 +180,6 @@ impl Linear {
             let nr = TILE.min(self.rows - r0);
             for i in 0..n {
                 out[i * self.rows + r0..][..nr].copy_from_slice(&src[i * TILE..][..nr]);
-            }
-        }
-    }
-}
-
-impl Linear {
-    /// [`Linear::forward`] as ggml rounds it (for [`crate::Model::like_llama_cpp`]): a
-    /// quantized matrix meets its input rows quantized to 8 bits with ggml's rounding at every
-    /// row count, [`MAX_ROWS`](crate::qdot::MAX_ROWS) rows at a time; a float matrix takes the
-    /// usual path.
-    pub(crate) fn forward_like_ggml(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        assert!(
-            x.len() == n * self.cols && out.len() == n * self.rows,
-            "Linear::forward_like_ggml: callers size x and out from the model's own shapes"
-        );
-        if !crate::qdot::supports(self.dtype) {
-            return self.forward(x, n, out);
-        }
-        let isa = isa();
-        let rows = crate::qdot::MAX_ROWS;
-        for (x, out) in x
-            .chunks(rows * self.cols)
-            .zip(out.chunks_mut(rows * self.rows))
-        {
-            let n = x.len() / self.cols;
-            let q8 = crate::qdot::Q8Rows::new(x, n, self.cols, true);
-            let mut tiles = vec![0.0f32; self.rows.div_ceil(TILE) * TILE * n];
-            tiles
-                .par_chunks_mut(TILE * n)
-                .zip(self.data.par_chunks(TILE * self.row_bytes))
-                .for_each(|(dst, w)| tile_dot(isa, self, w, x, Some(&q8), n, dst));
-            for (t, src) in tiles.chunks(TILE * n).enumerate() {
-                let nr = TILE.min(self.rows - t * TILE);
-                for i in 0..n {
-                    out[i * self.rows + t * TILE..][..nr].copy_from_slice(&src[i * TILE..][..nr]);
-                }
             }
         }
     }

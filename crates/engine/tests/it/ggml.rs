@@ -5,9 +5,9 @@
 
 use engine::ggml::GgmlAttention;
 use engine::gguf::DType;
-use engine::{Attention, Batch, DenseAttention, KvStore, Model};
+use engine::{Attention, Model};
 
-use crate::model::{TINY, text, tiny};
+use crate::model::{TINY, logits, text, tiny};
 
 /// `n` values in [-2, 2) from a fixed seed, none zero.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -98,24 +98,15 @@ fn llama_cpp_attention_matches_an_f64_reference_in_both_paths() {
     assert!(bad.is_err(), "a partial row is refused");
 }
 
-/// Logits of every position of `tokens` in chunks of `chunk`, through `attn`.
-fn logits(m: &Model, tokens: &[u32], chunk: usize, ggml: bool) -> Vec<f32> {
-    let n = tokens.len();
-    let mut store = KvStore::<half::f16>::new(&m.config, n.div_ceil(16), 16).expect("a layout");
-    let mut like = GgmlAttention::new(&m.config);
+/// Logits of every position of `tokens`, in chunks of `chunk`, through [`GgmlAttention`].
+fn ggml_logits(m: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let mut attn = GgmlAttention::new(&m.config);
     let mut all = Vec::new();
     for (i, c) in tokens.chunks(chunk).enumerate() {
-        let (pos, e) = (i * chunk, i * chunk + c.len());
-        let batch = Batch::single(pos, e, n.div_ceil(16));
-        let mut dense = DenseAttention {
-            store: &mut store,
-            batch: &batch,
-        };
-        let attn: &mut dyn Attention = if ggml { &mut like } else { &mut dense };
+        let positions: Vec<usize> = (i * chunk..i * chunk + c.len()).collect();
         let rows: Vec<usize> = (0..c.len()).collect();
-        let positions: Vec<usize> = (pos..e).collect();
         all.extend(
-            m.forward(c, &positions, attn, &rows)
+            m.forward(c, &positions, &mut attn, &rows)
                 .expect("a valid batch"),
         );
     }
@@ -127,10 +118,10 @@ fn a_model_rounding_like_llama_cpp_stays_within_rounding_of_the_engine() {
     for dtype in [DType::Q4_1, DType::Q8_0] {
         let m = Model::load(&tiny(dtype)).expect("a valid model");
         let tokens = text(50);
-        let ours = logits(&m, &tokens, 50, false);
+        let ours = logits(&m, &tokens, 50);
         let like = m.clone().like_llama_cpp();
         for chunk in [50, 1] {
-            let theirs = logits(&like, &tokens, chunk, true);
+            let theirs = ggml_logits(&like, &tokens, chunk);
             let worst = ours
                 .iter()
                 .zip(&theirs)

@@ -103,7 +103,7 @@ fn q8(x: &[f32]) -> (Vec<f64>, Vec<f64>) {
 }
 
 /// Logits of every position of `tokens`, prefilled in chunks of `chunk` (1: decode).
-fn logits(m: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
+pub(crate) fn logits(m: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
     let n = tokens.len();
     let mut store = KvStore::<f32>::new(&m.config, n.div_ceil(16), 16).expect("a valid layout");
     let mut all = Vec::new();
