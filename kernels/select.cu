@@ -172,101 +172,135 @@ __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
 }
 
 // The ids of the `pick` largest keys of keys[0..n) in ascending id order, written to out; ties go
-// to the lower id. The pick-th largest key T (the largest T that at least `pick` keys reach) is
-// found by histograms over a shrinking key range [lo, hi): each round bins the range's keys
-// into SEL_BINS equal bins (shared-memory atomics), a block scan finds the bin where the count
-// of keys at or above it reaches `pick`, and that bin becomes the range. 32-bit keys take at
-// most 3 rounds (12 bits each). Then, in id order, every key above T is taken, and the first
-// (pick - #above) keys equal to T. Every thread of a CTA of THREADS threads calls it.
+// to the lower id. The caller has found the keys' range [lo, top] and zeroed hist[0]. The
+// pick-th largest key T (the largest T that at least `pick` keys reach) is found by histograms
+// over a shrinking key range [lo, hi): each round bins the range's keys into SEL_BINS equal
+// bins (shared-memory atomics) and finds the bin where the count of keys at or above it reaches
+// `pick`, which becomes the range. 32-bit keys take at most 3 rounds (12 bits each). Rounds
+// alternate between the two histograms of `hist` (2 * SEL_BINS ints), each clearing the other
+// one as it bins, so a round costs three barriers: binned, warp totals written, bin found.
+// Then each warp takes, in id order, every key above T and the first (pick - #above) keys equal
+// to T of its run of ids, placed by one scan of the warps' counts. Every thread of a CTA of
+// THREADS (1024) threads calls it.
 #define SEL_BINS 4096
 
 template <int THREADS, bool SMEM>
-__device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out) {
+__device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, u32 lo, u32 top,
+                           int* hist) {
     constexpr int PER = SEL_BINS / THREADS;  // bins per thread
-    __shared__ int hist[SEL_BINS];
-    __shared__ u32 red[2][THREADS / 32];
-    __shared__ u32 found[2];
+    constexpr int WARPS = THREADS / 32;
+    static_assert(WARPS == 32, "a lane per warp in the scans over warps");
+    __shared__ int wsum[2][WARPS];
+    __shared__ u32 found[2][2];
+    __shared__ int2 counts[WARPS];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    u32 lo = 0xffffffffu, top = 0;
-    for (int i = tid; i < n; i += THREADS) {
-        const u32 key = key_at<SMEM>(keys, i);
-        lo = min(lo, key);
-        top = max(top, key);
-    }
-    lo = __reduce_min_sync(0xffffffffu, lo);
-    top = __reduce_max_sync(0xffffffffu, top);
-    if (lane == 0) {
-        red[0][warp] = lo;
-        red[1][warp] = top;
-    }
-    __syncthreads();
-    lo = __reduce_min_sync(0xffffffffu, lane < THREADS / 32 ? red[0][lane] : 0xffffffffu);
-    top = __reduce_max_sync(0xffffffffu, lane < THREADS / 32 ? red[1][lane] : 0u);
     // Every key reaches lo; none reaches hi; `above` keys lie at or above hi.
     unsigned long long hi = (unsigned long long)top + 1;
     int above = 0;
-    while (hi - lo > 1) {
+    for (int cur = 0; hi - lo > 1; cur ^= 1) {
+        int* h = hist + cur * SEL_BINS;
+        int* other = hist + (cur ^ 1) * SEL_BINS;
         const unsigned long long span = hi - lo;
         const u32 width = (u32)((span + SEL_BINS - 1) / SEL_BINS);
+        // The other histogram was last read before the previous round's second barrier.
 #pragma unroll
-        for (int j = 0; j < PER; j++) hist[tid * PER + j] = 0;
-        __syncthreads();
+        for (int j = 0; j < PER; j++) other[tid * PER + j] = 0;
         for (int i = tid; i < n; i += THREADS) {
             const u32 key = key_at<SMEM>(keys, i);
-            if (key >= lo && key < hi) atomicAdd(&hist[(key - lo) / width], 1);
+            if (key >= lo && key < hi) atomicAdd(&h[(key - lo) / width], 1);
         }
         __syncthreads();
-        // Thread t owns bins SEL_BINS - PER (t + 1) .. SEL_BINS - PER t: scanning threads in
-        // order scans bins from the top down.
+        // Thread t owns bins SEL_BINS - PER (t + 1) .. SEL_BINS - PER t, so warp 0 owns the top
+        // ones and threads in order scan the bins from the top down.
         const int b0 = SEL_BINS - PER * (tid + 1);
         int mine[PER], sum = 0;
 #pragma unroll
         for (int j = 0; j < PER; j++) {
-            mine[j] = hist[b0 + j];
+            mine[j] = h[b0 + j];
             sum += mine[j];
         }
-        int total;
-        int at_or_above = above + block_scan<THREADS>(sum, &total);  // keys in higher bins
+        const int total = __reduce_add_sync(0xffffffffu, sum);
+        if (lane == 0) wsum[cur][warp] = total;
+        __syncthreads();
+        // Keys in the bins of the warps before this one: each warp scans the warp totals.
+        const int w = wsum[cur][lane];
+        int upto = w;
 #pragma unroll
-        for (int j = PER - 1; j >= 0; j--) {
-            // at_or_above counts the keys above bin b0 + j; with them, bin b0 + j's reach pick.
-            if (at_or_above < pick && at_or_above + mine[j] >= pick) {
-                found[0] = (u32)(b0 + j);
-                found[1] = (u32)at_or_above;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, upto, o);
+            if (lane >= o) upto += y;
+        }
+        const int warp_above = above + __shfl_sync(0xffffffffu, upto - w, warp);
+        if (warp_above < pick && warp_above + total >= pick) {
+            // The bin is this warp's: the keys in its threads' bins before each thread's.
+            int lanes = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, lanes, o);
+                if (lane >= o) lanes += y;
             }
-            at_or_above += mine[j];
+            int at_or_above = warp_above + lanes - sum;
+#pragma unroll
+            for (int j = PER - 1; j >= 0; j--) {
+                // at_or_above counts the keys above bin b0 + j; with them, its keys reach pick.
+                if (at_or_above < pick && at_or_above + mine[j] >= pick) {
+                    found[cur][0] = (u32)(b0 + j);
+                    found[cur][1] = (u32)at_or_above;
+                }
+                at_or_above += mine[j];
+            }
         }
         __syncthreads();
-        const u32 b = found[0];
-        above = (int)found[1];
+        // found[cur] is written again two rounds on, after two more barriers.
+        const u32 b = found[cur][0];
+        above = (int)found[cur][1];
         const unsigned long long next_lo = lo + (unsigned long long)b * width;
         hi = min(hi, next_lo + width);
         lo = (u32)next_lo;
-        __syncthreads();
     }
-    // lo is T, and `above` keys exceed it. Each thread owns a run of consecutive ids so a scan
-    // keeps id order.
+    // lo is T, and `above` keys exceed it. Warp w owns ids [w0, w1), read 32 at a time (lane i
+    // the i-th): its counts by ballot, then one scan of the warps' (greater, equal) counts.
     const u32 t = lo;
-    const int per = (n + THREADS - 1) / THREADS;
-    const int a = min(n, tid * per), b = min(n, a + per);
-    int eq = 0;
-    for (int i = a; i < b; i++) eq += key_at<SMEM>(keys, i) == t;
-    int total;
-    const int eq_first = block_scan<THREADS>(eq, &total);
     const int remaining = pick - above;
-    int eq_seen = eq_first;
-    int take = 0;
-    for (int i = a; i < b; i++) {
-        const u32 key = key_at<SMEM>(keys, i);
-        take += key > t || (key == t && eq_seen++ < remaining);
+    const int run = ((n + WARPS - 1) / WARPS + 31) & ~31;
+    const int w0 = min(n, warp * run), w1 = min(n, w0 + run);
+    int gt = 0, eq = 0;
+    for (int base = w0; base < w1; base += 32) {
+        const int i = base + lane;
+        const u32 key = i < w1 ? key_at<SMEM>(keys, i) : 0u;
+        gt += __popc(__ballot_sync(0xffffffffu, i < w1 && key > t));
+        eq += __popc(__ballot_sync(0xffffffffu, i < w1 && key == t));
     }
-    int at = block_scan<THREADS>(take, &total);
-    eq_seen = eq_first;
-    for (int i = a; i < b; i++) {
-        const u32 key = key_at<SMEM>(keys, i);
-        if (key > t || (key == t && eq_seen++ < remaining)) out[at++] = id0 + i;
+    if (lane == 0) counts[warp] = make_int2(gt, eq);
+    __syncthreads();
+    const int2 c = counts[lane];
+    int2 upto = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int ya = __shfl_up_sync(0xffffffffu, upto.x, o);
+        const int yb = __shfl_up_sync(0xffffffffu, upto.y, o);
+        if (lane >= o) {
+            upto.x += ya;
+            upto.y += yb;
+        }
+    }
+    // Keys greater than T and equal to T in the warps before this one.
+    const int gt_before = __shfl_sync(0xffffffffu, upto.x - c.x, warp);
+    int eq_seen = __shfl_sync(0xffffffffu, upto.y - c.y, warp);
+    int at = gt_before + min(eq_seen, remaining);
+    const u32 below = (1u << lane) - 1u;
+    for (int base = w0; base < w1; base += 32) {
+        const int i = base + lane;
+        const u32 key = i < w1 ? key_at<SMEM>(keys, i) : 0u;
+        const u32 eqs = __ballot_sync(0xffffffffu, i < w1 && key == t);
+        const bool take =
+            i < w1 && (key > t || (key == t && eq_seen + __popc(eqs & below) < remaining));
+        const u32 takes = __ballot_sync(0xffffffffu, take);
+        if (take) out[at + __popc(takes & below)] = id0 + i;
+        at += __popc(takes);
+        eq_seen += __popc(eqs);
     }
 }
 
@@ -652,7 +686,10 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
     i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies) {
-    extern __shared__ u32 sk[];
+    // Dynamic shared memory: select_top's two histograms, then (keys_smem) the row's keys.
+    extern __shared__ int hist[];
+    __shared__ u32 red[2][PICK_THREADS / 32];
+    u32* sk = reinterpret_cast<u32*>(hist + 2 * SEL_BINS);
     pdl_enter();
     const int row = blockIdx.x;
     const int s = shared ? row : row / kvh;
@@ -668,15 +705,38 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
         const int pick = min(plan.pick, score_stride);
         if (pick > 0) {
             const int n = min(plan.mid(), score_stride);
-            if (keys_smem) {
+            // The keys' range, taken as they are copied (keys_smem) or read once; the first
+            // histogram is cleared under the same barrier.
+            u32 lo = 0xffffffffu, top = 0;
 #pragma unroll 8
-                for (int i = threadIdx.x; i < n; i += PICK_THREADS) sk[i] = __ldcg(row_keys + i);
-                __syncthreads();
-                select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, out + plan.head_end);
+            for (int i = threadIdx.x; i < n; i += PICK_THREADS) {
+                const u32 key = __ldcg(row_keys + i);
+                if (keys_smem) sk[i] = key;
+                lo = min(lo, key);
+                top = max(top, key);
+            }
+#pragma unroll
+            for (int j = 0; j < SEL_BINS / PICK_THREADS; j++)
+                hist[threadIdx.x * (SEL_BINS / PICK_THREADS) + j] = 0;
+            const int lane = threadIdx.x & 31;
+            lo = __reduce_min_sync(0xffffffffu, lo);
+            top = __reduce_max_sync(0xffffffffu, top);
+            if (lane == 0) {
+                red[0][threadIdx.x >> 5] = lo;
+                red[1][threadIdx.x >> 5] = top;
+            }
+            __syncthreads();
+            lo = __reduce_min_sync(0xffffffffu, red[0][lane]);
+            top = __reduce_max_sync(0xffffffffu, red[1][lane]);
+            if (keys_smem) {
+                select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, out + plan.head_end,
+                                               lo, top, hist);
             } else {
                 select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end,
-                                                out + plan.head_end);
+                                                out + plan.head_end, lo, top, hist);
             }
+            // Every thread has read the keys: zero them for the next launch. (Zeroing each key
+            // as it is copied measured about 3 µs slower at B8: kernels/NOTES.md, session 29.)
             __syncthreads();
             for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
         }

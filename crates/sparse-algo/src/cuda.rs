@@ -45,6 +45,9 @@ const SEL_THREADS: usize = 256;
 const SCORE_THREADS: usize = 128;
 /// Threads of a selecting CTA (`PICK_THREADS`).
 const PICK_THREADS: usize = 1024;
+/// Dynamic shared memory of a selecting CTA before its row of keys: `select_top`'s two
+/// histograms of `SEL_BINS` (4096) ints.
+const PICK_HIST_BYTES: usize = 2 * 4096 * size_of::<i32>();
 /// Threads of a DSA scoring CTA, one per token (`DSA_THREADS`).
 const DSA_THREADS: usize = 128;
 /// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
@@ -987,11 +990,11 @@ impl SelectKernels {
     ) -> Result<(), AlgoError> {
         let kvh = meta.layout().kv_heads;
         let keys = out.score_stride * size_of::<u32>();
-        let keys_smem = keys <= self.pick_smem_max;
+        let keys_smem = PICK_HIST_BYTES + keys <= self.pick_smem_max;
         let cfg = LaunchConfig {
             grid_dim: (to_u32(out.sel_rows)?, 1, 1),
             block_dim: (to_u32(PICK_THREADS)?, 1, 1),
-            shared_mem_bytes: if keys_smem { to_u32(keys)? } else { 0 },
+            shared_mem_bytes: to_u32(PICK_HIST_BYTES + if keys_smem { keys } else { 0 })?,
         };
         let ints = [
             slots.map_or(0, |(_, n)| n),
@@ -1035,8 +1038,8 @@ impl SelectKernels {
         // SAFETY: the arguments follow `pick_rows` in kernels/select.cu; scores hold
         // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
         // callers (a budget of 0 reads none); ids, lens and covered hold sel_rows * copies rows
-        // of max_len; with keys_smem the dynamic shared memory holds a row of keys (within the
-        // limit set at load); slots, where given, hold num_seqs entries and are range-checked
+        // of max_len; the dynamic shared memory holds the two histograms, and with keys_smem a
+        // row of keys after them (within the limit set at load); slots, where given, hold num_seqs entries and are range-checked
         // in the kernel, and a null pointer is never read.
         unsafe { b.launch(cfg) }?;
         Ok(())
