@@ -614,15 +614,20 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
 
     uint4 qf[KC];
     int have = -1;
-    // The (row, head)'s sequence facts, set with its queries.
+    // The (row, head)'s sequence facts, set with its queries. The first item's come from the
+    // batch's lengths and slots, which only the host writes: read before waiting for the
+    // kernel before this one (kernels/pdl.cuh), so their loads overlap its end.
     int row = 0, npg_all = 0;
     size_t rep_row0 = 0;
+    if (first >= last) return;
+    RowFacts f((int)(first / a.tiles), a, seq_lens, slots);
+    pdl_enter();
     for (long it = first; it < last; it++) {
         const int tile = (int)(it % a.tiles);
         const int rh = (int)(it / a.tiles);
         if (rh != have) {
+            if (have >= 0) f = RowFacts(rh, a, seq_lens, slots);
             have = rh;
-            const RowFacts f(rh, a, seq_lens, slots);
             row = f.row;
             npg_all = f.npg;
             rep_row0 = f.rep0;
@@ -690,13 +695,15 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     extern __shared__ int hist[];
     __shared__ u32 red[2][PICK_THREADS / 32];
     u32* sk = reinterpret_cast<u32*>(hist + 2 * SEL_BINS);
-    pdl_enter();
+    // The row's plan comes from the batch's lengths and slots, which only the host writes: read
+    // before waiting for the scoring kernel, so their loads overlap its end.
     const int row = blockIdx.x;
     const int s = shared ? row : row / kvh;
     const int len = seq_lens[s];
     const int slot = slots ? slots[s] : 0;
     const bool valid = len > 0 && (!slots || (slot >= 0 && slot < num_slots));
     const Plan plan(max(len, 1), ps, budget, sink_tokens, recent_tokens);
+    pdl_enter();
     u32* row_keys = scores + (size_t)row * score_stride;
     const int out_row0 = shared ? row * copies : row;
     i32* out = ids + (size_t)out_row0 * width;
@@ -872,7 +879,6 @@ SELECT_KERNELS(bf16, __nv_bfloat16)
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
         i32 items, i32 per_warp, u32* __restrict__ scores) {                                     \
-        pdl_enter();                                                                             \
         score_tc_body<T, D>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores);         \
     }
 
