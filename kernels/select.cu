@@ -9,7 +9,7 @@
 //   q       [total_q, q_heads, d]: a sequence's decode query is its last row, cu_q[s + 1] - 1
 // Every index read from memory is range-checked before it addresses memory.
 //
-// Compiled after kernels/common.cuh (the integer typedefs and block_scan).
+// Compiled after kernels/common.cuh (the integer typedefs).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -190,8 +190,8 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
     constexpr int PER = SEL_BINS / THREADS;  // bins per thread
     constexpr int WARPS = THREADS / 32;
     static_assert(WARPS == 32, "a lane per warp in the scans over warps");
-    __shared__ int wsum[2][WARPS];
-    __shared__ u32 found[2][2];
+    __shared__ int wsum[WARPS];
+    __shared__ u32 found[2];
     __shared__ int2 counts[WARPS];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -222,10 +222,10 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
             sum += mine[j];
         }
         const int total = __reduce_add_sync(0xffffffffu, sum);
-        if (lane == 0) wsum[cur][warp] = total;
+        if (lane == 0) wsum[warp] = total;
         __syncthreads();
         // Keys in the bins of the warps before this one: each warp scans the warp totals.
-        const int w = wsum[cur][lane];
+        const int w = wsum[lane];
         int upto = w;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -246,16 +246,17 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
             for (int j = PER - 1; j >= 0; j--) {
                 // at_or_above counts the keys above bin b0 + j; with them, its keys reach pick.
                 if (at_or_above < pick && at_or_above + mine[j] >= pick) {
-                    found[cur][0] = (u32)(b0 + j);
-                    found[cur][1] = (u32)at_or_above;
+                    found[0] = (u32)(b0 + j);
+                    found[1] = (u32)at_or_above;
                 }
                 at_or_above += mine[j];
             }
         }
         __syncthreads();
-        // found[cur] is written again two rounds on, after two more barriers.
-        const u32 b = found[cur][0];
-        above = (int)found[cur][1];
+        // The next round writes wsum and found only after its first barrier, which every
+        // thread reaches after reading them here.
+        const u32 b = found[0];
+        above = (int)found[1];
         const unsigned long long next_lo = lo + (unsigned long long)b * width;
         hi = min(hi, next_lo + width);
         lo = (u32)next_lo;

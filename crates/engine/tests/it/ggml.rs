@@ -7,7 +7,7 @@ use engine::ggml::GgmlAttention;
 use engine::gguf::DType;
 use engine::{Attention, Model};
 
-use crate::model::{TINY, logits, text, tiny};
+use crate::model::{TINY, logits, text, tiny, worst_relative};
 
 /// `n` values in [-2, 2) from a fixed seed, none zero.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -122,11 +122,7 @@ fn a_model_rounding_like_llama_cpp_stays_within_rounding_of_the_engine() {
         let like = m.clone().like_llama_cpp();
         for chunk in [50, 1] {
             let theirs = ggml_logits(&like, &tokens, chunk);
-            let worst = ours
-                .iter()
-                .zip(&theirs)
-                .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
-                .fold(0.0f32, f32::max);
+            let worst = worst_relative(&ours, &theirs);
             // 8-bit inputs in prefill, f16 probabilities: the tolerance of the decode path.
             assert!(worst < 5e-2, "{dtype:?}, chunks of {chunk}: {worst}");
             assert_ne!(ours, theirs, "{dtype:?}: the rounding differs somewhere");

@@ -125,6 +125,15 @@ pub(crate) fn logits(m: &Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
     all
 }
 
+/// The largest difference of two logit rows, relative to `1 + |a|` (so that logits near zero
+/// count absolutely).
+pub(crate) fn worst_relative(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
+        .fold(0.0f32, f32::max)
+}
+
 #[test]
 fn chunked_prefill_equals_decode() {
     // F32 weights: every path computes the same sums. Q8_0: decode rows (fewer than 8) are
@@ -135,11 +144,7 @@ fn chunked_prefill_equals_decode() {
         let whole = logits(&m, &tokens, 70);
         for chunk in [1, 16, 33] {
             let other = logits(&m, &tokens, chunk);
-            let worst = whole
-                .iter()
-                .zip(&other)
-                .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
-                .fold(0.0f32, f32::max);
+            let worst = worst_relative(&whole, &other);
             assert!(
                 worst < tolerance,
                 "{dtype:?}, chunks of {chunk}: relative difference {worst}"
