@@ -205,7 +205,10 @@ fn attend_body<T: Element, const ISA: u8>(
     let pmin = pos.iter().copied().min().unwrap_or(-1);
     let contiguous = nh == layout.kv_heads;
     let chunks: Vec<&[Run]> = runs.chunk_by(|a, b| a.chunk == b.chunk).collect();
-    let mut ahead: Vec<usize> = Vec::with_capacity(C);
+    // The next chunk's tokens, then this chunk's, as pointers to their K and V rows at head 0
+    // (a head's row is `h * d` further, within the token's row of every head).
+    let mut ahead: Vec<(*const T, *const T)> = Vec::with_capacity(C);
+    let mut rows_at: Vec<(*const T, *const T)> = Vec::with_capacity(C);
     for (ci, &chunk) in chunks.iter().enumerate() {
         let start = i64::from(chunk[0].pos);
         if start > pmax {
@@ -221,7 +224,7 @@ fn attend_body<T: Element, const ISA: u8>(
             && let Some(next) = chunks.get(ci + 1)
         {
             for run in *next {
-                ahead.extend((0..run.len as usize).map(|t| run.slot as usize + t));
+                ahead.extend((0..run.len as usize).map(|t| row_ptrs(kv, run.slot as usize + t)));
             }
         }
         toks.clear();
@@ -231,6 +234,8 @@ fn attend_body<T: Element, const ISA: u8>(
                     .map(|t| (i64::from(run.pos) + t as i64, run.slot as usize + t)),
             );
         }
+        rows_at.clear();
+        rows_at.extend(toks.iter().map(|&(_, slot)| row_ptrs(kv, slot)));
         let len = toks.len();
         // Every token of the chunk is visible to every row: no per-token mask.
         let end = toks[len - 1].0;
@@ -265,16 +270,13 @@ fn attend_body<T: Element, const ISA: u8>(
             let qb = &q[b * d..(b + group) * d];
             let mut any = false;
             if ISA != simd::PORTABLE && b / group < nh {
-                for &slot in &ahead {
-                    simd::prefetch_l2(kv.k_at(slot, h));
+                for &(k, _) in &ahead {
+                    simd::prefetch_l2(k.wrapping_add(h * d), d);
                 }
             }
             #[cfg(target_arch = "x86_64")]
             if ISA == simd::AVX512_BF16 {
-                bit_rows(
-                    &mut key_bits,
-                    toks.iter().map(|&(_, slot)| kv.k_at(slot, h)),
-                );
+                bit_rows(&mut key_bits, rows_at.iter().map(|r| r.0), h * d);
                 // Every token's dot products at once; masked ones are overwritten below.
                 // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
                 // (`attend`), on a CPU with its features; the rows hold `group` rows of `d`
@@ -326,8 +328,8 @@ fn attend_body<T: Element, const ISA: u8>(
                 part.m[r] = m_new;
             }
             if ISA != simd::PORTABLE && b / group < nh {
-                for &slot in &ahead {
-                    simd::prefetch_l2(kv.v_at(slot, h));
+                for &(_, v) in &ahead {
+                    simd::prefetch_l2(v.wrapping_add(h * d), d);
                 }
             }
             let accs = &mut part.acc[b * d..(b + group) * d];
@@ -346,10 +348,7 @@ fn attend_body<T: Element, const ISA: u8>(
                 // The chunk's tokens that weigh anything, summed in registers.
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
-                    bit_rows(
-                        &mut val_bits,
-                        toks.iter().map(|&(_, slot)| kv.v_at(slot, h)),
-                    );
+                    bit_rows(&mut val_bits, rows_at.iter().map(|r| r.1), h * d);
                     // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
                     // scores `group` rows of `C` (16), and every token of the chunk has a
                     // value of `d` elements.
@@ -507,12 +506,19 @@ fn job_rows<T: Element>(
     (qs, pos)
 }
 
-/// Refills `out` with the first element's address of each of `rows` (K or V rows of a chunk's
-/// tokens), as the bf16 bit patterns the dot-product build reads.
+/// Refills `out` with the address `offset` elements into each of `rows` (a chunk's tokens' K or
+/// V rows at head 0, so the offset picks a head), as the bf16 bit patterns the dot-product
+/// build reads.
 #[cfg(target_arch = "x86_64")]
-fn bit_rows<'a, T: 'a>(out: &mut Vec<*const u16>, rows: impl Iterator<Item = &'a [T]>) {
+fn bit_rows<T>(out: &mut Vec<*const u16>, rows: impl Iterator<Item = *const T>, offset: usize) {
     out.clear();
-    out.extend(rows.map(|r| r.as_ptr().cast::<u16>()));
+    out.extend(rows.map(|r| r.wrapping_add(offset).cast::<u16>()));
+}
+
+/// The K and V rows of `slot` at head 0, as pointers: a head `h < kv_heads` starts `h *
+/// head_dim` elements further, within the slot's row of every head.
+fn row_ptrs<T: Element>(kv: &PagedKv<T>, slot: usize) -> (*const T, *const T) {
+    (kv.k_at(slot, 0).as_ptr(), kv.v_at(slot, 0).as_ptr())
 }
 
 /// `runs` cut into chunks of [`CHUNK`] consecutive tokens of the list, each run numbered with

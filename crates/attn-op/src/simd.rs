@@ -46,24 +46,24 @@ fn detect() -> u8 {
     PORTABLE
 }
 
-/// Asks the CPU to bring `data` into its level-2 cache (every 64-byte line; a hint, never a
-/// fault). Measured on the dev box's EPYC (dense bf16 decode B8 L32K), one chunk ahead, head
-/// block by head block: 103 ms without, 66 ms with; into level 1 (T0) instead measured slower
-/// than none.
+/// Asks the CPU to bring the `len` elements from `p` into its level-2 cache (every 64-byte
+/// line; a hint, never a fault, so any address is sound). Measured on the dev box's EPYC
+/// (dense bf16 decode B8 L32K), one chunk ahead, head block by head block: 103 ms without, 66
+/// ms with; into level 1 (T0) instead measured slower than none.
 #[inline(always)]
-pub(crate) fn prefetch_l2<T>(data: &[T]) {
+pub(crate) fn prefetch_l2<T>(p: *const T, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        let p = data.as_ptr().cast::<i8>();
-        for o in (0..size_of_val(data)).step_by(64) {
-            // SAFETY: the address lies within `data`; a prefetch reads nothing
-            // architecturally and never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(o)) };
+        let p = p.cast::<i8>();
+        for o in (0..len * size_of::<T>()).step_by(64) {
+            // SAFETY: a prefetch reads nothing architecturally and never faults, whatever the
+            // address (`wrapping_add` keeps the pointer arithmetic defined).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o)) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+    let _ = (p, len);
 }
 
 /// `a · b` (portable build).
@@ -710,24 +710,70 @@ pub(crate) mod avx512bf16 {
         let mut all = [keys[0]; TOKENS];
         all[..keys.len()].copy_from_slice(keys);
         let live: __mmask16 = super::first_lanes(keys.len());
-        for r in 0..rows {
-            let mut acc = [_mm512_setzero_ps(); TOKENS];
+        super::row_blocks(rows, |r0, block| {
+            // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
+            // `scores` alike.
+            unsafe {
+                let (q, out) = (q.add(r0 * n), scores.add(r0 * stride));
+                match block {
+                    8 => qk_rows::<8, 2>(q, n, &all, (out, stride), live),
+                    4 => qk_rows::<4, 4>(q, n, &all, (out, stride), live),
+                    2 => qk_rows::<2, 8>(q, n, &all, (out, stride), live),
+                    _ => qk_rows::<1, 16>(q, n, &all, (out, stride), live),
+                }
+            }
+        });
+    }
+
+    /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators):
+    /// each key slice is loaded once for the `R` rows. A block's `B` lane-sum vectors go
+    /// through the first levels of the [`fold`] tree at once (the tree pairs neighbours, so a
+    /// block of `B` aligned tokens is a subtree), and the blocks' results through the rest:
+    /// the same operations in the same order as one fold of the 16 vectors.
+    ///
+    /// # Safety
+    /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn qk_rows<const R: usize, const B: usize>(
+        q: *const u16,
+        n: usize,
+        keys: &[*const u16; TOKENS],
+        (scores, stride): (*mut f32, usize),
+        live: __mmask16,
+    ) {
+        let split = B.trailing_zeros() as usize;
+        // `B = 16 / R`, so each row has `R` blocks.
+        let mut blocks = [[_mm512_setzero_ps(); R]; R];
+        for (b, block) in keys.chunks_exact(B).enumerate() {
+            let mut acc = [[_mm512_setzero_ps(); B]; R];
             let mut i = 0;
             while i < n {
-                // SAFETY: `i + 32 <= n`: within row `r` of `q` and within every key.
+                // SAFETY: `i + 32 <= n`: within each of the `R` rows of `q` and every key.
                 unsafe {
-                    let qv: __m512bh =
-                        std::mem::transmute(_mm512_loadu_si512(q.add(r * n + i).cast::<__m512i>()));
-                    for t in 0..TOKENS {
-                        let kv: __m512bh = std::mem::transmute(_mm512_loadu_si512(
-                            all[t].add(i).cast::<__m512i>(),
+                    let mut qv =
+                        [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); R];
+                    for (r, x) in qv.iter_mut().enumerate() {
+                        *x = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                            q.add(r * n + i).cast::<__m512i>(),
                         ));
-                        acc[t] = _mm512_dpbf16_ps(acc[t], qv, kv);
+                    }
+                    for (t, &key) in block.iter().enumerate() {
+                        let kv: __m512bh =
+                            std::mem::transmute(_mm512_loadu_si512(key.add(i).cast::<__m512i>()));
+                        for r in 0..R {
+                            acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qv[r], kv);
+                        }
                     }
                 }
                 i += 32;
             }
-            let sums = _mm512_maskz_mov_ps(live, reduce16(&acc));
+            for r in 0..R {
+                blocks[r][b] = fold(&mut acc[r], 0, split);
+            }
+        }
+        for (r, row) in blocks.iter_mut().enumerate() {
+            let sums = _mm512_maskz_mov_ps(live, fold(row, split, 4));
             // SAFETY: row `r`'s 16 scores are within the caller's bound.
             unsafe { _mm512_storeu_ps(scores.add(r * stride), sums) };
         }
@@ -882,35 +928,35 @@ pub(crate) mod avx512bf16 {
         out
     }
 
-    /// The 16 vectors' lane sums, in order, as one vector: pairs of vectors are interleaved
-    /// and added (lanes within 128 bits, then 64-bit halves, then 128-bit quarters twice), so
-    /// each step halves the vectors and every token's lanes meet in the same pattern.
+    /// Levels `from..to` of the lane-sum tree over `v` (`2^(to - from)` vectors), in place;
+    /// returns the one vector left. Over 16 vectors, levels 0 to 4 give the 16 vectors'
+    /// lane sums, in order. Each level adds interleaved neighbours: lanes within 128 bits,
+    /// then 64-bit halves, then 128-bit quarters twice; so every token's lanes meet in the
+    /// same pattern, and a run of `2^k` aligned vectors is a subtree of the first `k` levels.
+    #[inline]
     #[target_feature(enable = "avx512f")]
-    fn reduce16(a: &[__m512; TOKENS]) -> __m512 {
-        let mut b = [_mm512_setzero_ps(); 8];
-        for (j, x) in b.iter_mut().enumerate() {
-            let (u, v) = (a[2 * j], a[2 * j + 1]);
-            *x = _mm512_add_ps(_mm512_unpacklo_ps(u, v), _mm512_unpackhi_ps(u, v));
+    fn fold(v: &mut [__m512], from: usize, to: usize) -> __m512 {
+        let mut len = v.len();
+        for level in from..to {
+            for j in 0..len / 2 {
+                let (u, w) = (v[2 * j], v[2 * j + 1]);
+                v[j] = match level {
+                    0 => _mm512_add_ps(_mm512_unpacklo_ps(u, w), _mm512_unpackhi_ps(u, w)),
+                    1 => {
+                        let (u, w) = (_mm512_castps_pd(u), _mm512_castps_pd(w));
+                        _mm512_add_ps(
+                            _mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)),
+                        )
+                    }
+                    _ => _mm512_add_ps(
+                        _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w),
+                        _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w),
+                    ),
+                };
+            }
+            len /= 2;
         }
-        let mut c = [_mm512_setzero_ps(); 4];
-        for (j, x) in c.iter_mut().enumerate() {
-            let (u, v) = (_mm512_castps_pd(b[2 * j]), _mm512_castps_pd(b[2 * j + 1]));
-            *x = _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(u, v)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)),
-            );
-        }
-        let mut e = [_mm512_setzero_ps(); 2];
-        for (j, x) in e.iter_mut().enumerate() {
-            let (u, v) = (c[2 * j], c[2 * j + 1]);
-            *x = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(u, v),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(u, v),
-            );
-        }
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(e[0], e[1]),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(e[0], e[1]),
-        )
+        v[0]
     }
 }
