@@ -198,6 +198,9 @@ fn attend_body<T: Element, const ISA: u8>(
         Vec::new()
     };
     let mut key_bits: Vec<*const u16> = Vec::with_capacity(C);
+    // The AVX-512 build takes a chunk's dot products at once where the head dim allows.
+    let chunk_dots = cfg!(target_arch = "x86_64") && ISA == simd::AVX512 && d.is_multiple_of(16);
+    let mut key_ptrs: Vec<*const u8> = Vec::with_capacity(C);
     let mut val_bits: Vec<*const u16> = Vec::with_capacity(C);
     // The chunk's tokens: logical position and physical slot, in order.
     let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
@@ -275,6 +278,25 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
             }
             #[cfg(target_arch = "x86_64")]
+            if chunk_dots {
+                bit_rows(&mut key_ptrs, rows_at.iter().map(|r| r.0), h * d);
+                // Every token's dot products at once, as `dot_rows` makes them; masked ones
+                // are overwritten below.
+                // SAFETY: this build runs on a CPU with AVX-512F (`attend`); `d` is a
+                // multiple of 16; `qb` holds `group` rows of `d`, each key `d` elements, and
+                // `scores` `group` rows of `C` (16).
+                unsafe {
+                    simd::avx512::qk_chunk(
+                        qb.as_ptr(),
+                        d,
+                        group,
+                        (&key_ptrs, T::DTYPE),
+                        scores.as_mut_ptr(),
+                        C,
+                    );
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
             if ISA == simd::AVX512_BF16 {
                 bit_rows(&mut key_bits, rows_at.iter().map(|r| r.0), h * d);
                 // Every token's dot products at once; masked ones are overwritten below.
@@ -297,7 +319,7 @@ fn attend_body<T: Element, const ISA: u8>(
                 any |= visible;
                 if !visible {
                     (0..group).for_each(|g| scores[g * C + t] = f32::NEG_INFINITY);
-                } else if ISA == simd::AVX512_BF16 {
+                } else if ISA == simd::AVX512_BF16 || chunk_dots {
                     // Computed above.
                 } else if ISA == simd::PORTABLE {
                     let o = (t * nh + h - h0) * d;
@@ -510,9 +532,9 @@ fn job_rows<T: Element>(
 /// V rows at head 0, so the offset picks a head), as the bf16 bit patterns the dot-product
 /// build reads.
 #[cfg(target_arch = "x86_64")]
-fn bit_rows<T>(out: &mut Vec<*const u16>, rows: impl Iterator<Item = *const T>, offset: usize) {
+fn bit_rows<T, U>(out: &mut Vec<*const U>, rows: impl Iterator<Item = *const T>, offset: usize) {
     out.clear();
-    out.extend(rows.map(|r| r.wrapping_add(offset).cast::<u16>()));
+    out.extend(rows.map(|r| r.wrapping_add(offset).cast::<U>()));
 }
 
 /// The K and V rows of `slot` at head 0, as pointers: a head `h < kv_heads` starts `h *

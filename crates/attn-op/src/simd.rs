@@ -509,7 +509,7 @@ mod avx2 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
     use crate::{DType, Element};
@@ -659,6 +659,131 @@ mod avx512 {
                 }
             }
         });
+    }
+
+    /// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, `n` a
+    /// multiple of 16) and the chunk's keys (`n` elements of `dtype` each, at most 16; lanes
+    /// past `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once.
+    /// Rows go in blocks of up to 8 and keys `16 / rows` at a time, so that each widened key
+    /// slice serves the block's rows. Each row's 16 sums are then reduced in one tree
+    /// ([`fold`]) that adds lanes in the order `_mm512_reduce_add_ps` does.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `q` must hold `rows * n` floats, each key `n` elements of
+    /// `dtype`, and `scores` `(rows - 1) * stride + 16` floats.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn qk_chunk(
+        q: *const f32,
+        n: usize,
+        rows: usize,
+        (keys, dtype): (&[*const u8], DType),
+        scores: *mut f32,
+        stride: usize,
+    ) {
+        debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(16));
+        // Sixteen keys always, so that the accumulators stay in registers: a short chunk
+        // repeats its first key, and those lanes are zeroed below.
+        let mut all = [keys[0]; 16];
+        all[..keys.len()].copy_from_slice(keys);
+        let live: __mmask16 = super::first_lanes(keys.len());
+        super::row_blocks(rows, |r0, block| {
+            // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
+            // `scores` alike.
+            unsafe {
+                let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
+                match block {
+                    8 => qk_rows::<8, 2>(q, n, (&all, dtype), out, live),
+                    4 => qk_rows::<4, 4>(q, n, (&all, dtype), out, live),
+                    2 => qk_rows::<2, 8>(q, n, (&all, dtype), out, live),
+                    _ => qk_rows::<1, 16>(q, n, (&all, dtype), out, live),
+                }
+            }
+        });
+    }
+
+    /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators).
+    /// A block of `B` aligned keys is a subtree of the first levels of [`fold`]; the blocks'
+    /// results go through the rest.
+    ///
+    /// # Safety
+    /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn qk_rows<const R: usize, const B: usize>(
+        q: *const f32,
+        n: usize,
+        (keys, dtype): (&[*const u8; 16], DType),
+        (scores, stride): (*mut f32, usize),
+        live: __mmask16,
+    ) {
+        let split = B.trailing_zeros() as usize;
+        // `B = 16 / R`, so each row has `R` blocks.
+        let mut blocks = [[_mm512_setzero_ps(); R]; R];
+        for (b, block) in keys.chunks_exact(B).enumerate() {
+            let mut acc = [[_mm512_setzero_ps(); B]; R];
+            let mut i = 0;
+            while i < n {
+                for (t, &key) in block.iter().enumerate() {
+                    // SAFETY: `i + 16 <= n`: within every key and each of the `R` rows of `q`.
+                    unsafe {
+                        let kv = load16(key, dtype, i);
+                        for (r, row) in acc.iter_mut().enumerate() {
+                            row[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), kv, row[t]);
+                        }
+                    }
+                }
+                i += 16;
+            }
+            for r in 0..R {
+                blocks[r][b] = fold(&mut acc[r], 0, split);
+            }
+        }
+        // The tree leaves token `t` in lane `4 (t % 4) + t / 4`.
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        for (r, row) in blocks.iter_mut().enumerate() {
+            let sums = _mm512_permutexvar_ps(order, fold(row, split, 4));
+            // SAFETY: row `r`'s 16 scores are within the caller's bound.
+            unsafe { _mm512_storeu_ps(scores.add(r * stride), _mm512_maskz_mov_ps(live, sums)) };
+        }
+    }
+
+    /// Levels `from..to` of a lane-sum tree over `v` (`2^(to - from)` vectors), in place;
+    /// returns the one vector left. Over 16 vectors, levels 0 to 4 leave vector `t`'s lane sum
+    /// in lane `4 (t % 4) + t / 4`, added as `_mm512_reduce_add_ps` adds: lanes `i` and `i +
+    /// 8`, then `i` and `i + 4`, `i` and `i + 2`, `i` and `i + 1`. Each level pairs neighbours,
+    /// so a run of `2^k` aligned vectors is a subtree of the first `k` levels.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fold(v: &mut [__m512], from: usize, to: usize) -> __m512 {
+        let mut len = v.len();
+        for level in from..to {
+            for j in 0..len / 2 {
+                let (u, w) = (v[2 * j], v[2 * j + 1]);
+                v[j] = match level {
+                    0 => _mm512_add_ps(
+                        _mm512_shuffle_f32x4::<0b01_00_01_00>(u, w),
+                        _mm512_shuffle_f32x4::<0b11_10_11_10>(u, w),
+                    ),
+                    1 => _mm512_add_ps(
+                        _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w),
+                        _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w),
+                    ),
+                    2 => {
+                        let (u, w) = (_mm512_castps_pd(u), _mm512_castps_pd(w));
+                        _mm512_add_ps(
+                            _mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)),
+                        )
+                    }
+                    _ => _mm512_add_ps(
+                        _mm512_shuffle_ps::<0b10_00_10_00>(u, w),
+                        _mm512_shuffle_ps::<0b11_01_11_01>(u, w),
+                    ),
+                };
+            }
+            len /= 2;
+        }
+        v[0]
     }
 
     chunk_axpy!(
