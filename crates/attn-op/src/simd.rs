@@ -201,6 +201,27 @@ pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
     }
 }
 
+/// Levels `levels` of a lane-sum tree over `v` (`2^levels.len()` vectors), in place: level
+/// `k` replaces each pair of neighbours by `level(k, u, w)`; returns the one vector left. A
+/// run of `2^k` aligned vectors is a subtree of the first `k` levels, so a chunk's keys can be
+/// folded in aligned blocks and the blocks' results after, in the same order as all at once.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn fold<V: Copy>(
+    v: &mut [V],
+    levels: std::ops::Range<usize>,
+    level: impl Fn(usize, V, V) -> V,
+) -> V {
+    let mut len = v.len();
+    for k in levels {
+        for j in 0..len / 2 {
+            v[j] = level(k, v[2 * j], v[2 * j + 1]);
+        }
+        len /= 2;
+    }
+    v[0]
+}
+
 /// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
 /// fused kernels run with a constant row count (accumulators in registers).
 #[inline(always)]
@@ -666,7 +687,8 @@ pub(crate) mod avx512 {
     /// past `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once.
     /// Rows go in blocks of up to 8 and keys `16 / rows` at a time, so that each widened key
     /// slice serves the block's rows. Each row's 16 sums are then reduced in one tree
-    /// ([`fold`]) that adds lanes in the order `_mm512_reduce_add_ps` does.
+    /// ([`super::fold`] by [`sum_level`]) that adds lanes in the order `_mm512_reduce_add_ps`
+    /// does.
     ///
     /// # Safety
     /// The CPU must support AVX-512F; `q` must hold `rows * n` floats, each key `n` elements of
@@ -702,7 +724,7 @@ pub(crate) mod avx512 {
     }
 
     /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators).
-    /// A block of `B` aligned keys is a subtree of the first levels of [`fold`]; the blocks'
+    /// A block of `B` aligned keys is a subtree of the first levels of [`super::fold`]; the blocks'
     /// results go through the rest.
     ///
     /// # Safety
@@ -717,6 +739,7 @@ pub(crate) mod avx512 {
         live: __mmask16,
     ) {
         let split = B.trailing_zeros() as usize;
+        let level = |k, u, w| sum_level(k, u, w);
         // `B = 16 / R`, so each row has `R` blocks.
         let mut blocks = [[_mm512_setzero_ps(); R]; R];
         for (b, block) in keys.chunks_exact(B).enumerate() {
@@ -735,55 +758,46 @@ pub(crate) mod avx512 {
                 i += 16;
             }
             for r in 0..R {
-                blocks[r][b] = fold(&mut acc[r], 0, split);
+                blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
             }
         }
         // The tree leaves token `t` in lane `4 (t % 4) + t / 4`.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         for (r, row) in blocks.iter_mut().enumerate() {
-            let sums = _mm512_permutexvar_ps(order, fold(row, split, 4));
+            let sums = _mm512_permutexvar_ps(order, super::fold(row, split..4, level));
             // SAFETY: row `r`'s 16 scores are within the caller's bound.
             unsafe { _mm512_storeu_ps(scores.add(r * stride), _mm512_maskz_mov_ps(live, sums)) };
         }
     }
 
-    /// Levels `from..to` of a lane-sum tree over `v` (`2^(to - from)` vectors), in place;
-    /// returns the one vector left. Over 16 vectors, levels 0 to 4 leave vector `t`'s lane sum
-    /// in lane `4 (t % 4) + t / 4`, added as `_mm512_reduce_add_ps` adds: lanes `i` and `i +
-    /// 8`, then `i` and `i + 4`, `i` and `i + 2`, `i` and `i + 1`. Each level pairs neighbours,
-    /// so a run of `2^k` aligned vectors is a subtree of the first `k` levels.
+    /// Level `level` of the lane-sum tree of [`qk_chunk`]: neighbours `u` and `w` combined.
+    /// Over 16 vectors, levels 0 to 4 leave vector `t`'s lane sum in lane `4 (t % 4) + t /
+    /// 4`, added as `_mm512_reduce_add_ps` adds: lanes `i` and `i + 8`, then `i` and `i + 4`,
+    /// `i` and `i + 2`, `i` and `i + 1`.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn fold(v: &mut [__m512], from: usize, to: usize) -> __m512 {
-        let mut len = v.len();
-        for level in from..to {
-            for j in 0..len / 2 {
-                let (u, w) = (v[2 * j], v[2 * j + 1]);
-                v[j] = match level {
-                    0 => _mm512_add_ps(
-                        _mm512_shuffle_f32x4::<0b01_00_01_00>(u, w),
-                        _mm512_shuffle_f32x4::<0b11_10_11_10>(u, w),
-                    ),
-                    1 => _mm512_add_ps(
-                        _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w),
-                        _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w),
-                    ),
-                    2 => {
-                        let (u, w) = (_mm512_castps_pd(u), _mm512_castps_pd(w));
-                        _mm512_add_ps(
-                            _mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
-                            _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)),
-                        )
-                    }
-                    _ => _mm512_add_ps(
-                        _mm512_shuffle_ps::<0b10_00_10_00>(u, w),
-                        _mm512_shuffle_ps::<0b11_01_11_01>(u, w),
-                    ),
-                };
+    fn sum_level(level: usize, u: __m512, w: __m512) -> __m512 {
+        match level {
+            0 => _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(u, w),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(u, w),
+            ),
+            1 => _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w),
+            ),
+            2 => {
+                let (u, w) = (_mm512_castps_pd(u), _mm512_castps_pd(w));
+                _mm512_add_ps(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)),
+                )
             }
-            len /= 2;
+            _ => _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(u, w),
+                _mm512_shuffle_ps::<0b11_01_11_01>(u, w),
+            ),
         }
-        v[0]
     }
 
     chunk_axpy!(
@@ -852,7 +866,7 @@ pub(crate) mod avx512bf16 {
 
     /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators):
     /// each key slice is loaded once for the `R` rows. A block's `B` lane-sum vectors go
-    /// through the first levels of the [`fold`] tree at once (the tree pairs neighbours, so a
+    /// through the first levels of the [`super::fold`] tree at once (the tree pairs neighbours, so a
     /// block of `B` aligned tokens is a subtree), and the blocks' results through the rest:
     /// the same operations in the same order as one fold of the 16 vectors.
     ///
@@ -868,6 +882,7 @@ pub(crate) mod avx512bf16 {
         live: __mmask16,
     ) {
         let split = B.trailing_zeros() as usize;
+        let level = |k, u, w| sum_level(k, u, w);
         // `B = 16 / R`, so each row has `R` blocks.
         let mut blocks = [[_mm512_setzero_ps(); R]; R];
         for (b, block) in keys.chunks_exact(B).enumerate() {
@@ -894,11 +909,11 @@ pub(crate) mod avx512bf16 {
                 i += 32;
             }
             for r in 0..R {
-                blocks[r][b] = fold(&mut acc[r], 0, split);
+                blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
             }
         }
         for (r, row) in blocks.iter_mut().enumerate() {
-            let sums = _mm512_maskz_mov_ps(live, fold(row, split, 4));
+            let sums = _mm512_maskz_mov_ps(live, super::fold(row, split..4, level));
             // SAFETY: row `r`'s 16 scores are within the caller's bound.
             unsafe { _mm512_storeu_ps(scores.add(r * stride), sums) };
         }
@@ -1053,35 +1068,26 @@ pub(crate) mod avx512bf16 {
         out
     }
 
-    /// Levels `from..to` of the lane-sum tree over `v` (`2^(to - from)` vectors), in place;
-    /// returns the one vector left. Over 16 vectors, levels 0 to 4 give the 16 vectors'
-    /// lane sums, in order. Each level adds interleaved neighbours: lanes within 128 bits,
-    /// then 64-bit halves, then 128-bit quarters twice; so every token's lanes meet in the
-    /// same pattern, and a run of `2^k` aligned vectors is a subtree of the first `k` levels.
+    /// Level `level` of the lane-sum tree of [`qk_chunk`]: neighbours `u` and `w` combined.
+    /// Over 16 vectors, levels 0 to 4 give the 16 vectors' lane sums, in order: each level
+    /// adds interleaved neighbours (lanes within 128 bits, then 64-bit halves, then 128-bit
+    /// quarters twice), so every token's lanes meet in the same pattern.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn fold(v: &mut [__m512], from: usize, to: usize) -> __m512 {
-        let mut len = v.len();
-        for level in from..to {
-            for j in 0..len / 2 {
-                let (u, w) = (v[2 * j], v[2 * j + 1]);
-                v[j] = match level {
-                    0 => _mm512_add_ps(_mm512_unpacklo_ps(u, w), _mm512_unpackhi_ps(u, w)),
-                    1 => {
-                        let (u, w) = (_mm512_castps_pd(u), _mm512_castps_pd(w));
-                        _mm512_add_ps(
-                            _mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
-                            _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)),
-                        )
-                    }
-                    _ => _mm512_add_ps(
-                        _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w),
-                        _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w),
-                    ),
-                };
+    fn sum_level(level: usize, u: __m512, w: __m512) -> __m512 {
+        match level {
+            0 => _mm512_add_ps(_mm512_unpacklo_ps(u, w), _mm512_unpackhi_ps(u, w)),
+            1 => {
+                let (u, w) = (_mm512_castps_pd(u), _mm512_castps_pd(w));
+                _mm512_add_ps(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(u, w)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)),
+                )
             }
-            len /= 2;
+            _ => _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w),
+            ),
         }
-        v[0]
     }
 }
