@@ -724,8 +724,8 @@ pub(crate) mod avx512 {
     }
 
     /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators).
-    /// A block of `B` aligned keys is a subtree of the first levels of [`super::fold`]; the blocks'
-    /// results go through the rest.
+    /// A block of `B` aligned keys is a subtree of the first levels of [`super::fold`]; the
+    /// blocks' results go through the rest.
     ///
     /// # Safety
     /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
