@@ -866,9 +866,9 @@ pub(crate) mod avx512bf16 {
 
     /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators):
     /// each key slice is loaded once for the `R` rows. A block's `B` lane-sum vectors go
-    /// through the first levels of the [`super::fold`] tree at once (the tree pairs neighbours, so a
-    /// block of `B` aligned tokens is a subtree), and the blocks' results through the rest:
-    /// the same operations in the same order as one fold of the 16 vectors.
+    /// through the first levels of the [`super::fold`] tree at once (the tree pairs
+    /// neighbours, so a block of `B` aligned tokens is a subtree), and the blocks' results
+    /// through the rest: the same operations in the same order as one fold of the 16 vectors.
     ///
     /// # Safety
     /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
