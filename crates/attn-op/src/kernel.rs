@@ -238,7 +238,9 @@ fn attend_body<T: Element, const ISA: u8>(
             );
         }
         rows_at.clear();
-        rows_at.extend(toks.iter().map(|&(_, slot)| row_ptrs(kv, slot)));
+        if ISA == simd::AVX512_BF16 || chunk_dots {
+            rows_at.extend(toks.iter().map(|&(_, slot)| row_ptrs(kv, slot)));
+        }
         let len = toks.len();
         // Every token of the chunk is visible to every row: no per-token mask.
         let end = toks[len - 1].0;
@@ -529,8 +531,8 @@ fn job_rows<T: Element>(
 }
 
 /// Refills `out` with the address `offset` elements into each of `rows` (a chunk's tokens' K or
-/// V rows at head 0, so the offset picks a head), as the bf16 bit patterns the dot-product
-/// build reads.
+/// V rows at head 0, so the offset picks a head), cast to what the reader takes: bf16 bits
+/// for the dot-product build, bytes (widened by dtype) for the AVX-512 build.
 #[cfg(target_arch = "x86_64")]
 fn bit_rows<T, U>(out: &mut Vec<*const U>, rows: impl Iterator<Item = *const T>, offset: usize) {
     out.clear();

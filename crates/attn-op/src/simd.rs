@@ -222,6 +222,15 @@ pub(crate) fn fold<V: Copy>(
     v[0]
 }
 
+/// A chunk's (at most 16) keys padded to 16 by repeating the first, so that the chunk kernels
+/// keep 16 accumulators in registers, and the mask of the real ones (the lanes to keep).
+#[cfg(target_arch = "x86_64")]
+fn pad16<P: Copy>(keys: &[P]) -> ([P; 16], u16) {
+    let mut all = [keys[0]; 16];
+    all[..keys.len()].copy_from_slice(keys);
+    (all, first_lanes(keys.len()))
+}
+
 /// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
 /// fused kernels run with a constant row count (accumulators in registers).
 #[inline(always)]
@@ -703,11 +712,7 @@ pub(crate) mod avx512 {
         stride: usize,
     ) {
         debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(16));
-        // Sixteen keys always, so that the accumulators stay in registers: a short chunk
-        // repeats its first key, and those lanes are zeroed below.
-        let mut all = [keys[0]; 16];
-        all[..keys.len()].copy_from_slice(keys);
-        let live: __mmask16 = super::first_lanes(keys.len());
+        let (all, live) = super::pad16(keys);
         super::row_blocks(rows, |r0, block| {
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
             // `scores` alike.
@@ -844,11 +849,7 @@ pub(crate) mod avx512bf16 {
         stride: usize,
     ) {
         debug_assert!(!keys.is_empty() && keys.len() <= TOKENS && n.is_multiple_of(32));
-        // Sixteen keys always, so that the accumulators stay in registers: a short chunk
-        // repeats its first key, and those lanes are zeroed below.
-        let mut all = [keys[0]; TOKENS];
-        all[..keys.len()].copy_from_slice(keys);
-        let live: __mmask16 = super::first_lanes(keys.len());
+        let (all, live) = super::pad16(keys);
         super::row_blocks(rows, |r0, block| {
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
             // `scores` alike.
@@ -891,13 +892,9 @@ pub(crate) mod avx512bf16 {
             while i < n {
                 // SAFETY: `i + 32 <= n`: within each of the `R` rows of `q` and every key.
                 unsafe {
-                    let mut qv =
-                        [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); R];
-                    for (r, x) in qv.iter_mut().enumerate() {
-                        *x = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                            q.add(r * n + i).cast::<__m512i>(),
-                        ));
-                    }
+                    let qv: [__m512bh; R] = std::array::from_fn(|r| {
+                        std::mem::transmute(_mm512_loadu_si512(q.add(r * n + i).cast::<__m512i>()))
+                    });
                     for (t, &key) in block.iter().enumerate() {
                         let kv: __m512bh =
                             std::mem::transmute(_mm512_loadu_si512(key.add(i).cast::<__m512i>()));
