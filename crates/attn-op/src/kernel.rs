@@ -13,6 +13,7 @@
 
 use rayon::prelude::*;
 
+use crate::aligned::Aligned;
 use crate::meta::Seq;
 use crate::simd;
 use crate::{AttnParams, DType, Element, PagedKv};
@@ -59,10 +60,10 @@ impl Job {
 const MAX_ROWS_ALL_HEADS: usize = 64;
 
 /// Unnormalized attention state of some rows: running max `m`, denominator `l`, and the
-/// weighted sum of values `acc` (`rows x head_dim`).
+/// weighted sum of values `acc` (`rows x head_dim`, on a cache line like the KV rows).
 #[derive(Clone, Debug)]
 pub(crate) struct Partial {
-    pub(crate) acc: Vec<f32>,
+    pub(crate) acc: Aligned<f32>,
     pub(crate) m: Vec<f32>,
     pub(crate) l: Vec<f32>,
 }
@@ -70,7 +71,7 @@ pub(crate) struct Partial {
 impl Partial {
     fn empty(rows: usize, d: usize) -> Self {
         Partial {
-            acc: vec![0.0; rows * d],
+            acc: Aligned::with(rows * d, |n| vec![0.0; n]),
             m: vec![f32::NEG_INFINITY; rows],
             l: vec![0.0; rows],
         }
@@ -185,18 +186,18 @@ fn attend_body<T: Element, const ISA: u8>(
     let scratch = if ISA == simd::PORTABLE { C * nh * d } else { 0 };
     let mut kbuf = vec![0.0f32; scratch];
     let mut vbuf = vec![0.0f32; scratch];
-    let mut scores = vec![0.0f32; group * C];
+    let mut scores = Aligned::with(group * C, |n| vec![0.0f32; n]);
     let mut wbuf = vec![0.0f32; group];
     let mut vals: Vec<(usize, &[T])> = Vec::with_capacity(C);
     // The bf16 build: the rows rounded to bf16 once, and each chunk's keys and values as bf16
     // bits (`attend` enters it for bf16 caches only).
     #[cfg(target_arch = "x86_64")]
-    let bf16_rows: Vec<u16> = if ISA == simd::AVX512_BF16 {
+    let bf16_rows = Aligned::from_vec(if ISA == simd::AVX512_BF16 {
         // SAFETY: this build runs only on CPUs with its features (`attend`).
         unsafe { simd::avx512bf16::round(q) }
     } else {
         Vec::new()
-    };
+    });
     let mut key_bits: Vec<*const u16> = Vec::with_capacity(C);
     // The AVX-512 build takes a chunk's dot products at once where the head dim allows.
     let chunk_dots = cfg!(target_arch = "x86_64") && ISA == simd::AVX512 && d.is_multiple_of(16);

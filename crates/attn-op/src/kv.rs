@@ -1,5 +1,6 @@
 //! Paged KV storage in the shared block-tensor layout.
 
+use crate::aligned::Aligned;
 use crate::{AttnError, Element};
 
 /// The shape of one layer's K (or V) block tensor: `[num_blocks, block_size, kv_heads, head_dim]`.
@@ -88,12 +89,13 @@ pub trait KvCache<M: Memory> {
     ) -> Result<(), AttnError>;
 }
 
-/// K and V block tensors of one layer in host memory.
+/// K and V block tensors of one layer in host memory. Each tensor starts on a 64-byte
+/// boundary, so that the kernels' 64-byte loads of a row never span two cache lines.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PagedKv<T: Element> {
     layout: KvLayout,
-    k: Vec<T>,
-    v: Vec<T>,
+    k: Aligned<T>,
+    v: Aligned<T>,
 }
 
 impl<T: Element> PagedKv<T> {
@@ -102,12 +104,14 @@ impl<T: Element> PagedKv<T> {
         layout.validate()?;
         Ok(PagedKv {
             layout,
-            k: T::zeros(layout.len()),
-            v: T::zeros(layout.len()),
+            k: Aligned::with(layout.len(), T::zeros),
+            v: Aligned::with(layout.len(), T::zeros),
         })
     }
 
-    /// A cache over existing tensors, each `[num_blocks, block_size, kv_heads, head_dim]`.
+    /// A cache over existing tensors, each `[num_blocks, block_size, kv_heads, head_dim]`. A
+    /// tensor that does not start on a 64-byte boundary is moved up to one within its own
+    /// allocation (grown by 64 bytes), so it is copied once but never held twice.
     pub fn from_tensors(layout: KvLayout, k: Vec<T>, v: Vec<T>) -> Result<Self, AttnError> {
         layout.validate()?;
         for (what, t) in [("k", &k), ("v", &v)] {
@@ -119,7 +123,11 @@ impl<T: Element> PagedKv<T> {
                 });
             }
         }
-        Ok(PagedKv { layout, k, v })
+        Ok(PagedKv {
+            layout,
+            k: Aligned::from_vec(k),
+            v: Aligned::from_vec(v),
+        })
     }
 
     /// The K tensor.

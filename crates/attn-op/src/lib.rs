@@ -36,6 +36,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod aligned;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod dtype;

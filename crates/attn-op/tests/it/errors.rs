@@ -326,6 +326,59 @@ fn a_new_cache_holds_positive_zeros_in_every_type() {
 }
 
 #[test]
+fn tensors_start_on_a_cache_line_and_keep_their_elements() {
+    // Vectors of several sizes (small ones from the heap, large ones mapped), whatever their
+    // own alignment: the cache, a clone and a new cache all start on 64-byte boundaries.
+    fn check<T: attn_op::Element>(blocks: usize) {
+        let layout = KvLayout {
+            num_blocks: blocks,
+            ..LAYOUT
+        };
+        let mut x = 0x9e37_79b9u32 ^ blocks as u32;
+        let mut tensor = || -> Vec<T> {
+            (0..layout.len())
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
+                })
+                .collect()
+        };
+        let (k, v) = (tensor(), tensor());
+        let cache = PagedKv::from_tensors(layout, k.clone(), v.clone()).expect("consistent");
+        let copy = cache.clone();
+        let fresh = PagedKv::<T>::new(layout).expect("valid");
+        assert_eq!(
+            (cache.k(), cache.v()),
+            (&k[..], &v[..]),
+            "elements kept in order"
+        );
+        assert_eq!(copy, cache);
+        for t in [
+            cache.k(),
+            cache.v(),
+            copy.k(),
+            copy.v(),
+            fresh.k(),
+            fresh.v(),
+        ] {
+            assert_eq!(
+                t.as_ptr() as usize % 64,
+                0,
+                "{:?}, {blocks} blocks",
+                T::DTYPE
+            );
+        }
+    }
+    for blocks in [1, 3, 4, 3000] {
+        check::<f32>(blocks);
+        check::<half::f16>(blocks);
+        check::<half::bf16>(blocks);
+    }
+}
+
+#[test]
 fn set_kv_writes_through_the_flat_slot_view_and_checks_slots() {
     let mut cache = PagedKv::<f32>::new(LAYOUT).expect("valid");
     let stride = LAYOUT.token_stride();

@@ -1,0 +1,105 @@
+//! Vectors seen from their first cache-line boundary.
+//!
+//! The attention kernels load K and V rows 64 bytes at a time. A heap block from the system
+//! allocator starts 16 bytes into a cache line, so every such load of a plain `Vec` would span
+//! two lines. [`Aligned`] keeps a vector with a line's worth of spare elements and shows the
+//! window that starts on a line; all of it is safe code.
+
+use std::ops::{Deref, DerefMut};
+
+/// Bytes in a cache line: where the window starts.
+const LINE: usize = 64;
+
+/// `len` elements of a vector, starting at the first element that sits on a 64-byte boundary.
+pub(crate) struct Aligned<T> {
+    buf: Vec<T>,
+    at: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Aligned<T> {
+    /// A window of `len` elements over `make(len + pad)`, where `pad` is a line's worth of
+    /// elements (so that the window fits wherever the line boundary falls). `make` must return
+    /// a vector of the length it is asked for; zeros through `calloc` stay untouched pages.
+    pub(crate) fn with(len: usize, make: impl FnOnce(usize) -> Vec<T>) -> Self {
+        let buf = make(len + pad::<T>());
+        let at = skip(&buf);
+        debug_assert!(buf.len() >= at + len, "make returns the length asked for");
+        Aligned { buf, at, len }
+    }
+
+    /// `buf`'s elements, kept in place where it is already aligned; otherwise moved up within
+    /// the same allocation (grown by a line's worth), so a large tensor is never held twice.
+    pub(crate) fn from_vec(mut buf: Vec<T>) -> Self {
+        let len = buf.len();
+        if skip(&buf) != 0 {
+            buf.reserve_exact(pad::<T>());
+            let at = skip(&buf);
+            buf.resize(len + at, T::default());
+            buf.copy_within(0..len, at);
+        }
+        Aligned {
+            at: skip(&buf),
+            buf,
+            len,
+        }
+    }
+}
+
+/// Elements in a cache line: the most a window may start past its vector's first element.
+fn pad<T>() -> usize {
+    LINE / size_of::<T>().max(1)
+}
+
+/// Elements from `buf`'s start to its first 64-byte boundary (0 where it starts on one). A
+/// boundary that falls inside an element (not possible for the 2- and 4-byte element types,
+/// whose vectors are aligned to their size) rounds down: a slower window, never a wrong one.
+fn skip<T>(buf: &[T]) -> usize {
+    let over = buf.as_ptr() as usize % LINE;
+    if over == 0 {
+        0
+    } else {
+        (LINE - over) / size_of::<T>().max(1)
+    }
+}
+
+impl<T> Deref for Aligned<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        &self.buf[self.at..self.at + self.len]
+    }
+}
+
+impl<T> DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
+}
+
+impl<T: Copy + Default> Clone for Aligned<T> {
+    fn clone(&self) -> Self {
+        let mut buf = Vec::with_capacity(self.len + pad::<T>());
+        // An empty vector with capacity already has its allocation: its window start is known.
+        let at = skip(&buf);
+        buf.resize(at, T::default());
+        buf.extend_from_slice(self);
+        Aligned {
+            buf,
+            at,
+            len: self.len,
+        }
+    }
+}
+
+impl<T: PartialEq> PartialEq for Aligned<T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Aligned<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self).fmt(f)
+    }
+}
