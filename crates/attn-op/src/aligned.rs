@@ -20,9 +20,12 @@ pub(crate) struct Aligned<T> {
 impl<T: Copy + Default> Aligned<T> {
     /// A window of `len` elements over `make(len + pad)`, where `pad` is a line's worth of
     /// elements (so that the window fits wherever the line boundary falls). `make` must return
-    /// a vector of the length it is asked for; zeros through `calloc` stay untouched pages.
+    /// a vector of the length it is asked for; zeros through `calloc` stay untouched pages,
+    /// and those the window covers in whole 2 MiB pages are backed by huge pages once touched
+    /// ([`advise_huge`]).
     pub(crate) fn with(len: usize, make: impl FnOnce(usize) -> Vec<T>) -> Self {
         let buf = make(len + pad::<T>());
+        advise_huge(&buf);
         let at = skip(&buf);
         debug_assert!(buf.len() >= at + len, "make returns the length asked for");
         Aligned { buf, at, len }
@@ -44,6 +47,34 @@ impl<T: Copy + Default> Aligned<T> {
             len,
         }
     }
+}
+
+/// Asks Linux to back the whole 2 MiB pages inside `buf` with transparent huge pages
+/// (`MADV_HUGEPAGE`; by default the kernel does so only where asked). A decode step reads a
+/// pool's K/V rows scattered over blocks, and with 4 KiB pages every two token rows cost a TLB
+/// miss. Measured on the dev box, interleaved runs of the same binary with and without: dense
+/// bf16-dot decode B8 L32K 46.1 -> 39.2 ms (best of six), sparse 2K decode B8 9.0-10.0 -> 6.4-6.6
+/// ms. A hint only: pages touched before the call stay small until the kernel's background
+/// merger gets to them, and where huge pages are off the call fails and changes nothing.
+/// Touching one byte of a huge page makes all 2 MiB of it resident.
+fn advise_huge<T>(buf: &[T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = buf.as_ptr() as usize;
+        let (from, to) = (
+            start.next_multiple_of(HUGE),
+            (start + size_of_val(buf)) / HUGE * HUGE,
+        );
+        if to > from {
+            // SAFETY: `from..to` lies inside `buf`'s allocation, which outlives the call, and
+            // MADV_HUGEPAGE changes only how the kernel backs those pages, never their contents.
+            // The result is ignored: the advice is a hint.
+            unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
 }
 
 /// Elements in a cache line: the most a window may start past its vector's first element.
