@@ -374,11 +374,11 @@ fn attend_body<T: Element, const ISA: u8>(
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
                     bit_rows(&mut val_bits, rows_at.iter().map(|r| r.1), h * d);
+                    let live = simd::live_tokens::<ISA>(&scores, C, group, len);
                     // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
                     // scores `group` rows of `C` (16), and every token of the chunk has a
                     // value of `d` elements.
                     unsafe {
-                        let live = simd::avx512bf16::live_tokens(scores.as_ptr(), C, group, len);
                         simd::avx512bf16::pv_chunk(
                             accs.as_mut_ptr(),
                             d,
@@ -391,12 +391,12 @@ fn attend_body<T: Element, const ISA: u8>(
                     continue;
                 }
                 vals.clear();
-                vals.extend(
-                    toks.iter()
-                        .enumerate()
-                        .filter(|&(t, _)| (0..group).any(|g| scores[g * C + t] != 0.0))
-                        .map(|(t, &(_, slot))| (t, kv.v_at(slot, h))),
-                );
+                let mut live = simd::live_tokens::<ISA>(&scores, C, group, len);
+                while live != 0 {
+                    let t = live.trailing_zeros() as usize;
+                    vals.push((t, kv.v_at(toks[t].1, h)));
+                    live &= live - 1;
+                }
                 simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group);
             }
         }

@@ -129,6 +129,22 @@ pub(crate) fn row_max<const ISA: u8>(row: &[f32]) -> f32 {
     row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// The tokens `t < len` of a chunk whose weight is not 0 (NaN counts) in any of the `rows`
+/// rows of `w` (`stride >= 16` apart), as a lane mask: the tokens whose values a weighted sum
+/// must read.
+#[inline(always)]
+pub(crate) fn live_tokens<const ISA: u8>(w: &[f32], stride: usize, rows: usize, len: usize) -> u16 {
+    debug_assert!(stride >= 16 && len <= 16 && w.len() >= (rows - 1) * stride + 16);
+    #[cfg(target_arch = "x86_64")]
+    if ISA >= AVX512 {
+        // SAFETY: see the module doc; `w` holds `rows` rows of 16 weights (asserted above).
+        return unsafe { avx512::live_tokens(w.as_ptr(), stride, rows, len) };
+    }
+    (0..len)
+        .filter(|&t| (0..rows).any(|r| w[r * stride + t] != 0.0))
+        .fold(0, |m, t| m | 1 << t)
+}
+
 /// `out[g] = q_g · k` for the `out.len()` rows of `q` (row-major, `n` per row), widening each
 /// chunk of `k` once for all rows (SIMD builds only).
 #[inline(always)]
@@ -609,6 +625,24 @@ pub(crate) mod avx512 {
         _mm512_reduce_max_ps(acc)
     }
 
+    /// The tokens `t < len` whose weight is not 0 in any of the `rows` rows of `w` (`stride`
+    /// apart), as a lane mask.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `w` must hold rows `rows` of `stride >= 16` weights.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len: usize) -> u16 {
+        debug_assert!(stride >= 16 && len <= 16);
+        let mut live: __mmask16 = 0;
+        for r in 0..rows {
+            // SAFETY: row `r` holds 16 weights.
+            let x = unsafe { _mm512_loadu_ps(w.add(r * stride)) };
+            live |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(x, _mm512_setzero_ps());
+        }
+        let in_chunk: u16 = super::first_lanes(len);
+        live & in_chunk
+    }
+
     /// 16 lanes of a buffer of `dtype` from element `i`, widened to f32.
     ///
     /// # Safety
@@ -914,24 +948,6 @@ pub(crate) mod avx512bf16 {
             // SAFETY: row `r`'s 16 scores are within the caller's bound.
             unsafe { _mm512_storeu_ps(scores.add(r * stride), sums) };
         }
-    }
-
-    /// The tokens `t < len` whose weight is not 0 in any of the `rows` rows of `w` (`stride`
-    /// apart), as a lane mask.
-    ///
-    /// # Safety
-    /// As [`qk_chunk`]; `w` must hold rows `rows` of `stride >= 16` weights.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(crate) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len: usize) -> u16 {
-        debug_assert!(stride >= TOKENS && len <= TOKENS);
-        let mut live: __mmask16 = 0;
-        for r in 0..rows {
-            // SAFETY: row `r` holds 16 weights.
-            let x = unsafe { _mm512_loadu_ps(w.add(r * stride)) };
-            live |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(x, _mm512_setzero_ps());
-        }
-        let in_chunk: u16 = super::first_lanes(len);
-        live & in_chunk
     }
 
     /// `acc_r[0..n) += sum over live tokens t of w[r * stride + t] * vals[t]` for the `rows`
