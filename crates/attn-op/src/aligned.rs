@@ -31,18 +31,19 @@ impl<T: Copy + Default> Aligned<T> {
         Aligned { buf, at, len }
     }
 
-    /// `buf`'s elements, kept in place where it is already aligned; otherwise moved up within
-    /// the same allocation (grown by a line's worth), so a large tensor is never held twice.
+    /// `buf`'s elements, kept in place where it is already aligned (or empty); otherwise moved
+    /// up within the same allocation (grown by a line's worth), so a large tensor is never held
+    /// twice.
     pub(crate) fn from_vec(mut buf: Vec<T>) -> Self {
         let len = buf.len();
-        if skip(&buf) != 0 {
+        if len > 0 && skip(&buf) != 0 {
             buf.reserve_exact(pad::<T>());
             let at = skip(&buf);
             buf.resize(len + at, T::default());
             buf.copy_within(0..len, at);
         }
         Aligned {
-            at: skip(&buf),
+            at: if len > 0 { skip(&buf) } else { 0 },
             buf,
             len,
         }
@@ -52,9 +53,8 @@ impl<T: Copy + Default> Aligned<T> {
 /// Asks Linux to back the whole 2 MiB pages inside `buf` with transparent huge pages
 /// (`MADV_HUGEPAGE`; by default the kernel does so only where asked). A decode step reads a
 /// pool's K/V rows scattered over blocks, and with 4 KiB pages every two token rows cost a TLB
-/// miss. Measured on the dev box, interleaved runs of the same binary with and without: dense
-/// bf16-dot decode B8 L32K 46.1 -> 39.2 ms (best of six), sparse 2K decode B8 9.0-10.0 -> 6.4-6.6
-/// ms. A hint only: pages touched before the call stay small until the kernel's background
+/// miss. Measured on the dev box (interleaved runs of one binary, pools with and without the
+/// advice): dense bf16-dot decode B8 L32K 46.1 -> 39.2 ms, best of six. A hint only: pages touched before the call stay small until the kernel's background
 /// merger gets to them, and where huge pages are off the call fails and changes nothing.
 /// Touching one byte of a huge page makes all 2 MiB of it resident.
 fn advise_huge<T>(buf: &[T]) {
