@@ -371,10 +371,10 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
             } else {
                 // The chunk's tokens that weigh anything, summed in registers.
+                let mut live = simd::live_tokens::<ISA>(&scores, C, group, len);
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
                     bit_rows(&mut val_bits, rows_at.iter().map(|r| r.1), h * d);
-                    let live = simd::live_tokens::<ISA>(&scores, C, group, len);
                     // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
                     // scores `group` rows of `C` (16), and every token of the chunk has a
                     // value of `d` elements.
@@ -391,7 +391,6 @@ fn attend_body<T: Element, const ISA: u8>(
                     continue;
                 }
                 vals.clear();
-                let mut live = simd::live_tokens::<ISA>(&scores, C, group, len);
                 while live != 0 {
                     let t = live.trailing_zeros() as usize;
                     vals.push((t, kv.v_at(toks[t].1, h)));

@@ -631,7 +631,7 @@ pub(crate) mod avx512 {
     /// # Safety
     /// The CPU must support AVX-512F; `w` must hold rows `rows` of `stride >= 16` weights.
     #[target_feature(enable = "avx512f")]
-    pub(crate) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len: usize) -> u16 {
+    pub(super) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len: usize) -> u16 {
         debug_assert!(stride >= 16 && len <= 16);
         let mut live: __mmask16 = 0;
         for r in 0..rows {

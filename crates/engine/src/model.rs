@@ -375,9 +375,10 @@ impl Model {
             self.round(&mut h);
             self.matmul(&b.gate, &h, n, &mut g);
             self.matmul(&b.up, &h, n, &mut u);
-            let silu: fn(f32) -> f32 = match self.like_ggml {
-                true => crate::ggml::silu,
-                false => |a| a / (1.0 + (-a).exp()),
+            let silu: fn(f32) -> f32 = if self.like_ggml {
+                crate::ggml::silu
+            } else {
+                |a| a / (1.0 + (-a).exp())
             };
             g.par_chunks_mut(c.ffn)
                 .zip(u.par_chunks(c.ffn))
@@ -451,9 +452,10 @@ impl Model {
 
     /// `out [n, rows] = x [n, cols] · Wᵀ`, rounded as the model's forward rounds.
     fn matmul(&self, w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
-        match self.like_ggml {
-            true => w.forward_like_ggml(x, n, out),
-            false => w.forward(x, n, out),
+        if self.like_ggml {
+            w.forward_like_ggml(x, n, out);
+        } else {
+            w.forward(x, n, out);
         }
     }
 
@@ -465,9 +467,10 @@ impl Model {
         out.par_chunks_mut(d)
             .zip(x.par_chunks(d))
             .for_each(|(o, x)| {
-                let mean = match wide {
-                    true => (x.iter().map(|v| f64::from(v * v)).sum::<f64>() / d as f64) as f32,
-                    false => x.iter().map(|v| v * v).sum::<f32>() / d as f32,
+                let mean = if wide {
+                    (x.iter().map(|v| f64::from(v * v)).sum::<f64>() / d as f64) as f32
+                } else {
+                    x.iter().map(|v| v * v).sum::<f32>() / d as f32
                 };
                 let r = 1.0 / (mean + eps).sqrt();
                 for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
@@ -499,9 +502,10 @@ impl Model {
         let half = d / 2;
         let rows = angles.len() / half.max(1);
         let width = x.len() / rows.max(1);
-        let rotate: fn(f32, f32, f32, f32) -> (f32, f32) = match self.like_ggml {
-            true => crate::ggml::rotate,
-            false => |a, b, s, c| (a * c - b * s, a * s + b * c),
+        let rotate: fn(f32, f32, f32, f32) -> (f32, f32) = if self.like_ggml {
+            crate::ggml::rotate
+        } else {
+            |a, b, s, c| (a * c - b * s, a * s + b * c)
         };
         x.par_chunks_mut(width)
             .zip(angles.par_chunks(half))

@@ -1039,8 +1039,9 @@ impl SelectKernels {
         // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
         // callers (a budget of 0 reads none); ids, lens and covered hold sel_rows * copies rows
         // of max_len; the dynamic shared memory holds the two histograms, and with keys_smem a
-        // row of keys after them (within the limit set at load); slots, where given, hold num_seqs entries and are range-checked
-        // in the kernel, and a null pointer is never read.
+        // row of keys after them (within the limit set at load); slots, where given, hold
+        // num_seqs entries and are range-checked in the kernel, and a null pointer is never
+        // read.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
