@@ -218,11 +218,9 @@ fn attend_body<T: Element, const ISA: u8>(
         if start > pmax {
             continue;
         }
-        // The slots of the next chunk, whose keys (before the dot products) and values
-        // (before the weighted sum) each head block below asks the cache for while it
-        // computes (`simd::prefetch_l2`): a chunk's tokens are strided by every head's row,
-        // which the hardware's prefetchers do not follow across pages. Spreading the requests
-        // so measured faster than asking for a whole chunk at once.
+        // The rows of the next chunk, which the head blocks below ask the cache for while they
+        // compute (`simd::Ahead`): a chunk's tokens are strided by every head's row, which
+        // the hardware's prefetchers do not follow across pages.
         ahead.clear();
         if ISA != simd::PORTABLE
             && let Some(next) = chunks.get(ci + 1)
@@ -239,7 +237,7 @@ fn attend_body<T: Element, const ISA: u8>(
             );
         }
         rows_at.clear();
-        if ISA == simd::AVX512_BF16 || chunk_dots {
+        if ISA != simd::PORTABLE {
             rows_at.extend(toks.iter().map(|&(_, slot)| row_ptrs(kv, slot)));
         }
         let len = toks.len();
@@ -275,11 +273,17 @@ fn attend_body<T: Element, const ISA: u8>(
             let (p, h) = (pos[b], h0 + (b / group) % nh);
             let qb = &q[b * d..(b + group) * d];
             let mut any = false;
-            if ISA != simd::PORTABLE && b / group < nh {
-                for &(k, _) in &ahead {
-                    simd::prefetch_l2(k.wrapping_add(h * d), d);
-                }
-            }
+            // The first query's head blocks ask for the next chunk's rows, each a share of
+            // them in address order, and for the next head's rows of this chunk.
+            let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b / group < nh {
+                let spread = (b / group, (h0, nh), d);
+                (
+                    spread_ahead(&ahead, &rows_at, spread, |r| r.0),
+                    spread_ahead(&ahead, &rows_at, spread, |r| r.1),
+                )
+            } else {
+                (simd::Ahead::NONE, simd::Ahead::NONE)
+            };
             #[cfg(target_arch = "x86_64")]
             if chunk_dots {
                 bit_rows(&mut key_ptrs, rows_at.iter().map(|r| r.0), h * d);
@@ -296,6 +300,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         (&key_ptrs, T::DTYPE),
                         scores.as_mut_ptr(),
                         C,
+                        &ahead_k,
                     );
                 }
             }
@@ -314,6 +319,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         &key_bits,
                         scores.as_mut_ptr(),
                         C,
+                        &ahead_k,
                     );
                 }
             }
@@ -330,6 +336,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         scores[g * C + t] = simd::dot(&qb[g * d..(g + 1) * d], &kbuf[o..o + d]);
                     }
                 } else {
+                    ahead_k.part(t, C);
                     simd::dot_rows::<T, ISA>(qb, d, kv.k_at(slot, h), &mut wbuf);
                     (0..group).for_each(|g| scores[g * C + t] = wbuf[g]);
                 }
@@ -351,11 +358,6 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
                 part.l[r] += simd::exp_weights::<ISA>(row, m_new);
                 part.m[r] = m_new;
-            }
-            if ISA != simd::PORTABLE && b / group < nh {
-                for &(_, v) in &ahead {
-                    simd::prefetch_l2(v.wrapping_add(h * d), d);
-                }
             }
             let accs = &mut part.acc[b * d..(b + group) * d];
             if ISA == simd::PORTABLE {
@@ -385,7 +387,7 @@ fn attend_body<T: Element, const ISA: u8>(
                             group,
                             (scores.as_ptr(), C),
                             &val_bits,
-                            live,
+                            (live, &ahead_v),
                         );
                     }
                     continue;
@@ -396,7 +398,7 @@ fn attend_body<T: Element, const ISA: u8>(
                     vals.push((t, kv.v_at(toks[t].1, h)));
                     live &= live - 1;
                 }
-                simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group);
+                simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group, &ahead_v);
             }
         }
     }
@@ -537,6 +539,41 @@ fn job_rows<T: Element>(
 fn bit_rows<T, U>(out: &mut Vec<*const U>, rows: impl Iterator<Item = *const T>, offset: usize) {
     out.clear();
     out.extend(rows.map(|r| r.wrapping_add(offset).cast::<U>()));
+}
+
+/// What head block `block` of a chunk (KV head `h0 + block` of the job's `nh` from `h0`, head
+/// dim `d`) asks the cache for while it computes, for K or V (`pick`): its share of the next
+/// chunk's rows in address order (block `b` takes rows `16 b .. 16 (b + 1)` of the chunk's
+/// tokens times heads) into level 2, and the next head's rows of this chunk (of the next
+/// chunk's first head after the last block) into level 1. `next` and `this` hold the chunks'
+/// rows at head 0, as [`row_ptrs`] gives them.
+fn spread_ahead<T: Element>(
+    next: &[(*const T, *const T)],
+    this: &[(*const T, *const T)],
+    (block, (h0, nh), d): (usize, (usize, usize), usize),
+    pick: impl Fn((*const T, *const T)) -> *const T,
+) -> simd::Ahead {
+    const C: usize = CHUNK as usize;
+    let mut out = simd::Ahead {
+        bytes: d * size_of::<T>(),
+        ..simd::Ahead::NONE
+    };
+    for t in 0..C {
+        let j = block * C + t;
+        if let Some(&row) = next.get(j / nh) {
+            out.far[t] = pick(row).wrapping_add((h0 + j % nh) * d).cast();
+        }
+        let near = if block + 1 < nh {
+            this.get(t)
+                .map(|&row| pick(row).wrapping_add((h0 + block + 1) * d))
+        } else {
+            next.get(t).map(|&row| pick(row).wrapping_add(h0 * d))
+        };
+        if let Some(p) = near {
+            out.near[t] = p.cast();
+        }
+    }
+    out
 }
 
 /// The K and V rows of `slot` at head 0, as pointers: a head `h < kv_heads` starts `h *

@@ -46,24 +46,66 @@ fn detect() -> u8 {
     PORTABLE
 }
 
-/// Asks the CPU to bring the `len` elements from `p` into its level-2 cache (every 64-byte
-/// line; a hint, never a fault, so any address is sound). Measured on the dev box's EPYC
-/// (dense bf16 decode B8 L32K), one chunk ahead, head block by head block: 103 ms without, 66
-/// ms with; into level 1 (T0) instead measured slower than none.
+/// The rows a chunk kernel asks the cache for while it computes, spread over its work: with
+/// the work on token `t` of a chunk, `far[t]` (a row of a later chunk) into level 2 and
+/// `near[t]` (a row the kernel reads soon) into level 1; null entries ask for nothing. A
+/// prefetch is a hint that never faults, so any address is sound.
+///
+/// Measured on the dev box's EPYC (dense bf16 decode B8 L32K): the next chunk asked for
+/// head block by head block, in bursts, against nothing: 66 against 103 ms. One row per
+/// token of work instead, and the next head's rows into level 1, overlap the loads with the
+/// math better (BENCHMARKS.md, session 32).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ahead {
+    /// Rows of a later chunk, into level 2, by token of the current chunk.
+    pub(crate) far: [*const u8; 16],
+    /// Rows read soon, into level 1, by token of the current chunk.
+    pub(crate) near: [*const u8; 16],
+    /// Bytes of each row.
+    pub(crate) bytes: usize,
+}
+
+impl Ahead {
+    /// Asks for nothing.
+    pub(crate) const NONE: Ahead = Ahead {
+        far: [std::ptr::null(); 16],
+        near: [std::ptr::null(); 16],
+        bytes: 0,
+    };
+
+    /// Asks for the rows of part `k` of `parts` equal parts of the chunk's 16 tokens: a
+    /// kernel that walks its work in `parts` steps calls this once a step.
+    #[inline(always)]
+    pub(crate) fn part(&self, k: usize, parts: usize) {
+        for t in k * 16 / parts..((k + 1) * 16 / parts).min(16) {
+            fetch_lines::<true>(self.far[t], self.bytes);
+            fetch_lines::<false>(self.near[t], self.bytes);
+        }
+    }
+}
+
+/// Asks the CPU to bring the `bytes` bytes from `p` (each 64-byte line) into its level-2
+/// cache (`FAR`) or level 1; nothing for a null `p`.
 #[inline(always)]
-pub(crate) fn prefetch_l2<T>(p: *const T, len: usize) {
+fn fetch_lines<const FAR: bool>(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        let p = p.cast::<i8>();
-        for o in (0..len * size_of::<T>()).step_by(64) {
+    if !p.is_null() {
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        for o in (0..bytes).step_by(64) {
+            let at = p.wrapping_add(o).cast::<i8>();
             // SAFETY: a prefetch reads nothing architecturally and never faults, whatever the
             // address (`wrapping_add` keeps the pointer arithmetic defined).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o)) };
+            unsafe {
+                if FAR {
+                    _mm_prefetch::<_MM_HINT_T1>(at);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(at);
+                }
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len);
+    let _ = (p, bytes);
 }
 
 /// `a · b` (portable build).
@@ -187,6 +229,7 @@ pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
     (w, stride): (&[f32], usize),
     vs: &[(usize, &[T])],
     rows: usize,
+    ahead: &Ahead,
 ) {
     assert!(
         acc.len() >= rows * n
@@ -201,9 +244,9 @@ pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
         // SAFETY: the assert above bounds every access; the module doc covers ISA.
         unsafe {
             if ISA >= AVX512 {
-                avx512::axpy_rows(ap, n, (wp, stride), vs, rows);
+                avx512::axpy_rows(ap, n, (wp, stride), vs, rows, ahead);
             } else {
-                avx2::axpy_rows(ap, n, (wp, stride), vs, rows);
+                avx2::axpy_rows(ap, n, (wp, stride), vs, rows, ahead);
             }
         }
         return;
@@ -325,13 +368,16 @@ macro_rules! chunk_axpy {
             n: usize,
             (w, stride): (*const f32, usize),
             vs: &[(usize, &[T])],
+            ahead: &super::Ahead,
         ) {
             let dtype = T::DTYPE;
+            let steps = n / (2 * $w);
             // Two vectors of each row at a time, summed over the tokens in registers.
             let mut i = 0;
             while i + 2 * $w <= n {
                 let mut a0 = [$zero(); R];
                 let mut a1 = [$zero(); R];
+                ahead.part(i / (2 * $w), steps);
                 for &(t, v) in vs {
                     let vp = v.as_ptr().cast::<u8>();
                     // SAFETY: `i + 2 * $w <= n` elements of `v`; weight `r * stride + t` is
@@ -379,17 +425,19 @@ macro_rules! chunk_axpy {
             (w, stride): (*const f32, usize),
             vs: &[(usize, &[T])],
             rows: usize,
+            ahead: &super::Ahead,
         ) {
             super::row_blocks(rows, |r, block| {
+                let ahead = if r == 0 { ahead } else { &super::Ahead::NONE };
                 // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's
                 // contract.
                 unsafe {
                     let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
                     match block {
-                        8 => axpy_rows_r::<T, 8>(acc, n, w, vs),
-                        4 => axpy_rows_r::<T, 4>(acc, n, w, vs),
-                        2 => axpy_rows_r::<T, 2>(acc, n, w, vs),
-                        _ => axpy_rows_r::<T, 1>(acc, n, w, vs),
+                        8 => axpy_rows_r::<T, 8>(acc, n, w, vs, ahead),
+                        4 => axpy_rows_r::<T, 4>(acc, n, w, vs, ahead),
+                        2 => axpy_rows_r::<T, 2>(acc, n, w, vs, ahead),
+                        _ => axpy_rows_r::<T, 1>(acc, n, w, vs, ahead),
                     }
                 }
             });
@@ -744,19 +792,21 @@ pub(crate) mod avx512 {
         (keys, dtype): (&[*const u8], DType),
         scores: *mut f32,
         stride: usize,
+        ahead: &super::Ahead,
     ) {
         debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(16));
         let (all, live) = super::pad16(keys);
         super::row_blocks(rows, |r0, block| {
+            let ahead = if r0 == 0 { ahead } else { &super::Ahead::NONE };
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
             // `scores` alike.
             unsafe {
                 let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
                 match block {
-                    8 => qk_rows::<8, 2>(q, n, (&all, dtype), out, live),
-                    4 => qk_rows::<4, 4>(q, n, (&all, dtype), out, live),
-                    2 => qk_rows::<2, 8>(q, n, (&all, dtype), out, live),
-                    _ => qk_rows::<1, 16>(q, n, (&all, dtype), out, live),
+                    8 => qk_rows::<8, 2>(q, n, (&all, dtype), out, (live, ahead)),
+                    4 => qk_rows::<4, 4>(q, n, (&all, dtype), out, (live, ahead)),
+                    2 => qk_rows::<2, 8>(q, n, (&all, dtype), out, (live, ahead)),
+                    _ => qk_rows::<1, 16>(q, n, (&all, dtype), out, (live, ahead)),
                 }
             }
         });
@@ -775,13 +825,14 @@ pub(crate) mod avx512 {
         n: usize,
         (keys, dtype): (&[*const u8; 16], DType),
         (scores, stride): (*mut f32, usize),
-        live: __mmask16,
+        (live, ahead): (__mmask16, &super::Ahead),
     ) {
         let split = B.trailing_zeros() as usize;
         let level = |k, u, w| sum_level(k, u, w);
         // `B = 16 / R`, so each row has `R` blocks.
         let mut blocks = [[_mm512_setzero_ps(); R]; R];
         for (b, block) in keys.chunks_exact(B).enumerate() {
+            ahead.part(b, R);
             let mut acc = [[_mm512_setzero_ps(); B]; R];
             let mut i = 0;
             while i < n {
@@ -881,19 +932,21 @@ pub(crate) mod avx512bf16 {
         keys: &[*const u16],
         scores: *mut f32,
         stride: usize,
+        ahead: &super::Ahead,
     ) {
         debug_assert!(!keys.is_empty() && keys.len() <= TOKENS && n.is_multiple_of(32));
         let (all, live) = super::pad16(keys);
         super::row_blocks(rows, |r0, block| {
+            let ahead = if r0 == 0 { ahead } else { &super::Ahead::NONE };
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
             // `scores` alike.
             unsafe {
                 let (q, out) = (q.add(r0 * n), scores.add(r0 * stride));
                 match block {
-                    8 => qk_rows::<8, 2>(q, n, &all, (out, stride), live),
-                    4 => qk_rows::<4, 4>(q, n, &all, (out, stride), live),
-                    2 => qk_rows::<2, 8>(q, n, &all, (out, stride), live),
-                    _ => qk_rows::<1, 16>(q, n, &all, (out, stride), live),
+                    8 => qk_rows::<8, 2>(q, n, &all, (out, stride), (live, ahead)),
+                    4 => qk_rows::<4, 4>(q, n, &all, (out, stride), (live, ahead)),
+                    2 => qk_rows::<2, 8>(q, n, &all, (out, stride), (live, ahead)),
+                    _ => qk_rows::<1, 16>(q, n, &all, (out, stride), (live, ahead)),
                 }
             }
         });
@@ -914,13 +967,14 @@ pub(crate) mod avx512bf16 {
         n: usize,
         keys: &[*const u16; TOKENS],
         (scores, stride): (*mut f32, usize),
-        live: __mmask16,
+        (live, ahead): (__mmask16, &super::Ahead),
     ) {
         let split = B.trailing_zeros() as usize;
         let level = |k, u, w| sum_level(k, u, w);
         // `B = 16 / R`, so each row has `R` blocks.
         let mut blocks = [[_mm512_setzero_ps(); R]; R];
         for (b, block) in keys.chunks_exact(B).enumerate() {
+            ahead.part(b, R);
             let mut acc = [[_mm512_setzero_ps(); B]; R];
             let mut i = 0;
             while i < n {
@@ -967,7 +1021,7 @@ pub(crate) mod avx512bf16 {
         rows: usize,
         (w, stride): (*const f32, usize),
         vals: &[*const u16],
-        live: u16,
+        (live, ahead): (u16, &super::Ahead),
     ) {
         debug_assert!(vals.len() <= TOKENS && n.is_multiple_of(32));
         debug_assert!(stride >= TOKENS && (16 - live.leading_zeros()) as usize <= vals.len());
@@ -981,6 +1035,7 @@ pub(crate) mod avx512bf16 {
         }
         let vals = &order[..count];
         super::row_blocks(rows, |r0, block| {
+            let ahead = if r0 == 0 { ahead } else { &super::Ahead::NONE };
             // Each row's weights of `vals`' tokens, in order, rounded to bf16 and read as
             // pairs: the pair's first token in the low half of a 32-bit lane, and 0 after
             // the last token.
@@ -998,10 +1053,10 @@ pub(crate) mod avx512bf16 {
             unsafe {
                 let acc = acc.add(r0 * n);
                 match block {
-                    8 => pv_rows::<8>(acc, n, &packed, vals),
-                    4 => pv_rows::<4>(acc, n, &packed, vals),
-                    2 => pv_rows::<2>(acc, n, &packed, vals),
-                    _ => pv_rows::<1>(acc, n, &packed, vals),
+                    8 => pv_rows::<8>(acc, n, &packed, (vals, ahead)),
+                    4 => pv_rows::<4>(acc, n, &packed, (vals, ahead)),
+                    2 => pv_rows::<2>(acc, n, &packed, (vals, ahead)),
+                    _ => pv_rows::<1>(acc, n, &packed, (vals, ahead)),
                 }
             }
         });
@@ -1016,7 +1071,7 @@ pub(crate) mod avx512bf16 {
         acc: *mut f32,
         n: usize,
         packed: &[[u32; TOKENS / 2]; 8],
-        vals: &[*const u16],
+        (vals, ahead): (&[*const u16], &super::Ahead),
     ) {
         // Interleaving two tokens' 16-bit values within 128-bit lanes leaves the dot
         // products' lanes in the order (0-3, 8-11, 16-19, 24-27) for the low halves and
@@ -1026,6 +1081,7 @@ pub(crate) mod avx512bf16 {
             _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
         let mut i = 0;
         while i < n {
+            ahead.part(i / 32, n / 32);
             let mut lo = [_mm512_setzero_ps(); R];
             let mut hi = [_mm512_setzero_ps(); R];
             for (p, pair) in vals.chunks(2).enumerate() {
