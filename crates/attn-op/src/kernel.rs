@@ -276,11 +276,7 @@ fn attend_body<T: Element, const ISA: u8>(
             // The first query's head blocks ask for the next chunk's rows, each a share of
             // them in address order, and for the next head's rows of this chunk.
             let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b / group < nh {
-                let spread = (b / group, (h0, nh), d);
-                (
-                    spread_ahead(&ahead, &rows_at, spread, |r| r.0),
-                    spread_ahead(&ahead, &rows_at, spread, |r| r.1),
-                )
+                spread_ahead(&ahead, &rows_at, b / group, (h0, nh), d)
             } else {
                 (simd::Ahead::NONE, simd::Ahead::NONE)
             };
@@ -542,7 +538,7 @@ fn bit_rows<T, U>(out: &mut Vec<*const U>, rows: impl Iterator<Item = *const T>,
 }
 
 /// What head block `block` of a chunk (KV head `h0 + block` of the job's `nh` from `h0`, head
-/// dim `d`) asks the cache for while it computes, for K or V (`pick`): its share of the next
+/// dim `d`) asks the cache for while it computes, for K and for V: its share of the next
 /// chunk's rows in address order (block `b` takes rows `16 b .. 16 (b + 1)` of the chunk's
 /// tokens times heads) into level 2, and the next head's rows of this chunk (of the next
 /// chunk's first head after the last block) into level 1. `next` and `this` hold the chunks'
@@ -550,30 +546,35 @@ fn bit_rows<T, U>(out: &mut Vec<*const U>, rows: impl Iterator<Item = *const T>,
 fn spread_ahead<T: Element>(
     next: &[(*const T, *const T)],
     this: &[(*const T, *const T)],
-    (block, (h0, nh), d): (usize, (usize, usize), usize),
-    pick: impl Fn((*const T, *const T)) -> *const T,
-) -> simd::Ahead {
+    block: usize,
+    (h0, nh): (usize, usize),
+    d: usize,
+) -> (simd::Ahead, simd::Ahead) {
     const C: usize = CHUNK as usize;
-    let mut out = simd::Ahead {
+    let mut k = simd::Ahead {
         bytes: d * size_of::<T>(),
         ..simd::Ahead::NONE
+    };
+    let mut v = k;
+    // Element offsets within a token's row of every head.
+    let at = |(kr, vr): (*const T, *const T), off: usize| {
+        (kr.wrapping_add(off).cast(), vr.wrapping_add(off).cast())
     };
     for t in 0..C {
         let j = block * C + t;
         if let Some(&row) = next.get(j / nh) {
-            out.far[t] = pick(row).wrapping_add((h0 + j % nh) * d).cast();
+            (k.far[t], v.far[t]) = at(row, (h0 + j % nh) * d);
         }
         let near = if block + 1 < nh {
-            this.get(t)
-                .map(|&row| pick(row).wrapping_add((h0 + block + 1) * d))
+            this.get(t).map(|&row| at(row, (h0 + block + 1) * d))
         } else {
-            next.get(t).map(|&row| pick(row).wrapping_add(h0 * d))
+            next.get(t).map(|&row| at(row, h0 * d))
         };
-        if let Some(p) = near {
-            out.near[t] = p.cast();
+        if let Some((kp, vp)) = near {
+            (k.near[t], v.near[t]) = (kp, vp);
         }
     }
-    out
+    (k, v)
 }
 
 /// The K and V rows of `slot` at head 0, as pointers: a head `h < kv_heads` starts `h *

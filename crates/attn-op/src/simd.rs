@@ -73,6 +73,13 @@ impl Ahead {
         bytes: 0,
     };
 
+    /// What the block of rows from `first_row` asks for: the first block of a chunk kernel's
+    /// rows asks for everything, the others for nothing (once a chunk is enough).
+    #[inline(always)]
+    pub(crate) fn for_rows_from(&self, first_row: usize) -> &Ahead {
+        if first_row == 0 { self } else { &Ahead::NONE }
+    }
+
     /// Asks for the rows of part `k` of `parts` equal parts of the chunk's 16 tokens: a
     /// kernel that walks its work in `parts` steps calls this once a step.
     #[inline(always)]
@@ -428,7 +435,7 @@ macro_rules! chunk_axpy {
             ahead: &super::Ahead,
         ) {
             super::row_blocks(rows, |r, block| {
-                let ahead = if r == 0 { ahead } else { &super::Ahead::NONE };
+                let ahead = ahead.for_rows_from(r);
                 // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's
                 // contract.
                 unsafe {
@@ -797,7 +804,7 @@ pub(crate) mod avx512 {
         debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(16));
         let (all, live) = super::pad16(keys);
         super::row_blocks(rows, |r0, block| {
-            let ahead = if r0 == 0 { ahead } else { &super::Ahead::NONE };
+            let ahead = ahead.for_rows_from(r0);
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
             // `scores` alike.
             unsafe {
@@ -937,7 +944,7 @@ pub(crate) mod avx512bf16 {
         debug_assert!(!keys.is_empty() && keys.len() <= TOKENS && n.is_multiple_of(32));
         let (all, live) = super::pad16(keys);
         super::row_blocks(rows, |r0, block| {
-            let ahead = if r0 == 0 { ahead } else { &super::Ahead::NONE };
+            let ahead = ahead.for_rows_from(r0);
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
             // `scores` alike.
             unsafe {
@@ -1035,7 +1042,7 @@ pub(crate) mod avx512bf16 {
         }
         let vals = &order[..count];
         super::row_blocks(rows, |r0, block| {
-            let ahead = if r0 == 0 { ahead } else { &super::Ahead::NONE };
+            let ahead = ahead.for_rows_from(r0);
             // Each row's weights of `vals`' tokens, in order, rounded to bf16 and read as
             // pairs: the pair's first token in the low half of a 32-bit lane, and 0 after
             // the last token.
