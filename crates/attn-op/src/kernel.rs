@@ -198,36 +198,37 @@ fn attend_body<T: Element, const ISA: u8>(
     } else {
         Vec::new()
     });
-    let mut key_bits: Vec<*const u16> = Vec::with_capacity(C);
     // The AVX-512 build takes a chunk's dot products at once where the head dim allows.
     let chunk_dots = cfg!(target_arch = "x86_64") && ISA == simd::AVX512 && d.is_multiple_of(16);
-    let mut key_ptrs: Vec<*const u8> = Vec::with_capacity(C);
-    let mut val_bits: Vec<*const u16> = Vec::with_capacity(C);
     // The chunk's tokens: logical position and physical slot, in order.
     let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
     let pmax = pos.iter().copied().max().unwrap_or(-1);
     let pmin = pos.iter().copied().min().unwrap_or(-1);
     let contiguous = nh == layout.kv_heads;
     let chunks: Vec<&[Run]> = runs.chunk_by(|a, b| a.chunk == b.chunk).collect();
-    // The next chunk's tokens, then this chunk's, as pointers to their K and V rows at head 0
-    // (a head's row is `h * d` further, within the token's row of every head).
-    let mut ahead: Vec<(*const T, *const T)> = Vec::with_capacity(C);
-    let mut rows_at: Vec<(*const T, *const T)> = Vec::with_capacity(C);
+    // The SIMD builds' pointers to this chunk's K and V rows and to the next chunk's, which
+    // the head blocks ask the cache for while they compute (`simd::Ahead`): a chunk's tokens
+    // are strided by every head's row, which the hardware's prefetchers do not follow across
+    // pages. The next chunk's become this chunk's at the next step.
+    let (mut this, mut next) = (ChunkRows::default(), ChunkRows::default());
+    let mut next_of = None;
+    let bytes = d * size_of::<T>();
     for (ci, &chunk) in chunks.iter().enumerate() {
         let start = i64::from(chunk[0].pos);
         if start > pmax {
             continue;
         }
-        // The rows of the next chunk, which the head blocks below ask the cache for while they
-        // compute (`simd::Ahead`): a chunk's tokens are strided by every head's row, which
-        // the hardware's prefetchers do not follow across pages.
-        ahead.clear();
-        if ISA != simd::PORTABLE
-            && let Some(next) = chunks.get(ci + 1)
-        {
-            for run in *next {
-                ahead.extend((0..run.len as usize).map(|t| row_ptrs(kv, run.slot as usize + t)));
+        if ISA != simd::PORTABLE {
+            if next_of == Some(ci) {
+                std::mem::swap(&mut this, &mut next);
+            } else {
+                this.fill(kv, chunk, (h0, nh), d);
             }
+            match chunks.get(ci + 1) {
+                Some(after) => next.fill(kv, after, (h0, nh), d),
+                None => next.clear(),
+            }
+            next_of = Some(ci + 1);
         }
         toks.clear();
         for run in chunk {
@@ -235,10 +236,6 @@ fn attend_body<T: Element, const ISA: u8>(
                 (0..run.len as usize)
                     .map(|t| (i64::from(run.pos) + t as i64, run.slot as usize + t)),
             );
-        }
-        rows_at.clear();
-        if ISA != simd::PORTABLE {
-            rows_at.extend(toks.iter().map(|&(_, slot)| row_ptrs(kv, slot)));
         }
         let len = toks.len();
         // Every token of the chunk is visible to every row: no per-token mask.
@@ -270,19 +267,21 @@ fn attend_body<T: Element, const ISA: u8>(
         // Rows come in blocks of `group`: one query position and KV head, so one mask and one
         // K/V stream, widened once for the whole block.
         for b in (0..rows).step_by(group) {
-            let (p, h) = (pos[b], h0 + (b / group) % nh);
+            let (p, hb) = (pos[b], (b / group) % nh);
+            let h = h0 + hb;
             let qb = &q[b * d..(b + group) * d];
             let mut any = false;
+            // This head's rows of the chunk.
+            let (keys, vals_at) = this.head(hb, len);
             // The first query's head blocks ask for the next chunk's rows, each a share of
             // them in address order, and for the next head's rows of this chunk.
             let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b / group < nh {
-                spread_ahead(&ahead, &rows_at, b / group, (h0, nh), d)
+                this.ahead(&next, hb, bytes)
             } else {
                 (simd::Ahead::NONE, simd::Ahead::NONE)
             };
             #[cfg(target_arch = "x86_64")]
             if chunk_dots {
-                bit_rows(&mut key_ptrs, rows_at.iter().map(|r| r.0), h * d);
                 // Every token's dot products at once, as `dot_rows` makes them; masked ones
                 // are overwritten below.
                 // SAFETY: this build runs on a CPU with AVX-512F (`attend`); `d` is a
@@ -293,7 +292,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         qb.as_ptr(),
                         d,
                         group,
-                        (&key_ptrs, T::DTYPE),
+                        (keys, T::DTYPE),
                         scores.as_mut_ptr(),
                         C,
                         &ahead_k,
@@ -302,7 +301,6 @@ fn attend_body<T: Element, const ISA: u8>(
             }
             #[cfg(target_arch = "x86_64")]
             if ISA == simd::AVX512_BF16 {
-                bit_rows(&mut key_bits, rows_at.iter().map(|r| r.0), h * d);
                 // Every token's dot products at once; masked ones are overwritten below.
                 // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
                 // (`attend`), on a CPU with its features; the rows hold `group` rows of `d`
@@ -312,19 +310,28 @@ fn attend_body<T: Element, const ISA: u8>(
                         bf16_rows.as_ptr().add(b * d),
                         d,
                         group,
-                        &key_bits,
+                        keys,
                         scores.as_mut_ptr(),
                         C,
                         &ahead_k,
                     );
                 }
             }
-            for (t, &(tp, slot)) in toks.iter().enumerate() {
+            let computed = ISA == simd::AVX512_BF16 || chunk_dots;
+            // Nothing to mask or compute token by token where the chunk kernels made every
+            // score and every token is visible.
+            let per_token = if all_visible && computed {
+                &[][..]
+            } else {
+                &toks[..]
+            };
+            any |= per_token.is_empty();
+            for (t, &(tp, slot)) in per_token.iter().enumerate() {
                 let visible = all_visible || params.visible(tp, p);
                 any |= visible;
                 if !visible {
                     (0..group).for_each(|g| scores[g * C + t] = f32::NEG_INFINITY);
-                } else if ISA == simd::AVX512_BF16 || chunk_dots {
+                } else if computed {
                     // Computed above.
                 } else if ISA == simd::PORTABLE {
                     let o = (t * nh + h - h0) * d;
@@ -372,7 +379,6 @@ fn attend_body<T: Element, const ISA: u8>(
                 let mut live = simd::live_tokens::<ISA>(&scores, C, group, len);
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
-                    bit_rows(&mut val_bits, rows_at.iter().map(|r| r.1), h * d);
                     // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
                     // scores `group` rows of `C` (16), and every token of the chunk has a
                     // value of `d` elements.
@@ -382,7 +388,7 @@ fn attend_body<T: Element, const ISA: u8>(
                             d,
                             group,
                             (scores.as_ptr(), C),
-                            &val_bits,
+                            vals_at,
                             (live, &ahead_v),
                         );
                     }
@@ -391,7 +397,11 @@ fn attend_body<T: Element, const ISA: u8>(
                 vals.clear();
                 while live != 0 {
                     let t = live.trailing_zeros() as usize;
-                    vals.push((t, kv.v_at(toks[t].1, h)));
+                    // SAFETY: `vals_at[t]` points at token `t`'s value row of head `h`, `d`
+                    // elements within the cache (`ChunkRows::fill`).
+                    vals.push((t, unsafe {
+                        std::slice::from_raw_parts(vals_at[t].cast(), d)
+                    }));
                     live &= live - 1;
                 }
                 simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group, &ahead_v);
@@ -532,49 +542,105 @@ fn job_rows<T: Element>(
 /// V rows at head 0, so the offset picks a head), cast to what the reader takes: bf16 bits
 /// for the dot-product build, bytes (widened by dtype) for the AVX-512 build.
 #[cfg(target_arch = "x86_64")]
-fn bit_rows<T, U>(out: &mut Vec<*const U>, rows: impl Iterator<Item = *const T>, offset: usize) {
-    out.clear();
-    out.extend(rows.map(|r| r.wrapping_add(offset).cast::<U>()));
+/// Pointers to a chunk's K and V rows for each KV head of a job, as the SIMD builds read them:
+/// head-major (head block `hb`'s rows at `hb * CHUNK ..`, one a token, null past the chunk's
+/// tokens) for the math, and in address order (token by token, each token's heads in order)
+/// for the prefetches of the chunk before. Filled once a chunk, by additions only.
+#[derive(Default)]
+struct ChunkRows {
+    k: Vec<*const u8>,
+    v: Vec<*const u8>,
+    k_addr: Vec<*const u8>,
+    v_addr: Vec<*const u8>,
 }
 
-/// What head block `block` of a chunk (KV head `h0 + block` of the job's `nh` from `h0`, head
-/// dim `d`) asks the cache for while it computes, for K and for V: its share of the next
-/// chunk's rows in address order (block `b` takes rows `16 b .. 16 (b + 1)` of the chunk's
-/// tokens times heads) into level 2, and the next head's rows of this chunk (of the next
-/// chunk's first head after the last block) into level 1. `next` and `this` hold the chunks'
-/// rows at head 0, as [`row_ptrs`] gives them.
-fn spread_ahead<T: Element>(
-    next: &[(*const T, *const T)],
-    this: &[(*const T, *const T)],
-    block: usize,
-    (h0, nh): (usize, usize),
-    d: usize,
-) -> (simd::Ahead, simd::Ahead) {
-    const C: usize = CHUNK as usize;
-    let mut k = simd::Ahead {
-        bytes: d * size_of::<T>(),
-        ..simd::Ahead::NONE
-    };
-    let mut v = k;
-    // Element offsets within a token's row of every head.
-    let at = |(kr, vr): (*const T, *const T), off: usize| {
-        (kr.wrapping_add(off).cast(), vr.wrapping_add(off).cast())
-    };
-    for t in 0..C {
-        let j = block * C + t;
-        if let Some(&row) = next.get(j / nh) {
-            (k.far[t], v.far[t]) = at(row, (h0 + j % nh) * d);
+impl ChunkRows {
+    /// The rows of `chunk`'s tokens, heads `h0..h0 + nh` of head dim `d`.
+    fn fill<T: Element>(
+        &mut self,
+        kv: &PagedKv<T>,
+        chunk: &[Run],
+        (h0, nh): (usize, usize),
+        d: usize,
+    ) {
+        const C: usize = CHUNK as usize;
+        let tokens = chunk.iter().map(|run| run.len as usize).sum::<usize>();
+        let null = std::ptr::null();
+        for rows in [&mut self.k, &mut self.v] {
+            rows.clear();
+            rows.resize(nh * C, null);
         }
-        let near = if block + 1 < nh {
-            this.get(t).map(|&row| at(row, (h0 + block + 1) * d))
-        } else {
-            next.get(t).map(|&row| at(row, h0 * d))
-        };
-        if let Some((kp, vp)) = near {
-            (k.near[t], v.near[t]) = (kp, vp);
+        for rows in [&mut self.k_addr, &mut self.v_addr] {
+            rows.clear();
+            rows.resize(tokens * nh, null);
+        }
+        // A head's row lies `h * d` elements into the token's row of every head.
+        let offset = |hb: usize| (h0 + hb) * d * size_of::<T>();
+        let slots = chunk
+            .iter()
+            .flat_map(|run| (run.slot as usize..).take(run.len as usize));
+        let addr = self
+            .k_addr
+            .chunks_exact_mut(nh)
+            .zip(self.v_addr.chunks_exact_mut(nh));
+        for (slot, (ka, va)) in slots.zip(addr) {
+            let (k, v) = row_ptrs(kv, slot);
+            let (k, v) = (k.cast::<u8>(), v.cast::<u8>());
+            for (hb, (kp, vp)) in ka.iter_mut().zip(va.iter_mut()).enumerate() {
+                (*kp, *vp) = (k.wrapping_add(offset(hb)), v.wrapping_add(offset(hb)));
+            }
+        }
+        for (t, (ka, va)) in self
+            .k_addr
+            .chunks_exact(nh)
+            .zip(self.v_addr.chunks_exact(nh))
+            .enumerate()
+        {
+            for hb in 0..nh {
+                (self.k[hb * C + t], self.v[hb * C + t]) = (ka[hb], va[hb]);
+            }
         }
     }
-    (k, v)
+
+    /// No rows (no chunk).
+    fn clear(&mut self) {
+        self.k.clear();
+        self.v.clear();
+        self.k_addr.clear();
+        self.v_addr.clear();
+    }
+
+    /// Head block `hb`'s rows of the chunk's first `len` tokens: keys, values.
+    fn head(&self, hb: usize, len: usize) -> (&[*const u8], &[*const u8]) {
+        let at = hb * CHUNK as usize..hb * CHUNK as usize + len;
+        (
+            self.k.get(at.clone()).unwrap_or(&[]),
+            self.v.get(at).unwrap_or(&[]),
+        )
+    }
+
+    /// What head block `hb` asks the cache for while it computes this chunk, for K and for V
+    /// (rows of `bytes`): its share of `next`'s rows in address order (block `hb` takes rows
+    /// `16 hb .. 16 (hb + 1)` of the chunk's tokens times heads) into level 2, and the next
+    /// head's rows of this chunk (`next`'s first head after the last block) into level 1.
+    fn ahead<'a>(
+        &'a self,
+        next: &'a ChunkRows,
+        hb: usize,
+        bytes: usize,
+    ) -> (simd::Ahead<'a>, simd::Ahead<'a>) {
+        const C: usize = CHUNK as usize;
+        let share =
+            |rows: &'a [*const u8]| rows.get(hb * C..).map_or(&[][..], |r| &r[..r.len().min(C)]);
+        let near = |this: &'a [*const u8], next: &'a [*const u8]| match this.get((hb + 1) * C..) {
+            Some(r) if !r.is_empty() => &r[..C.min(r.len())],
+            _ => &next[..C.min(next.len())],
+        };
+        (
+            simd::Ahead::new(share(&next.k_addr), near(&self.k, &next.k), bytes),
+            simd::Ahead::new(share(&next.v_addr), near(&self.v, &next.v), bytes),
+        )
+    }
 }
 
 /// The K and V rows of `slot` at head 0, as pointers: a head `h < kv_heads` starts `h *

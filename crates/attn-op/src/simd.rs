@@ -48,35 +48,41 @@ fn detect() -> u8 {
 
 /// The rows a chunk kernel asks the cache for while it computes, spread over its work: with
 /// the work on token `t` of a chunk, `far[t]` (a row of a later chunk) into level 2 and
-/// `near[t]` (a row the kernel reads soon) into level 1; null entries ask for nothing. A
-/// prefetch is a hint that never faults, so any address is sound.
+/// `near[t]` (a row the kernel reads soon) into level 1; null or missing entries ask for
+/// nothing. A prefetch is a hint that never faults, so any address is sound.
 ///
 /// Measured on the dev box's EPYC (dense bf16 decode B8 L32K): the next chunk asked for
 /// head block by head block, in bursts, against nothing: 66 against 103 ms. One row per
 /// token of work instead, and the next head's rows into level 1, overlap the loads with the
 /// math better (BENCHMARKS.md, session 32).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Ahead {
+pub(crate) struct Ahead<'a> {
     /// Rows of a later chunk, into level 2, by token of the current chunk.
-    pub(crate) far: [*const u8; 16],
+    far: &'a [*const u8],
     /// Rows read soon, into level 1, by token of the current chunk.
-    pub(crate) near: [*const u8; 16],
+    near: &'a [*const u8],
     /// Bytes of each row.
-    pub(crate) bytes: usize,
+    bytes: usize,
 }
 
-impl Ahead {
+impl<'a> Ahead<'a> {
     /// Asks for nothing.
-    pub(crate) const NONE: Ahead = Ahead {
-        far: [std::ptr::null(); 16],
-        near: [std::ptr::null(); 16],
+    pub(crate) const NONE: Ahead<'static> = Ahead {
+        far: &[],
+        near: &[],
         bytes: 0,
     };
+
+    /// Asks for `far[t]` into level 2 and `near[t]` into level 1 (`bytes` from each) with the
+    /// work on token `t`.
+    pub(crate) fn new(far: &'a [*const u8], near: &'a [*const u8], bytes: usize) -> Self {
+        Ahead { far, near, bytes }
+    }
 
     /// What the block of rows from `first_row` asks for: the first block of a chunk kernel's
     /// rows asks for everything, the others for nothing (once a chunk is enough).
     #[inline(always)]
-    pub(crate) fn for_rows_from(&self, first_row: usize) -> &Ahead {
+    pub(crate) fn for_rows_from(&self, first_row: usize) -> &Ahead<'a> {
         if first_row == 0 { self } else { &Ahead::NONE }
     }
 
@@ -85,8 +91,12 @@ impl Ahead {
     #[inline(always)]
     pub(crate) fn part(&self, k: usize, parts: usize) {
         for t in k * 16 / parts..((k + 1) * 16 / parts).min(16) {
-            fetch_lines::<true>(self.far[t], self.bytes);
-            fetch_lines::<false>(self.near[t], self.bytes);
+            if let Some(&p) = self.far.get(t) {
+                fetch_lines::<true>(p, self.bytes);
+            }
+            if let Some(&p) = self.near.get(t) {
+                fetch_lines::<false>(p, self.bytes);
+            }
         }
     }
 }
@@ -236,7 +246,7 @@ pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
     (w, stride): (&[f32], usize),
     vs: &[(usize, &[T])],
     rows: usize,
-    ahead: &Ahead,
+    ahead: &Ahead<'_>,
 ) {
     assert!(
         acc.len() >= rows * n
@@ -360,12 +370,12 @@ const EXP_POLY: [f32; 6] = [
 ];
 
 /// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
-/// `$isa`: their names for the docs; `$w` f32 lanes a vector; the build's intrinsics and its
-/// widening load `$load`): `axpy_rows_r` keeps two vectors of each of `R` rows in registers
-/// over a chunk's tokens, and `axpy_rows` runs it over row blocks.
+/// `$isa`: their names for the docs; `$w` f32 lanes a vector; the build's intrinsics; the
+/// module's `load_pair` and `in_order`): `axpy_rows_r` keeps two vectors of each of `R` rows
+/// in registers over a chunk's tokens, and `axpy_rows` runs it over row blocks.
 macro_rules! chunk_axpy {
     ($feat:literal, $isa:literal, $w:literal, $zero:ident, $set1:ident, $fma:ident, $ldu:ident,
-     $stu:ident, $add:ident, $load:ident) => {
+     $stu:ident, $add:ident) => {
         #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
         #[doc = "`w` rows `R` of `stride` weights with every token index of `vs` below `stride`,"]
         #[doc = "and each value `n` elements."]
@@ -375,7 +385,7 @@ macro_rules! chunk_axpy {
             n: usize,
             (w, stride): (*const f32, usize),
             vs: &[(usize, &[T])],
-            ahead: &super::Ahead,
+            ahead: &super::Ahead<'_>,
         ) {
             let dtype = T::DTYPE;
             let steps = n / (2 * $w);
@@ -390,7 +400,7 @@ macro_rules! chunk_axpy {
                     // SAFETY: `i + 2 * $w <= n` elements of `v`; weight `r * stride + t` is
                     // within the caller's `R` rows of `stride`.
                     unsafe {
-                        let (v0, v1) = ($load(vp, dtype, i), $load(vp, dtype, i + $w));
+                        let (v0, v1) = load_pair(vp, dtype, i);
                         for r in 0..R {
                             let wr = $set1(*w.add(r * stride + t));
                             a0[r] = $fma(wr, v0, a0[r]);
@@ -399,11 +409,12 @@ macro_rules! chunk_axpy {
                     }
                 }
                 for r in 0..R {
+                    let (x0, x1) = in_order(dtype, a0[r], a1[r]);
                     // SAFETY: `i + 2 * $w <= n`: within row `r` of `acc`.
                     unsafe {
                         let p = acc.add(r * n + i);
-                        $stu(p, $add($ldu(p), a0[r]));
-                        $stu(p.add($w), $add($ldu(p.add($w)), a1[r]));
+                        $stu(p, $add($ldu(p), x0));
+                        $stu(p.add($w), $add($ldu(p.add($w)), x1));
                     }
                 }
                 i += 2 * $w;
@@ -432,7 +443,7 @@ macro_rules! chunk_axpy {
             (w, stride): (*const f32, usize),
             vs: &[(usize, &[T])],
             rows: usize,
-            ahead: &super::Ahead,
+            ahead: &super::Ahead<'_>,
         ) {
             super::row_blocks(rows, |r, block| {
                 let ahead = ahead.for_rows_from(r);
@@ -536,6 +547,46 @@ mod avx2 {
         }
     }
 
+    /// Elements `i .. i + 16` of a buffer of `dtype`, widened to f32 as two vectors: in order,
+    /// except for bf16, whose even elements come first and odd ones second (one 32-byte load
+    /// whose 32-bit lanes each hold a pair, split by a shift and a mask); [`in_order`] puts
+    /// sums of them back in order.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `p` must point at `i + 16` or more elements of `dtype`.
+    #[inline(always)]
+    unsafe fn load_pair(p: *const u8, dtype: DType, i: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's contract; unaligned loads.
+        unsafe {
+            if dtype == DType::BF16 {
+                let x = _mm256_loadu_si256(p.cast::<u16>().add(i).cast::<__m256i>());
+                let odd = _mm256_and_si256(x, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+                (
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x)),
+                    _mm256_castsi256_ps(odd),
+                )
+            } else {
+                (load8(p, dtype, i), load8(p, dtype, i + 8))
+            }
+        }
+    }
+
+    /// Two vectors in the lane order [`load_pair`] gives for `dtype`, back in element order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn in_order(dtype: DType, a: __m256, b: __m256) -> (__m256, __m256) {
+        if dtype == DType::BF16 {
+            // Elements 0-3 and 8-11 interleaved, then 4-7 and 12-15.
+            let (lo, hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+            (
+                _mm256_permute2f128_ps::<0x20>(lo, hi),
+                _mm256_permute2f128_ps::<0x31>(lo, hi),
+            )
+        } else {
+            (a, b)
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `q` must hold `R * n` f32, `k` `n` elements of
     /// `dtype`, `out` `R` f32.
@@ -604,8 +655,7 @@ mod avx2 {
         _mm256_fmadd_ps,
         _mm256_loadu_ps,
         _mm256_storeu_ps,
-        _mm256_add_ps,
-        load8
+        _mm256_add_ps
     );
 }
 
@@ -721,6 +771,47 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// Elements `i .. i + 32` of a buffer of `dtype`, widened to f32 as two vectors: in order,
+    /// except for bf16, whose even elements come first and odd ones second (one 64-byte load
+    /// whose 32-bit lanes each hold a pair, split by a shift and a mask); [`in_order`] puts
+    /// sums of them back in order.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `p` must point at `i + 32` or more elements of `dtype`.
+    #[inline(always)]
+    unsafe fn load_pair(p: *const u8, dtype: DType, i: usize) -> (__m512, __m512) {
+        // SAFETY: the caller's contract; unaligned loads.
+        unsafe {
+            if dtype == DType::BF16 {
+                let x = _mm512_loadu_si512(p.cast::<u16>().add(i).cast::<__m512i>());
+                let odd = _mm512_and_si512(x, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+                (
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)),
+                    _mm512_castsi512_ps(odd),
+                )
+            } else {
+                (load16(p, dtype, i), load16(p, dtype, i + 16))
+            }
+        }
+    }
+
+    /// Two vectors in the lane order [`load_pair`] gives for `dtype`, back in element order.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn in_order(dtype: DType, a: __m512, b: __m512) -> (__m512, __m512) {
+        if dtype == DType::BF16 {
+            let lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+            let hi =
+                _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+            (
+                _mm512_permutex2var_ps(a, lo, b),
+                _mm512_permutex2var_ps(a, hi, b),
+            )
+        } else {
+            (a, b)
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX-512F; `q` must hold `R * n` f32, `k` `n` elements of
     /// `dtype`, `out` `R` f32.
@@ -799,7 +890,7 @@ pub(crate) mod avx512 {
         (keys, dtype): (&[*const u8], DType),
         scores: *mut f32,
         stride: usize,
-        ahead: &super::Ahead,
+        ahead: &super::Ahead<'_>,
     ) {
         debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(16));
         let (all, live) = super::pad16(keys);
@@ -832,7 +923,7 @@ pub(crate) mod avx512 {
         n: usize,
         (keys, dtype): (&[*const u8; 16], DType),
         (scores, stride): (*mut f32, usize),
-        (live, ahead): (__mmask16, &super::Ahead),
+        (live, ahead): (__mmask16, &super::Ahead<'_>),
     ) {
         let split = B.trailing_zeros() as usize;
         let level = |k, u, w| sum_level(k, u, w);
@@ -906,8 +997,7 @@ pub(crate) mod avx512 {
         _mm512_fmadd_ps,
         _mm512_loadu_ps,
         _mm512_storeu_ps,
-        _mm512_add_ps,
-        load16
+        _mm512_add_ps
     );
 }
 
@@ -936,10 +1026,10 @@ pub(crate) mod avx512bf16 {
         q: *const u16,
         n: usize,
         rows: usize,
-        keys: &[*const u16],
+        keys: &[*const u8],
         scores: *mut f32,
         stride: usize,
-        ahead: &super::Ahead,
+        ahead: &super::Ahead<'_>,
     ) {
         debug_assert!(!keys.is_empty() && keys.len() <= TOKENS && n.is_multiple_of(32));
         let (all, live) = super::pad16(keys);
@@ -972,9 +1062,9 @@ pub(crate) mod avx512bf16 {
     unsafe fn qk_rows<const R: usize, const B: usize>(
         q: *const u16,
         n: usize,
-        keys: &[*const u16; TOKENS],
+        keys: &[*const u8; TOKENS],
         (scores, stride): (*mut f32, usize),
-        (live, ahead): (__mmask16, &super::Ahead),
+        (live, ahead): (__mmask16, &super::Ahead<'_>),
     ) {
         let split = B.trailing_zeros() as usize;
         let level = |k, u, w| sum_level(k, u, w);
@@ -991,8 +1081,9 @@ pub(crate) mod avx512bf16 {
                         std::mem::transmute(_mm512_loadu_si512(q.add(r * n + i).cast::<__m512i>()))
                     });
                     for (t, &key) in block.iter().enumerate() {
-                        let kv: __m512bh =
-                            std::mem::transmute(_mm512_loadu_si512(key.add(i).cast::<__m512i>()));
+                        let kv: __m512bh = std::mem::transmute(_mm512_loadu_si512(
+                            key.cast::<u16>().add(i).cast::<__m512i>(),
+                        ));
                         for r in 0..R {
                             acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qv[r], kv);
                         }
@@ -1027,12 +1118,12 @@ pub(crate) mod avx512bf16 {
         n: usize,
         rows: usize,
         (w, stride): (*const f32, usize),
-        vals: &[*const u16],
-        (live, ahead): (u16, &super::Ahead),
+        vals: &[*const u8],
+        (live, ahead): (u16, &super::Ahead<'_>),
     ) {
         debug_assert!(vals.len() <= TOKENS && n.is_multiple_of(32));
         debug_assert!(stride >= TOKENS && (16 - live.leading_zeros()) as usize <= vals.len());
-        let mut order = [std::ptr::null::<u16>(); TOKENS];
+        let mut order = [std::ptr::null::<u8>(); TOKENS];
         let mut count = 0;
         let mut bits = live;
         while bits != 0 {
@@ -1078,7 +1169,7 @@ pub(crate) mod avx512bf16 {
         acc: *mut f32,
         n: usize,
         packed: &[[u32; TOKENS / 2]; 8],
-        (vals, ahead): (&[*const u16], &super::Ahead),
+        (vals, ahead): (&[*const u8], &super::Ahead<'_>),
     ) {
         // Interleaving two tokens' 16-bit values within 128-bit lanes leaves the dot
         // products' lanes in the order (0-3, 8-11, 16-19, 24-27) for the low halves and
@@ -1092,7 +1183,10 @@ pub(crate) mod avx512bf16 {
             let mut lo = [_mm512_setzero_ps(); R];
             let mut hi = [_mm512_setzero_ps(); R];
             for (p, pair) in vals.chunks(2).enumerate() {
-                let (a, b) = (pair[0], pair.get(1).copied().unwrap_or(pair[0]));
+                let (a, b) = (
+                    pair[0].cast::<u16>(),
+                    pair.get(1).unwrap_or(&pair[0]).cast::<u16>(),
+                );
                 // SAFETY: `i + 32 <= n` elements of each value.
                 unsafe {
                     let va = _mm512_loadu_si512(a.add(i).cast::<__m512i>());
