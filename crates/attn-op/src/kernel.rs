@@ -276,7 +276,7 @@ fn attend_body<T: Element, const ISA: u8>(
             // The first query's head blocks ask for the next chunk's rows, each a share of
             // them in address order, and for the next head's rows of this chunk.
             let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b / group < nh {
-                this.ahead(&next, hb, bytes)
+                next.share(hb, bytes)
             } else {
                 (simd::Ahead::NONE, simd::Ahead::NONE)
             };
@@ -619,26 +619,18 @@ impl ChunkRows {
         )
     }
 
-    /// What head block `hb` asks the cache for while it computes this chunk, for K and for V
-    /// (rows of `bytes`): its share of `next`'s rows in address order (block `hb` takes rows
-    /// `16 hb .. 16 (hb + 1)` of the chunk's tokens times heads) into level 2, and the next
-    /// head's rows of this chunk (`next`'s first head after the last block) into level 1.
-    fn ahead<'a>(
-        &'a self,
-        next: &'a ChunkRows,
-        hb: usize,
-        bytes: usize,
-    ) -> (simd::Ahead<'a>, simd::Ahead<'a>) {
-        const C: usize = CHUNK as usize;
-        let share =
-            |rows: &'a [*const u8]| rows.get(hb * C..).map_or(&[][..], |r| &r[..r.len().min(C)]);
-        let near = |this: &'a [*const u8], next: &'a [*const u8]| match this.get((hb + 1) * C..) {
-            Some(r) if !r.is_empty() => &r[..C.min(r.len())],
-            _ => &next[..C.min(next.len())],
+    /// What head block `hb` of the chunk before asks the cache for while it computes, for K
+    /// and for V (rows of `bytes`): its share of these rows in address order (block `hb`
+    /// takes rows `16 hb .. 16 (hb + 1)` of the chunk's tokens times heads).
+    fn share(&self, hb: usize, bytes: usize) -> (simd::Ahead<'_>, simd::Ahead<'_>) {
+        let part = |rows: &[*const u8]| {
+            let from = (hb * CHUNK as usize).min(rows.len());
+            (from, (from + CHUNK as usize).min(rows.len()))
         };
+        let ((k0, k1), (v0, v1)) = (part(&self.k_addr), part(&self.v_addr));
         (
-            simd::Ahead::new(share(&next.k_addr), near(&self.k, &next.k), bytes),
-            simd::Ahead::new(share(&next.v_addr), near(&self.v, &next.v), bytes),
+            simd::Ahead::new(&self.k_addr[k0..k1], bytes),
+            simd::Ahead::new(&self.v_addr[v0..v1], bytes),
         )
     }
 }

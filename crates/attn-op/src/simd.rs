@@ -46,21 +46,18 @@ fn detect() -> u8 {
     PORTABLE
 }
 
-/// The rows a chunk kernel asks the cache for while it computes, spread over its work: with
-/// the work on token `t` of a chunk, `far[t]` (a row of a later chunk) into level 2 and
-/// `near[t]` (a row the kernel reads soon) into level 1; null or missing entries ask for
-/// nothing. A prefetch is a hint that never faults, so any address is sound.
+/// The rows a chunk kernel asks the level-2 cache for while it computes, spread over its work:
+/// with the work on token `t` of a chunk, `rows[t]` (a row of a later chunk); null or missing
+/// entries ask for nothing. A prefetch is a hint that never faults, so any address is sound.
 ///
-/// Measured on the dev box's EPYC (dense bf16 decode B8 L32K): the next chunk asked for
-/// head block by head block, in bursts, against nothing: 66 against 103 ms. One row per
-/// token of work instead, and the next head's rows into level 1, overlap the loads with the
-/// math better (BENCHMARKS.md, session 32).
+/// Measured on the dev box's EPYC (dense bf16 decode B8 L32K): the next chunk asked for head
+/// block by head block, in bursts, against nothing: 66 against 103 ms. One row per token of
+/// work instead overlaps the loads with the math better (BENCHMARKS.md, session 32). Asking
+/// level 1 for the next head's rows as well cost more than it saved (session 33).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ahead<'a> {
-    /// Rows of a later chunk, into level 2, by token of the current chunk.
-    far: &'a [*const u8],
-    /// Rows read soon, into level 1, by token of the current chunk.
-    near: &'a [*const u8],
+    /// Rows of a later chunk, by token of the current chunk.
+    rows: &'a [*const u8],
     /// Bytes of each row.
     bytes: usize,
 }
@@ -68,15 +65,13 @@ pub(crate) struct Ahead<'a> {
 impl<'a> Ahead<'a> {
     /// Asks for nothing.
     pub(crate) const NONE: Ahead<'static> = Ahead {
-        far: &[],
-        near: &[],
+        rows: &[],
         bytes: 0,
     };
 
-    /// Asks for `far[t]` into level 2 and `near[t]` into level 1 (`bytes` from each) with the
-    /// work on token `t`.
-    pub(crate) fn new(far: &'a [*const u8], near: &'a [*const u8], bytes: usize) -> Self {
-        Ahead { far, near, bytes }
+    /// Asks for `rows[t]` (`bytes` from each) with the work on token `t`.
+    pub(crate) fn new(rows: &'a [*const u8], bytes: usize) -> Self {
+        Ahead { rows, bytes }
     }
 
     /// What the block of rows from `first_row` asks for: the first block of a chunk kernel's
@@ -91,34 +86,24 @@ impl<'a> Ahead<'a> {
     #[inline(always)]
     pub(crate) fn part(&self, k: usize, parts: usize) {
         for t in k * 16 / parts..((k + 1) * 16 / parts).min(16) {
-            if let Some(&p) = self.far.get(t) {
-                fetch_lines::<true>(p, self.bytes);
-            }
-            if let Some(&p) = self.near.get(t) {
-                fetch_lines::<false>(p, self.bytes);
+            if let Some(&p) = self.rows.get(t) {
+                fetch_lines(p, self.bytes);
             }
         }
     }
 }
 
 /// Asks the CPU to bring the `bytes` bytes from `p` (each 64-byte line) into its level-2
-/// cache (`FAR`) or level 1; nothing for a null `p`.
+/// cache; nothing for a null `p`.
 #[inline(always)]
-fn fetch_lines<const FAR: bool>(p: *const u8, bytes: usize) {
+fn fetch_lines(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     if !p.is_null() {
-        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
         for o in (0..bytes).step_by(64) {
-            let at = p.wrapping_add(o).cast::<i8>();
             // SAFETY: a prefetch reads nothing architecturally and never faults, whatever the
             // address (`wrapping_add` keeps the pointer arithmetic defined).
-            unsafe {
-                if FAR {
-                    _mm_prefetch::<_MM_HINT_T1>(at);
-                } else {
-                    _mm_prefetch::<_MM_HINT_T0>(at);
-                }
-            }
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast::<i8>()) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
