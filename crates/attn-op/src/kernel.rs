@@ -538,14 +538,11 @@ fn job_rows<T: Element>(
     (qs, pos)
 }
 
-/// Refills `out` with the address `offset` elements into each of `rows` (a chunk's tokens' K or
-/// V rows at head 0, so the offset picks a head), cast to what the reader takes: bf16 bits
-/// for the dot-product build, bytes (widened by dtype) for the AVX-512 build.
-#[cfg(target_arch = "x86_64")]
 /// Pointers to a chunk's K and V rows for each KV head of a job, as the SIMD builds read them:
-/// head-major (head block `hb`'s rows at `hb * CHUNK ..`, one a token, null past the chunk's
-/// tokens) for the math, and in address order (token by token, each token's heads in order)
-/// for the prefetches of the chunk before. Filled once a chunk, by additions only.
+/// head-major (head block `hb`'s rows at `hb * CHUNK ..`, one a token; entries past the
+/// chunk's tokens are stale and never read) for the math, and in address order (token by
+/// token, each token's heads in order) for the prefetches of the chunk before. Filled once a
+/// chunk, by additions only.
 #[derive(Default)]
 struct ChunkRows {
     k: Vec<*const u8>,
@@ -565,13 +562,12 @@ impl ChunkRows {
     ) {
         const C: usize = CHUNK as usize;
         let tokens = chunk.iter().map(|run| run.len as usize).sum::<usize>();
+        // Every entry read is written below: no clearing.
         let null = std::ptr::null();
         for rows in [&mut self.k, &mut self.v] {
-            rows.clear();
             rows.resize(nh * C, null);
         }
         for rows in [&mut self.k_addr, &mut self.v_addr] {
-            rows.clear();
             rows.resize(tokens * nh, null);
         }
         // A head's row lies `h * d` elements into the token's row of every head.
