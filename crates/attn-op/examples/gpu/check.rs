@@ -88,6 +88,20 @@ const SHAPES: &[Shape] = &[
         q_scale: 1.0,
     },
     Shape {
+        // 256 (sequence, KV head) units: more than half a wave, so the planner picks the
+        // split count that fills the last wave best (3 on an H200) instead of one a unit.
+        name: "wide decode B32 32/8 D128",
+        head_dim: 128,
+        q_heads: 32,
+        kv_heads: 8,
+        block_size: 16,
+        seqs: &[(1, 1500); 32],
+        window: None,
+        sink_tokens: 0,
+        sink_logits: false,
+        q_scale: 1.0,
+    },
+    Shape {
         name: "long decode 32/8 D128",
         head_dim: 128,
         q_heads: 32,
