@@ -148,17 +148,7 @@ impl Gpu {
         let kernel = self.attn_kernel(T::DTYPE, d, max_rows)?;
         let tiles = max_rows.div_ceil(kernel.rows);
         let units = meta.num_seqs() * layout.kv_heads * tiles;
-        // Split the keys so that the CTAs fill whole waves of what the device holds at once.
-        let slots = kernel.resident * self.sms;
-        let mut splits = (self.waves * slots / units.max(1)).max(1);
-        if splits == 1 {
-            // More units than half the target: one split a unit can leave most of its last
-            // wave idle (B32 and B64 sparse decode on an H200: 256 and 512 units against 396
-            // slots). Take the split count of 1 to 4 whose CTAs fill their last wave best:
-            // 3 at both, measured 1.55 -> 1.46 and 1.54 -> 1.33 times the bytes floor.
-            let fill = |s: usize| units * s * 1000 / ((units * s).div_ceil(slots) * slots);
-            splits = (1..=4).rev().max_by_key(|&s| fill(s)).unwrap_or(1);
-        }
+        let mut splits = split_count(units, kernel.resident * self.sms, self.waves);
         while splits > 1 && splits * total_rows * (d + 1) * 4 > SCRATCH_BUDGET {
             splits /= 2;
         }
@@ -466,5 +456,63 @@ impl Gpu {
         // above), and shared memory holds one chunk of 16 tokens of K and V.
         unsafe { b.launch(cfg) }?;
         Ok(new_lens)
+    }
+}
+
+/// How many splits of its keys each of `units` (sequence, KV head, row tile) units gets, for a
+/// device that holds `slots` CTAs at once and a target of `waves` waves: enough CTAs to fill
+/// the target. Where that leaves one split a unit (more units than half the target) and the
+/// units fill at most two waves, one split can leave most of the last wave idle (B32 and B64
+/// sparse decode on an H200: 256 and 512 units against 396 slots), so the count of 1 to 4
+/// whose CTAs fill their last wave best is taken, the smallest on a tie: 3 at both, measured
+/// 1.55 -> 1.45 and 1.54 -> 1.32 times the bytes floor (BENCHMARKS.md, session 33). Past two
+/// waves the idle share of the last one is smaller, and more splits were not measured there.
+fn split_count(units: usize, slots: usize, waves: usize) -> usize {
+    let (units, slots) = (units.max(1), slots.max(1));
+    let splits = (waves * slots / units).max(1);
+    if splits > 1 || units > 2 * slots {
+        return splits;
+    }
+    // Thousandths of the last wave's slots that the CTAs fill.
+    let fill = |s: usize| units * s * 1000 / ((units * s).div_ceil(slots) * slots);
+    (1..=4).rev().max_by_key(|&s| fill(s)).unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_count;
+
+    /// `split_count(units, slots, waves)` is `want` for each case.
+    fn check(cases: &[(usize, usize, usize, usize)]) {
+        for &(units, slots, waves, want) in cases {
+            assert_eq!(
+                split_count(units, slots, waves),
+                want,
+                "split_count({units}, {slots}, {waves})"
+            );
+        }
+    }
+
+    #[test]
+    fn splits_fill_whole_waves() {
+        // An H200's 132 multiprocessors at 3 CTAs each: 396 slots; 8 KV heads a sequence.
+        check(&[
+            // B1 and B8: as many splits as fill the target.
+            (8, 396, 1, 49),
+            (64, 396, 1, 6),
+            (64, 396, 2, 12),
+            // B25, B32, B64: the split count that fills the last wave best.
+            (200, 396, 1, 3),
+            (256, 396, 1, 3),
+            (512, 396, 1, 3),
+            // A unit a slot fills the wave: one split.
+            (396, 396, 1, 1),
+            // More units than two waves hold: one split, as before.
+            (793, 396, 1, 1),
+            (1700, 396, 1, 1),
+            // Degenerate inputs still give one split or more.
+            (0, 0, 1, 1),
+            (5, 0, 1, 1),
+        ]);
     }
 }
