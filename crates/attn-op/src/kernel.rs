@@ -274,7 +274,7 @@ fn attend_body<T: Element, const ISA: u8>(
             // This head's rows of the chunk.
             let (keys, vals_at) = this.head(hb, len);
             // The first query's head blocks ask for the next chunk's rows, each a share of
-            // them in address order, and for the next head's rows of this chunk.
+            // them in address order.
             let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b / group < nh {
                 next.share(hb, bytes)
             } else {
@@ -397,8 +397,9 @@ fn attend_body<T: Element, const ISA: u8>(
                 vals.clear();
                 while live != 0 {
                     let t = live.trailing_zeros() as usize;
-                    // SAFETY: `vals_at[t]` points at token `t`'s value row of head `h`, `d`
-                    // elements within the cache (`ChunkRows::fill`).
+                    // SAFETY: `vals_at[t]` points at token `t`'s value row of head `h`: `d`
+                    // initialized, aligned elements of `T` within the cache, which outlives
+                    // `vals` (`ChunkRows::fill` took it from `row_ptrs`).
                     vals.push((t, unsafe {
                         std::slice::from_raw_parts(vals_at[t].cast(), d)
                     }));
