@@ -54,8 +54,9 @@ impl<T: Copy + Default> Aligned<T> {
 /// (`MADV_HUGEPAGE`; by default the kernel does so only where asked). A decode step reads a
 /// pool's K/V rows scattered over blocks, and with 4 KiB pages every two token rows cost a TLB
 /// miss. Measured on the dev box (interleaved runs of one binary, pools with and without the
-/// advice): dense bf16-dot decode B8 L32K 46.1 -> 39.2 ms, best of six. A hint only: pages touched before the call stay small until the kernel's background
-/// merger gets to them, and where huge pages are off the call fails and changes nothing.
+/// advice): dense bf16-dot decode B8 L32K 46.1 -> 39.2 ms, best of six. A hint only: pages
+/// touched before the call stay small until the kernel's background merger gets to them, and
+/// where huge pages are off the call fails and changes nothing.
 /// Touching one byte of a huge page makes all 2 MiB of it resident.
 fn advise_huge<T>(buf: &[T]) {
     #[cfg(target_os = "linux")]

@@ -355,12 +355,36 @@ const EXP_POLY: [f32; 6] = [
 ];
 
 /// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
-/// `$isa`: their names for the docs; `$w` f32 lanes a vector; the build's intrinsics; the
-/// module's `load_pair` and `in_order`): `axpy_rows_r` keeps two vectors of each of `R` rows
-/// in registers over a chunk's tokens, and `axpy_rows` runs it over row blocks.
+/// `$isa`: their names for the docs; `$w` f32 lanes of vector type `$v`; the build's
+/// intrinsics, its widening load `$load` and the module's `in_order`): `load_pair` widens two
+/// vectors' worth of a value, `axpy_rows_r` keeps two vectors of each of `R` rows in registers
+/// over a chunk's tokens, and `axpy_rows` runs it over row blocks.
 macro_rules! chunk_axpy {
-    ($feat:literal, $isa:literal, $w:literal, $zero:ident, $set1:ident, $fma:ident, $ldu:ident,
-     $stu:ident, $add:ident) => {
+    ($feat:literal, $isa:literal, $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
+     $ldu:ident, $stu:ident, $add:ident, $load:ident,
+     ($vi:ty, $ldi:ident, $andi:ident, $set1i:ident, $slli:ident, $cast:ident)) => {
+        #[doc = concat!("Elements `i .. i + 2 * ", $w, "` of a buffer of `dtype`, widened to f32")]
+        /// as two vectors: in order, except for bf16, whose even elements come first and odd
+        /// ones second (one load whose 32-bit lanes each hold a pair, split by a shift and a
+        /// mask); `in_order` puts sums of them back in order.
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU must support ", $isa, "; `p` must point at `i + 2 * ", $w, "`")]
+        /// or more elements of `dtype`.
+        #[inline(always)]
+        unsafe fn load_pair(p: *const u8, dtype: DType, i: usize) -> ($v, $v) {
+            // SAFETY: the caller's contract; unaligned loads.
+            unsafe {
+                if dtype == DType::BF16 {
+                    let x = $ldi(p.cast::<u16>().add(i).cast::<$vi>());
+                    let odd = $andi(x, $set1i(0xffff_0000_u32 as i32));
+                    ($cast($slli::<16>(x)), $cast(odd))
+                } else {
+                    ($load(p, dtype, i), $load(p, dtype, i + $w))
+                }
+            }
+        }
+
         #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
         #[doc = "`w` rows `R` of `stride` weights with every token index of `vs` below `stride`,"]
         #[doc = "and each value `n` elements."]
@@ -532,31 +556,7 @@ mod avx2 {
         }
     }
 
-    /// Elements `i .. i + 16` of a buffer of `dtype`, widened to f32 as two vectors: in order,
-    /// except for bf16, whose even elements come first and odd ones second (one 32-byte load
-    /// whose 32-bit lanes each hold a pair, split by a shift and a mask); [`in_order`] puts
-    /// sums of them back in order.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2; `p` must point at `i + 16` or more elements of `dtype`.
-    #[inline(always)]
-    unsafe fn load_pair(p: *const u8, dtype: DType, i: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's contract; unaligned loads.
-        unsafe {
-            if dtype == DType::BF16 {
-                let x = _mm256_loadu_si256(p.cast::<u16>().add(i).cast::<__m256i>());
-                let odd = _mm256_and_si256(x, _mm256_set1_epi32(0xffff_0000_u32 as i32));
-                (
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x)),
-                    _mm256_castsi256_ps(odd),
-                )
-            } else {
-                (load8(p, dtype, i), load8(p, dtype, i + 8))
-            }
-        }
-    }
-
-    /// Two vectors in the lane order [`load_pair`] gives for `dtype`, back in element order.
+    /// Two vectors in the lane order `load_pair` gives for `dtype`, back in element order.
     #[inline]
     #[target_feature(enable = "avx2")]
     fn in_order(dtype: DType, a: __m256, b: __m256) -> (__m256, __m256) {
@@ -635,12 +635,22 @@ mod avx2 {
         "avx2,fma,f16c",
         "AVX2, FMA and F16C",
         8,
+        __m256,
         _mm256_setzero_ps,
         _mm256_set1_ps,
         _mm256_fmadd_ps,
         _mm256_loadu_ps,
         _mm256_storeu_ps,
-        _mm256_add_ps
+        _mm256_add_ps,
+        load8,
+        (
+            __m256i,
+            _mm256_loadu_si256,
+            _mm256_and_si256,
+            _mm256_set1_epi32,
+            _mm256_slli_epi32,
+            _mm256_castsi256_ps
+        )
     );
 }
 
@@ -756,31 +766,7 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// Elements `i .. i + 32` of a buffer of `dtype`, widened to f32 as two vectors: in order,
-    /// except for bf16, whose even elements come first and odd ones second (one 64-byte load
-    /// whose 32-bit lanes each hold a pair, split by a shift and a mask); [`in_order`] puts
-    /// sums of them back in order.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F; `p` must point at `i + 32` or more elements of `dtype`.
-    #[inline(always)]
-    unsafe fn load_pair(p: *const u8, dtype: DType, i: usize) -> (__m512, __m512) {
-        // SAFETY: the caller's contract; unaligned loads.
-        unsafe {
-            if dtype == DType::BF16 {
-                let x = _mm512_loadu_si512(p.cast::<u16>().add(i).cast::<__m512i>());
-                let odd = _mm512_and_si512(x, _mm512_set1_epi32(0xffff_0000_u32 as i32));
-                (
-                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)),
-                    _mm512_castsi512_ps(odd),
-                )
-            } else {
-                (load16(p, dtype, i), load16(p, dtype, i + 16))
-            }
-        }
-    }
-
-    /// Two vectors in the lane order [`load_pair`] gives for `dtype`, back in element order.
+    /// Two vectors in the lane order `load_pair` gives for `dtype`, back in element order.
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn in_order(dtype: DType, a: __m512, b: __m512) -> (__m512, __m512) {
@@ -977,12 +963,22 @@ pub(crate) mod avx512 {
         "avx512f",
         "AVX-512F",
         16,
+        __m512,
         _mm512_setzero_ps,
         _mm512_set1_ps,
         _mm512_fmadd_ps,
         _mm512_loadu_ps,
         _mm512_storeu_ps,
-        _mm512_add_ps
+        _mm512_add_ps,
+        load16,
+        (
+            __m512i,
+            _mm512_loadu_si512,
+            _mm512_and_si512,
+            _mm512_set1_epi32,
+            _mm512_slli_epi32,
+            _mm512_castsi512_ps
+        )
     );
 }
 
