@@ -172,13 +172,15 @@ __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
 }
 
 // The ids of the `pick` largest keys of keys[0..n) in ascending id order, written to out; ties go
-// to the lower id. The caller has found the keys' range [lo, top] and zeroed hist[0]. The
-// pick-th largest key T (the largest T that at least `pick` keys reach) is found by histograms
-// over a shrinking key range [lo, hi): each round bins the range's keys into SEL_BINS equal
-// bins (shared-memory atomics) and finds the bin where the count of keys at or above it reaches
-// `pick`, which becomes the range. 32-bit keys take at most 3 rounds (12 bits each). Rounds
-// alternate between the two histograms of `hist` (2 * SEL_BINS ints), each clearing the other
-// one as it bins, so a round costs three barriers: binned, warp totals written, bin found.
+// to the lower id. The caller has found the largest key `top` and a `lo` that at least `pick`
+// keys reach, and zeroed hist[0]. The pick-th largest key T (the largest T that at least `pick`
+// keys reach) is found by histograms over a shrinking key range [lo, hi): each round bins the
+// range's keys into SEL_BINS equal bins (shared-memory atomics) and finds the bin where the
+// count of keys at or above it reaches `pick`, which becomes the range. Where that bin holds
+// exactly the keys still needed, the search ends: all of them are taken. 32-bit keys take at
+// most 3 rounds (12 bits each). Rounds alternate between the two histograms of `hist` (2 *
+// SEL_BINS ints), each clearing the other one as it bins, so a round costs three barriers:
+// binned, warp totals written, bin found.
 // Then each warp takes, in id order, every key above T and the first (pick - #above) keys equal
 // to T of its run of ids, placed by one scan of the warps' counts. Every thread of a CTA of
 // THREADS (1024) threads calls it.
@@ -191,7 +193,7 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
     constexpr int WARPS = THREADS / 32;
     static_assert(WARPS == 32, "a lane per warp in the scans over warps");
     __shared__ int wsum[WARPS];
-    __shared__ u32 found[2];
+    __shared__ u32 found[3];
     __shared__ int2 counts[WARPS];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -248,6 +250,7 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
                 if (at_or_above < pick && at_or_above + mine[j] >= pick) {
                     found[0] = (u32)(b0 + j);
                     found[1] = (u32)at_or_above;
+                    found[2] = at_or_above + mine[j] == pick;
                 }
                 at_or_above += mine[j];
             }
@@ -257,9 +260,17 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
         // thread reaches after reading them here.
         const u32 b = found[0];
         above = (int)found[1];
+        const bool whole = found[2] != 0;
         const unsigned long long next_lo = lo + (unsigned long long)b * width;
         hi = min(hi, next_lo + width);
         lo = (u32)next_lo;
+        if (whole && lo > 0) {
+            // The bin's keys are exactly the ones still needed: every key at or above its
+            // start is taken, so T is the key below it, exceeded by `pick` keys.
+            lo -= 1;
+            above = pick;
+            break;
+        }
     }
     // lo is T, and `above` keys exceed it. Warp w owns ids [w0, w1), read 32 at a time (lane i
     // the i-th): its counts by ballot, then one scan of the warps' (greater, equal) counts.
@@ -323,7 +334,9 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
 // scores[row, page - head_end].
 //
 // pick_rows: one CTA of PICK_THREADS per selection row selects from the row's keys (a
-// shared-memory copy when `keys_smem`), zeroes them for the next launch and writes the row:
+// shared-memory copy when `keys_smem`), zeroes them for the next launch (where `zero_keys`: the
+// scoring kernels that merge by atomicMax need it; those that store every key do not) and
+// writes the row:
 // forced head pages, the chosen ones, the tail, -1 padding; `copies` output rows per selection
 // row (shared: 1 or kv_heads), their lengths and the tokens they cover. Every algorithm's rows
 // come out of it: Quest's and DSA's after their scoring kernels, StreamingLLM's with a budget
@@ -574,7 +587,7 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
 // in A and B: thread (g, t) holds elements 32 i + 8 t .. 32 i + 8 t + 8 of its rows, and MMA
 // step (i, w) takes words w and w + 1 of them as the k columns (2t, 2t + 1) and (2t + 8,
 // 2t + 9). C holds pages g and g + 8 for heads 2t and 2t + 1; a page's key is the best of its
-// group's heads (a max over the quad, then atomicMax, as above).
+// group's heads (a max over the quad), stored, or merged by atomicMax into a shared row.
 
 #define TC_WARPS 8  // warps of a tensor-core scoring CTA
 
@@ -681,9 +694,16 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
             k = max(k, __shfl_xor_sync(0xffffffffu, k, 2));
             best[p] = k;
         }
+        // A row of one KV head has each page scored here once: stored. A shared row's pages are
+        // scored once per KV head: merged.
         u32* dst = scores + (size_t)row * a.score_stride + i0;
-        if (t == 0 && gl < npg && best[0] != 0) atomicMax(dst + gl, best[0]);
-        if (t == 0 && gl + 8 < npg && best[1] != 0) atomicMax(dst + gl + 8, best[1]);
+        if (a.shared) {
+            if (t == 0 && gl < npg && best[0] != 0) atomicMax(dst + gl, best[0]);
+            if (t == 0 && gl + 8 < npg && best[1] != 0) atomicMax(dst + gl + 8, best[1]);
+        } else {
+            if (t == 0 && gl < npg) dst[gl] = best[0];
+            if (t == 0 && gl + 8 < npg) dst[gl + 8] = best[1];
+        }
     }
 }
 
@@ -691,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
-    i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies) {
+    i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies, i32 zero_keys) {
     // Dynamic shared memory: select_top's two histograms, then (keys_smem) the row's keys.
     extern __shared__ int hist[];
     __shared__ u32 red[2][PICK_THREADS / 32];
@@ -713,8 +733,8 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
         const int pick = min(plan.pick, score_stride);
         if (pick > 0) {
             const int n = min(plan.mid(), score_stride);
-            // The keys' range, taken as they are copied (keys_smem) or read once; the first
-            // histogram is cleared under the same barrier.
+            // The keys' largest and a floor that `pick` keys reach, taken as they are copied
+            // (keys_smem) or read once; the first histogram is cleared under the same barrier.
             u32 lo = 0xffffffffu, top = 0;
 #pragma unroll 8
             for (int i = threadIdx.x; i < n; i += PICK_THREADS) {
@@ -727,7 +747,23 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
             for (int j = 0; j < SEL_BINS / PICK_THREADS; j++)
                 hist[threadIdx.x * (SEL_BINS / PICK_THREADS) + j] = 0;
             const int lane = threadIdx.x & 31;
-            lo = __reduce_min_sync(0xffffffffu, lo);
+            // The floor: where each of the 32 warps needs to give only per = ceil(pick / 32)
+            // keys, the smallest over the warps of a warp's per-th largest lane maximum. Every
+            // warp then has per lanes with a key at or above it, so 32 per >= pick keys reach
+            // it (where a warp has fewer lanes with keys, the floor is 0, which every key
+            // reaches). It leaves out of the first histogram the keys far below the pick-th,
+            // whose bins would otherwise be wide enough to need a further round.
+            const int per = (pick + 31) / 32;
+            if (per <= 32) {
+                u32 v = top, m = 0;
+                for (int r = 0; r < per; r++) {
+                    m = __reduce_max_sync(0xffffffffu, v);
+                    if (lane == __ffs(__ballot_sync(0xffffffffu, v == m)) - 1) v = 0;
+                }
+                lo = m;
+            } else {
+                lo = __reduce_min_sync(0xffffffffu, lo);
+            }
             top = __reduce_max_sync(0xffffffffu, top);
             if (lane == 0) {
                 red[0][threadIdx.x >> 5] = lo;
@@ -743,10 +779,13 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
                 select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end,
                                                 out + plan.head_end, lo, top, hist);
             }
-            // Every thread has read the keys: zero them for the next launch. (Zeroing each key
-            // as it is copied measured about 3 µs slower at B8: kernels/NOTES.md, session 29.)
-            __syncthreads();
-            for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
+            // Every thread has read the keys: zero them for the next launch where its scoring
+            // merges into them by atomicMax. (Zeroing each key as it is copied measured about
+            // 3 µs slower at B8: kernels/NOTES.md, session 29.)
+            if (zero_keys) {
+                __syncthreads();
+                for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
+            }
         }
         const int tail = plan.n - plan.tail_start;
         for (int i = threadIdx.x; i < plan.head_end; i += PICK_THREADS) out[i] = i;

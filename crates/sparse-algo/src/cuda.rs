@@ -242,8 +242,13 @@ pub struct DeviceTopK {
     copies: usize,
     /// One selection row per sequence (shared by its KV heads), else one per (sequence, head).
     shared: bool,
-    /// `[selection rows, score_stride]` ordered score keys, zero between launches.
+    /// `[selection rows, score_stride]` ordered score keys, zero between launches unless
+    /// `keys_left`.
     scores: CudaSlice<u32>,
+    /// The last selection left its keys in `scores` (its scoring kernel stored every key, so
+    /// `pick_rows` did not zero them); a scoring kernel that merges by atomicMax needs them
+    /// zeroed first.
+    keys_left: bool,
     score_stride: usize,
     /// Selection rows (sequences, or (sequence, KV head) pairs).
     sel_rows: usize,
@@ -333,6 +338,7 @@ impl DeviceTopK {
             copies,
             shared: rows.shared,
             scores: gpu.zeros((sel_rows * stride).max(1))?,
+            keys_left: false,
             score_stride: stride,
             sel_rows,
         })
@@ -682,6 +688,15 @@ impl SelectKernels {
             QuestScoring::TensorCores => self.tc_kernel::<T>(q_heads / kvh, d),
             QuestScoring::Exact => None,
         };
+        // The tensor-core kernel stores every key of a per-head row; the others merge by
+        // atomicMax into zeroed keys.
+        let stores_keys = tc.is_some() && !c.shared_heads;
+        if !stores_keys && out.keys_left {
+            self.stream
+                .memset_zeros(&mut out.scores)
+                .map_err(device_err)?;
+            out.keys_left = false;
+        }
         match tc {
             Some(f) => self.launch_score_tc(f, &inputs, out)?,
             None => self.launch_score(&inputs, out)?,
@@ -691,7 +706,7 @@ impl SelectKernels {
             budget_pages: quest.budget_pages(),
             always: c.always,
         };
-        self.launch_pick(meta, Some((slots, pool.slots)), rule, out)
+        self.launch_pick(meta, Some((slots, pool.slots)), rule, stores_keys, out)
     }
 
     /// StreamingLLM's decode selection for the batch `meta`, written into `out` as
@@ -718,7 +733,7 @@ impl SelectKernels {
                 recent_tokens: c.window_tokens,
             },
         };
-        self.launch_pick(meta, None, rule, out)
+        self.launch_pick(meta, None, rule, false, out)
     }
 
     /// DSA's decode selection with a trained indexer for the batch `meta`, written into `out`
@@ -816,7 +831,8 @@ impl SelectKernels {
             budget_pages: c.topk,
             always: c.always,
         };
-        self.launch_pick(meta, Some((slots, pool.slots)), rule, out)
+        // `dsa_score_*` stores every mid token's key.
+        self.launch_pick(meta, Some((slots, pool.slots)), rule, true, out)
     }
 
     /// The estimate: `quest_score_*` over every (selection row, head, tile of mid pages).
@@ -980,12 +996,14 @@ impl SelectKernels {
 
     /// The rows: `pick_rows`, one CTA per selection row, selecting `rule`'s pick from the score
     /// keys (none with a budget of 0) of sequences whose slot, where `slots` is given with the
-    /// pool's slot count, is valid.
+    /// pool's slot count, is valid. With `keys_stored` (the scoring kernel wrote every key a
+    /// row reads), the keys are left as they are; else they are zeroed for the next launch.
     fn launch_pick(
         &self,
         meta: &DeviceBatch,
         slots: Option<(&CudaSlice<i32>, usize)>,
         rule: Rule,
+        keys_stored: bool,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
         let kvh = meta.layout().kv_heads;
@@ -1008,6 +1026,7 @@ impl SelectKernels {
             usize::from(keys_smem),
             out.sel.max_len,
             out.copies,
+            usize::from(!keys_stored),
         ]
         .map(to_i32);
         let ints = ints_ok(ints)?;
@@ -1034,7 +1053,8 @@ impl SelectKernels {
             .arg(&mut out.sel.lens)
             .arg(&mut out.covered)
             .arg(&ints[9])
-            .arg(&ints[10]);
+            .arg(&ints[10])
+            .arg(&ints[11]);
         // SAFETY: the arguments follow `pick_rows` in kernels/select.cu; scores hold
         // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
         // callers (a budget of 0 reads none); ids, lens and covered hold sel_rows * copies rows
@@ -1043,6 +1063,10 @@ impl SelectKernels {
         // num_seqs entries and are range-checked in the kernel, and a null pointer is never
         // read.
         unsafe { b.launch(cfg) }?;
+        // A budget of 0 reads and writes no keys.
+        if rule.budget_pages > 0 {
+            out.keys_left = keys_stored;
+        }
         Ok(())
     }
 

@@ -457,6 +457,26 @@ fn check_case<T: CudaElement>(
             near.into_iter()
                 .map(|(w, ok)| (format!("tensor cores: {w}"), ok)),
         );
+        // The exact kernel again, after a tensor-core estimate of other queries on the same
+        // buffers: a per-head row's keys are stored and left, and must not leak into the
+        // exact kernel's atomicMax.
+        let other = gpu.upload(&q.iter().rev().copied().collect::<Vec<T>>())?;
+        sk.set_quest_scoring(QuestScoring::TensorCores);
+        let ran = sk.quest_topk(
+            &quest, &other, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+        );
+        sk.set_quest_scoring(QuestScoring::Exact);
+        ran?;
+        poison(gpu, &mut out)?;
+        sk.quest_topk(
+            &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+        )?;
+        let again = compare_rows(gpu, &want, &out, &lens, None)?;
+        results.extend(
+            again
+                .into_iter()
+                .map(|(w, ok)| (format!("exact after tensor cores: {w}"), ok)),
+        );
     }
     Ok(results)
 }
