@@ -620,14 +620,13 @@ impl ChunkRows {
     /// and for V (rows of `bytes`): its share of these rows in address order (block `hb`
     /// takes rows `16 hb .. 16 (hb + 1)` of the chunk's tokens times heads).
     fn share(&self, hb: usize, bytes: usize) -> (simd::Ahead<'_>, simd::Ahead<'_>) {
-        let part = |rows: &[*const u8]| {
-            let from = (hb * CHUNK as usize).min(rows.len());
-            (from, (from + CHUNK as usize).min(rows.len()))
-        };
-        let ((k0, k1), (v0, v1)) = (part(&self.k_addr), part(&self.v_addr));
+        // Both address tables hold a row per (token, head).
+        let rows = self.k_addr.len();
+        let from = (hb * CHUNK as usize).min(rows);
+        let at = from..(from + CHUNK as usize).min(rows);
         (
-            simd::Ahead::new(&self.k_addr[k0..k1], bytes),
-            simd::Ahead::new(&self.v_addr[v0..v1], bytes),
+            simd::Ahead::new(&self.k_addr[at.clone()], bytes),
+            simd::Ahead::new(&self.v_addr[at], bytes),
         )
     }
 }
