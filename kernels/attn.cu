@@ -170,14 +170,17 @@ struct Unit {
                                                const i32* block_table, int max_blocks,
                                                int num_blocks, int mode, const i32* sel_ids,
                                                const i32* sel_lens, int sel_max, int kv_heads,
-                                               int bs, int chunk, int e0) const {
+                                               int bs, int chunk, int e0,
+                                               bool coherent = false) const {
         int n_keys;
         const i32* sel = nullptr;
         const int sel_cap = mode == 1 ? sel_max * bs : sel_max;
         if (mode == 0) {
             n_keys = min(kv_len, kv_len - q_len + min(q_len - 1, (row0 + rows - 1) / group) + 1);
         } else {
-            const int cnt = min(max(sel_lens[sh], 0), sel_max);
+            // Past L1 where the list is written while this kernel runs (`coherent`).
+            const int len = coherent ? __ldcg(sel_lens + sh) : sel_lens[sh];
+            const int cnt = min(max(len, 0), sel_max);
             sel = sel_ids + (size_t)sh * sel_max;
             n_keys = mode == 1 ? cnt * bs : cnt;
         }
@@ -525,7 +528,8 @@ __device__ __forceinline__ void attn_core(
         const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
-        i32 total_rows) {                                                                      \
+        i32 total_rows, const u32* ready, u32 epoch, i32 ready_div) {                          \
+        /* Published selections are for the tensor-core kernels only: ready is null here. */   \
         pdl_enter();                                                                           \
         const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
                      total_rows};                                                              \
@@ -706,7 +710,27 @@ __device__ __forceinline__ void load_q_rows(const Unit& u, const T* __restrict__
     }
 }
 
-template <typename T, int D, int KT, bool TRACE>
+// The most page ids of one split a CTA over a published selection stages in shared memory
+// (`PUBLISHED_IDS` on the Rust side, which uses the flags only where every split fits).
+#define PUB_IDS 256
+
+// A published selection's keys: the split's page ids, written while this kernel ran, are
+// read past L1 once (other rows' reads may have left stale lines of this row there) into
+// shared memory, which the walk then reads instead of the list. The Rust side ensures they
+// fit; ids past PUB_IDS would be read as missing.
+template <typename T, int D>
+__device__ __forceinline__ Keys<T, D> staged_keys(Keys<T, D> k) {
+    __shared__ i32 staged[PUB_IDS];
+    const int p0 = k.t0 / k.bs;
+    const int p1 = min(k.t1 > k.t0 ? (k.t1 - 1) / k.bs + 1 : p0, p0 + PUB_IDS);
+    for (int i = threadIdx.x; i < p1 - p0; i += blockDim.x) staged[i] = __ldcg(k.sel + p0 + i);
+    __syncthreads();
+    k.sel = staged - p0;
+    k.sel_cap = min(k.sel_cap, p1 * k.bs);
+    return k;
+}
+
+template <typename T, int D, int KT, bool TRACE, bool PUB>
 __device__ __forceinline__ void attn_mma_core(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const i32* __restrict__ cu_q, const i32* __restrict__ kv_lens,
@@ -714,7 +738,7 @@ __device__ __forceinline__ void attn_mma_core(
     i32 mode, const i32* __restrict__ sel_ids, const i32* __restrict__ sel_lens, i32 sel_max,
     i32 kv_heads, i32 group, i32 bs, float scale, i32 window, i32 sinks,
     const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, const Outs& o,
-    Trace<TRACE>& tr) {
+    const u32* __restrict__ ready, u32 epoch, int ready_div, Trace<TRACE>& tr) {
     static_assert(D % 64 == 0, "head dim a multiple of 64");
     constexpr int WARPS = 4;
     constexpr int ROWS = 8;
@@ -730,9 +754,22 @@ __device__ __forceinline__ void attn_mma_core(
     const int g = lane >> 2;
     const int t = lane & 3;
     unsigned rounds = 0;
-    const Keys<T, D> keys = u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks,
-                                                  num_blocks, mode, sel_ids, sel_lens, sel_max,
-                                                  kv_heads, bs, chunk, 0);
+    uint4 qf[KVEC];
+    if (PUB) {
+        // A published page selection (Gpu::sparse_page_attention_published): the launch
+        // before this one writes its rows and sets each row's flag, ready[(seq * kv_heads +
+        // h) / ready_div], to `epoch`. The metadata and the queries were complete before that
+        // launch began, so they are read now; only the selection row waits for its flag.
+        load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
+        wait_flag(ready + u.sh / ready_div, epoch);
+    }
+    const Keys<T, D> keys =
+        PUB ? staged_keys<T, D>(u.template keys<T, D>(ROWS, group, kc, vc, block_table,
+                                                      max_blocks, num_blocks, mode, sel_ids,
+                                                      sel_lens, sel_max, kv_heads, bs, chunk, 0,
+                                                      true))
+            : u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks, num_blocks,
+                                    mode, sel_ids, sel_lens, sel_max, kv_heads, bs, chunk, 0);
 
     // Each warp takes KT tiles of 16 keys per round: tile kt of warp w starts at round base +
     // (w * KT + kt) * 16. Keys g and g + 8 of a tile (K and the mask) are resolved one round
@@ -747,8 +784,7 @@ __device__ __forceinline__ void attn_mma_core(
     tr.mark(2, u.kv_len ^ keys.t1);
     if (u.empty(group)) return;
 
-    uint4 qf[KVEC];
-    load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
+    if (!PUB) load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
     // Positions of this thread's rows 2t and 2t + 1 (-1: padding).
     const int rpos[2] = {u.pos(2 * t, group), u.pos(2 * t + 1, group)};
     tr.mark(3, kslot[0][0]);
@@ -817,25 +853,38 @@ __device__ __forceinline__ void attn_mma_core(
     tr.finish(last, rounds);
 }
 
-#define ATTN_MMA_KERNEL(NAME, T, D, KT, MINB, TRACE)                                           \
+// Each tensor-core kernel comes twice: NAME waits for the kernel before it and ignores the
+// flags; NAME##_pub takes a published page selection (ready non-null): it lets the next
+// launch start, reads its queries and metadata, and waits for its row's flag only. One kernel
+// with both paths held 168 registers instead of 152 and slowed the plain one by about 10 %.
+#define ATTN_MMA_ONE(NAME, T, D, KT, MINB, TRACE, PUB)                                         \
     extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                              \
         const T* q, const T* kc, const T* vc, const i32* cu_q, const i32* kv_lens,             \
         const i32* block_table, i32 max_blocks, i32 num_blocks, i32 mode, const i32* sel_ids,  \
         const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
-        i32 total_rows) {                                                                      \
+        i32 total_rows, const u32* ready, u32 epoch, i32 ready_div) {                          \
         Trace<TRACE> tr;                                                                       \
         tr.mark(0, 0u);                                                                        \
-        pdl_enter();                                                                           \
+        if (PUB) {                                                                             \
+            pdl_launch_dependents();                                                           \
+        } else {                                                                               \
+            pdl_enter();                                                                       \
+        }                                                                                      \
         tr.mark(1, 0u);                                                                        \
         const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
                      total_rows};                                                              \
-        attn_mma_core<T, D, KT, TRACE>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,      \
-                                       num_blocks, mode, sel_ids, sel_lens, sel_max, kv_heads, \
-                                       group, bs, scale, window, sinks, sink_logits, has_sinks, \
-                                       chunk, o, tr);                                          \
+        attn_mma_core<T, D, KT, TRACE, PUB>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks, \
+                                            num_blocks, mode, sel_ids, sel_lens, sel_max,      \
+                                            kv_heads, group, bs, scale, window, sinks,         \
+                                            sink_logits, has_sinks, chunk, o, ready, epoch,    \
+                                            ready_div, tr);                                    \
     }
+
+#define ATTN_MMA_KERNEL(NAME, T, D, KT, MINB, TRACE)  \
+    ATTN_MMA_ONE(NAME, T, D, KT, MINB, TRACE, false) \
+    ATTN_MMA_ONE(NAME##_pub, T, D, KT, MINB, TRACE, true)
 
 // Tiles per warp and round, and the CTAs per multiprocessor the register budget allows (at
 // head dim 128, a budget of 4 spilled and measured slower than 3 on an H200).

@@ -8,6 +8,14 @@
 // overlaps only the one kernel before it: every earlier one has finished. So it may read,
 // before waiting, what that kernel never writes (pick_rows reads the batch's lengths this
 // way). Both are no-ops in a kernel launched the ordinary way and on older architectures.
+//
+// One exception: the tensor-core attention over a published selection (`attn_*_tc_pub`, after
+// a pick_rows that publishes its rows). It signals first and never waits for pick_rows; each
+// CTA waits instead for a flag that pick_rows sets once the CTA's row is written (below). It
+// still starts only after pick_rows has signalled, which pick_rows does after its own wait,
+// so every kernel before pick_rows has finished. And the kernel after the attention waits for
+// the attention, whose CTAs each waited on their row's flag, set last by pick_rows: so no
+// write of pick_rows is left in flight behind it.
 
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -25,4 +33,41 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_launch_dependents();
+}
+
+// Flags between two launches that overlap on purpose (a published selection): the producer
+// fences its writes of a row, then stores the row's flag (release); the consumer, started
+// early, polls the flag (acquire) before it reads the row, and reads the row past L1
+// (ld.global.cg), where other rows' reads may have left stale lines of it.
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+    unsigned int v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+    v = *(volatile const unsigned int*)p;
+    __threadfence();
+#endif
+    return v;
+}
+
+__device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#else
+    __threadfence();
+    *(volatile unsigned int*)p = v;
+#endif
+}
+
+// Thread 0 waits until *flag holds `want`, then the CTA meets: every thread may read what
+// the flag published.
+__device__ __forceinline__ void wait_flag(const unsigned int* flag, unsigned int want) {
+    if (threadIdx.x == 0) {
+        while (load_acquire(flag) != want) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+            __nanosleep(128);
+#endif
+        }
+    }
+    __syncthreads();
 }

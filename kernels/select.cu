@@ -340,7 +340,9 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
 // forced head pages, the chosen ones, the tail, -1 padding; `copies` output rows per selection
 // row (shared: 1 or kv_heads), their lengths and the tokens they cover. Every algorithm's rows
 // come out of it: Quest's and DSA's after their scoring kernels, StreamingLLM's with a budget
-// of 0 (forced pages only, no keys read) and no slots (`slots` null).
+// of 0 (forced pages only, no keys read) and no slots (`slots` null). Where `ready` is given,
+// each row is then published: its flag, ready[row], set to `epoch` once the row is written,
+// for an attention that started before this launch ends (pdl.cuh).
 
 #define QJ 2                 // query heads a thread scores per pass over its page
 #define SCORE_THREADS 128    // threads of a scoring CTA
@@ -610,11 +612,14 @@ __device__ __forceinline__ u32 signed_half(u32 w, bool neg) {
     return out;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool TRACE>
 __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ cu_q,
                               const T* __restrict__ reps, const i32* __restrict__ slots,
                               const i32* __restrict__ seq_lens, const ScoreArgs a, i32 items,
                               i32 per_warp, u32* __restrict__ scores) {
+    // Traced (the `_traced` kernel): entry, after the wait, the end of warp 0's items.
+    Trace<TRACE> tr(0);
+    tr.mark(0, 0u);
     constexpr int KC = 2 * D / 32;  // 16-byte chunks of a row per thread
     constexpr int HALF = KC / 2;    // chunks of kmax (then kmin)
     const int lane = threadIdx.x & 31;
@@ -625,6 +630,7 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
     const long warp_id = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const long first = warp_id * per_warp;
     const long last = min((long)items, first + per_warp);
+    unsigned done = 0;
 
     uint4 qf[KC];
     int have = -1;
@@ -636,6 +642,7 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
     if (first >= last) return;
     RowFacts f((int)(first / a.tiles), a, seq_lens, slots);
     pdl_enter();
+    tr.mark(1, 0u);
     for (long it = first; it < last; it++) {
         const int tile = (int)(it % a.tiles);
         const int rh = (int)(it / a.tiles);
@@ -663,6 +670,7 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
         }
         const int i0 = tile * 16;
         const int npg = min(16, npg_all - i0);
+        done++;
         if (npg <= 0) continue;  // uniform over the warp
         uint4 ka[KC], kb[KC];
         const T* src = reps + rep_row0 + (size_t)i0 * page_stride + t * 8;
@@ -705,13 +713,24 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
             if (t == 0 && gl + 8 < npg) dst[gl + 8] = best[1];
         }
     }
+    tr.finish(0, done);
 }
 
-extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
+// Records of traced selecting CTAs start here in attn_trace, after the scoring CTAs'.
+#define PICK_TRACE_FIRST 2048
+
+template <bool TRACE>
+__device__ __forceinline__ void pick_body(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
-    i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies, i32 zero_keys) {
+    i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies, i32 zero_keys,
+    u32* __restrict__ ready, u32 epoch) {
+    // Traced (`pick_rows_traced`): entry, after the wait, the keys read and the first
+    // histogram's range found, the threshold found and the chosen ids written, the row's
+    // other entries written, the end.
+    Trace<TRACE> tr(PICK_TRACE_FIRST);
+    tr.mark(0, 0u);
     // Dynamic shared memory: select_top's two histograms, then (keys_smem) the row's keys.
     extern __shared__ int hist[];
     __shared__ u32 red[2][PICK_THREADS / 32];
@@ -725,6 +744,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
     const bool valid = len > 0 && (!slots || (slot >= 0 && slot < num_slots));
     const Plan plan(max(len, 1), ps, budget, sink_tokens, recent_tokens);
     pdl_enter();
+    tr.mark(1, 0u);
     u32* row_keys = scores + (size_t)row * score_stride;
     const int out_row0 = shared ? row * copies : row;
     i32* out = ids + (size_t)out_row0 * width;
@@ -772,6 +792,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
             __syncthreads();
             lo = __reduce_min_sync(0xffffffffu, red[0][lane]);
             top = __reduce_max_sync(0xffffffffu, red[1][lane]);
+            tr.mark(2, lo);
             if (keys_smem) {
                 select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, out + plan.head_end,
                                                lo, top, hist);
@@ -779,6 +800,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
                 select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end,
                                                 out + plan.head_end, lo, top, hist);
             }
+            tr.mark(3, 0u);
             // Every thread has read the keys: zero them for the next launch where its scoring
             // merges into them by atomicMax. (Zeroing each key as it is copied measured about
             // 3 µs slower at B8: kernels/NOTES.md, session 29.)
@@ -795,6 +817,7 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
         tokens = (count - 1) * ps + (len - (plan.n - 1) * ps);
     }
     for (int i = count + threadIdx.x; i < width; i += PICK_THREADS) out[i] = -1;
+    tr.mark(4, 0u);
     __syncthreads();
     for (int c = 1; c < (shared ? copies : 1); c++)
         for (int i = threadIdx.x; i < width; i += PICK_THREADS)
@@ -805,7 +828,30 @@ extern "C" __global__ void __launch_bounds__(PICK_THREADS) pick_rows(
             covered[out_row0 + c] = tokens;
         }
     }
+    if (ready) {
+        // Publish the row: every thread's writes fenced, then the flag.
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) store_release(ready + row, epoch);
+    }
+    tr.finish(0, 0u);
 }
+
+#define PICK_KERNEL(NAME, TRACE)                                                                 \
+    extern "C" __global__ void __launch_bounds__(PICK_THREADS) NAME(                             \
+        const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh, \
+        i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,                      \
+        u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,        \
+        i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies,                \
+        i32 zero_keys, u32* __restrict__ ready, u32 epoch) {                                     \
+        pick_body<TRACE>(slots, seq_lens, num_slots, kvh, ps, budget, sink_tokens,               \
+                         recent_tokens, shared, scores, score_stride, keys_smem, ids, lens,      \
+                         covered, width, copies, zero_keys, ready, epoch);                       \
+    }
+
+PICK_KERNEL(pick_rows, false)
+// For the bench's trace of a whole step.
+PICK_KERNEL(pick_rows_traced, true)
 
 // ---------------------------------------------------------------------------------------------
 // DSA's trained indexer (dsa.rs, `Dsa` with an `Indexer`): the score of token t of sequence s is
@@ -914,15 +960,17 @@ SELECT_KERNELS(f32, float)
 SELECT_KERNELS(f16, __half)
 SELECT_KERNELS(bf16, __nv_bfloat16)
 
-#define SCORE_TC_KERNEL(NAME, T, D)                                                              \
+#define SCORE_TC_KERNEL(NAME, T, D, TRACE)                                                       \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) quest_score_tc_##NAME(         \
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
         i32 items, i32 per_warp, u32* __restrict__ scores) {                                     \
-        score_tc_body<T, D>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores);         \
+        score_tc_body<T, D, TRACE>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores);  \
     }
 
-SCORE_TC_KERNEL(f16_d64, __half, 64)
-SCORE_TC_KERNEL(f16_d128, __half, 128)
-SCORE_TC_KERNEL(bf16_d64, __nv_bfloat16, 64)
-SCORE_TC_KERNEL(bf16_d128, __nv_bfloat16, 128)
+SCORE_TC_KERNEL(f16_d64, __half, 64, false)
+SCORE_TC_KERNEL(f16_d128, __half, 128, false)
+SCORE_TC_KERNEL(bf16_d64, __nv_bfloat16, 64, false)
+SCORE_TC_KERNEL(bf16_d128, __nv_bfloat16, 128, false)
+// For the bench's trace of a whole step.
+SCORE_TC_KERNEL(bf16_d128_traced, __nv_bfloat16, 128, true)

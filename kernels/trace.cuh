@@ -1,6 +1,7 @@
-// Per-CTA timestamps of an instrumented attention launch, for the bench's `--trace` (the
-// kernels built with tracing on are `*_tct`; every other kernel compiles the marks away).
-// Thread 0 of each CTA writes one record of TRACE_WORDS words into attn_trace:
+// Per-CTA timestamps of an instrumented launch, for the benches' traces (the kernels built
+// with tracing on are attn.cu's `*_tct` and select.cu's `*_traced`; every other kernel compiles
+// the marks away). Each module that includes this file has its own attn_trace. Thread 0 of each
+// CTA writes one record of TRACE_WORDS words into attn_trace, at record `first` + its CTA:
 //   words 0 .. TRACE_MARKS: %globaltimer (ns) at each mark, 0 where a mark was not reached;
 //   word TRACE_MARKS: the SM id | whether this CTA merged its unit << 16 | rounds walked << 20;
 //   word TRACE_MARKS + 1: %clock64 from the first mark to the last (cycles of the SM).
@@ -15,6 +16,7 @@ __device__ unsigned long long attn_trace[TRACE_CTAS * TRACE_WORDS];
 
 template <bool ON>
 struct Trace {
+    __device__ __forceinline__ explicit Trace(unsigned = 0) {}
     __device__ __forceinline__ void mark(int, unsigned) {}
     __device__ __forceinline__ void finish(int, unsigned) {}
 };
@@ -24,8 +26,9 @@ struct Trace<true> {
     unsigned long long* rec;
     unsigned long long c0;
 
-    __device__ __forceinline__ Trace() : rec(nullptr), c0(0) {
-        const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    __device__ __forceinline__ explicit Trace(unsigned first = 0) : rec(nullptr), c0(0) {
+        const unsigned cta =
+            first + blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
         if (threadIdx.x == 0 && cta < TRACE_CTAS) {
             rec = attn_trace + (size_t)cta * TRACE_WORDS;
             for (int i = 0; i < TRACE_WORDS; i++) rec[i] = 0ull;

@@ -18,24 +18,25 @@
 use std::sync::Arc;
 
 use attn_op::cuda::{
-    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, KernelValue, Launch,
-    compile_source,
+    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, KernelValue, Launch, Published,
+    TRACE_CTAS, TRACE_WORDS, compile_source,
 };
 use attn_op::{AttnError, DType, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use crate::pool::pool_extent;
 use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, minmax};
 
 /// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, `kernels/pdl.cuh`,
-/// `kernels/mma.cuh`, then `kernels/select.cu`), embedded at build time.
+/// `kernels/mma.cuh`, `kernels/trace.cuh`, then `kernels/select.cu`), embedded at build time.
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/pdl.cuh"),
     include_str!("../../../kernels/mma.cuh"),
+    include_str!("../../../kernels/trace.cuh"),
     include_str!("../../../kernels/select.cu")
 );
 
@@ -48,6 +49,9 @@ const PICK_THREADS: usize = 1024;
 /// Dynamic shared memory of a selecting CTA before its row of keys: `select_top`'s two
 /// histograms of `SEL_BINS` (4096) ints.
 const PICK_HIST_BYTES: usize = 2 * 4096 * size_of::<i32>();
+/// The first record of the traced selecting CTAs in the select module's `attn_trace`
+/// (`PICK_TRACE_FIRST` in kernels/select.cu); the traced scoring CTAs' start at 0.
+pub const PICK_TRACE_FIRST: usize = 2048;
 /// Threads of a DSA scoring CTA, one per token (`DSA_THREADS`).
 const DSA_THREADS: usize = 128;
 /// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
@@ -115,6 +119,15 @@ pub struct SelectKernels {
     /// Whether the scoring and selecting kernels are programmatic dependent launches
     /// ([`Gpu::dependent_launches`]).
     dependent: bool,
+    /// The loaded module (for its `attn_trace` records).
+    module: Arc<CudaModule>,
+    /// `quest_score_tc_bf16_d128_traced` and `pick_rows_traced`.
+    traced: (CudaFunction, CudaFunction),
+    /// Whether [`quest_topk`](Self::quest_topk) launches the traced kernels where they exist.
+    trace: bool,
+    /// Whether [`quest_topk`](Self::quest_topk) publishes its rows (see
+    /// [`Self::set_publish`]).
+    publish: bool,
 }
 
 /// `ScoreArgs` of kernels/select.cu: `quest_score_*`'s integer arguments, in its field order.
@@ -252,6 +265,15 @@ pub struct DeviceTopK {
     score_stride: usize,
     /// Selection rows (sequences, or (sequence, KV head) pairs).
     sel_rows: usize,
+    /// `[selection rows]` flags `pick_rows` sets to `epoch` as it publishes each row (see
+    /// [`SelectKernels::set_publish`]).
+    ready: CudaSlice<u32>,
+    /// The value the last published selection's flags hold.
+    epoch: u32,
+    /// Whether the `pick_rows` about to be launched publishes its rows through `ready`.
+    publishing: bool,
+    /// Whether the last selection was published through `ready` (see [`Self::published`]).
+    published: bool,
 }
 
 impl DeviceTopK {
@@ -341,6 +363,21 @@ impl DeviceTopK {
             keys_left: false,
             score_stride: stride,
             sel_rows,
+            ready: gpu.zeros(sel_rows.max(1))?,
+            epoch: 0,
+            publishing: false,
+            published: false,
+        })
+    }
+
+    /// The flags through which the last [`SelectKernels::quest_topk`] published its rows
+    /// ([`SelectKernels::set_publish`]): what [`Gpu::sparse_page_attention_published`] takes
+    /// to start before the top-k ends. `None` where the last selection was not published.
+    pub fn published(&self) -> Option<Published<'_>> {
+        self.published.then_some(Published {
+            flags: &self.ready,
+            epoch: self.epoch,
+            rows_per_flag: self.copies,
         })
     }
 
@@ -477,6 +514,10 @@ impl SelectKernels {
             load("dsa_score_bf16".to_owned())?,
         ];
         let pick = load("pick_rows".to_owned())?;
+        let traced = (
+            load("quest_score_tc_bf16_d128_traced".to_owned())?,
+            load("pick_rows_traced".to_owned())?,
+        );
         // Scoring CTAs hold the group's queries and two tiles, a selecting CTA a row's keys:
         // allow them, once, all the device offers beyond the kernels' static arrays.
         let optin = gpu
@@ -504,6 +545,7 @@ impl SelectKernels {
             dsa_smem_max = dsa_smem_max.min(allow_all(f)?);
         }
         let pick_smem_max = allow_all(&pick)?;
+        allow_all(&traced.1)?;
         Ok(SelectKernels {
             stream: gpu.stream().clone(),
             quest,
@@ -517,7 +559,55 @@ impl SelectKernels {
             pick_smem_max,
             sms,
             dependent: gpu.dependent_launches(),
+            module,
+            traced,
+            trace: false,
+            publish: false,
         })
+    }
+
+    /// Has [`quest_topk`](Self::quest_topk) publish each row of its selection, from now on,
+    /// through a per-row flag that `pick_rows` sets once it has written the row
+    /// ([`DeviceTopK::published`]). Attention launched right after through
+    /// [`Gpu::sparse_page_attention_published`] then starts before the top-k ends: its CTAs
+    /// read their queries and metadata first, and each waits only for its own row (measured
+    /// 0.064 -> 0.061 ms for the Quest step at B8 L32K on an H200, BENCHMARKS.md). The
+    /// selections are the same as without. Only with programmatic dependent launches
+    /// ([`Self::set_dependent_launches`]) do the two launches run at once.
+    pub fn set_publish(&mut self, on: bool) {
+        self.publish = on;
+    }
+
+    /// Has [`quest_topk`](Self::quest_topk) launch, from now on, the traced scoring kernel
+    /// (for bf16 keys at head dim 128 on tensor cores) and the traced selecting kernel, which
+    /// write per-CTA timestamps (kernels/trace.cuh) for [`take_trace`](Self::take_trace); `false`
+    /// goes back to the untraced ones.
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace = on;
+    }
+
+    /// The records the traced kernels wrote since the last call, as
+    /// [`Gpu::take_attn_trace`] returns the attention's: [`TRACE_WORDS`] words per CTA, the
+    /// scoring CTAs' from record 0, the selecting CTAs' from record [`PICK_TRACE_FIRST`].
+    /// Synchronizes this stream, reads the records and zeroes them.
+    pub fn take_trace(&self) -> Result<Vec<u64>, AlgoError> {
+        self.stream.synchronize().map_err(device_err)?;
+        let mut view = self
+            .module
+            .get_global("attn_trace", &self.stream)
+            .map_err(device_err)?;
+        let n = TRACE_CTAS * TRACE_WORDS;
+        // SAFETY: `attn_trace` is declared in kernels/trace.cuh as `unsigned long long
+        // [TRACE_CTAS * TRACE_WORDS]`, so the symbol holds exactly n u64s.
+        let mut words = unsafe { view.transmute_mut::<u64>(n) }.ok_or_else(|| {
+            AlgoError::Attn(AttnError::Device(
+                "attn_trace is smaller than kernels/trace.cuh declares".to_owned(),
+            ))
+        })?;
+        let records = self.stream.clone_dtoh(&words).map_err(device_err)?;
+        self.stream.memset_zeros(&mut words).map_err(device_err)?;
+        self.stream.synchronize().map_err(device_err)?;
+        Ok(records)
     }
 
     /// Turns programmatic dependent launches of the Quest scoring and selecting kernels on or
@@ -697,6 +787,11 @@ impl SelectKernels {
                 .map_err(device_err)?;
             out.keys_left = false;
         }
+        let tc = match tc {
+            Some(_) if self.trace && T::DTYPE == DType::BF16 && d == 128 => Some(&self.traced.0),
+            other => other,
+        };
+        out.publishing = self.publish;
         match tc {
             Some(f) => self.launch_score_tc(f, &inputs, out)?,
             None => self.launch_score(&inputs, out)?,
@@ -1032,7 +1127,12 @@ impl SelectKernels {
         let ints = ints_ok(ints)?;
         // A null pointer where the rows take no slots.
         let no_slots: u64 = 0;
-        let mut b = Launch::new(&self.stream, &self.pick);
+        let pick = if self.trace {
+            &self.traced.1
+        } else {
+            &self.pick
+        };
+        let mut b = Launch::new(&self.stream, pick);
         b.dependent(self.dependent);
         match slots {
             Some((s, _)) => b.arg(s),
@@ -1055,13 +1155,23 @@ impl SelectKernels {
             .arg(&ints[9])
             .arg(&ints[10])
             .arg(&ints[11]);
+        // Published rows: each row's flag set to the next epoch once it is written; else a null
+        // pointer, which the kernel never reads.
+        let no_flags: u64 = 0;
+        out.published = std::mem::take(&mut out.publishing);
+        if out.published {
+            out.epoch = out.epoch.wrapping_add(1);
+            b.arg(&mut out.ready).arg(&out.epoch);
+        } else {
+            b.arg(&no_flags).arg(&0u32);
+        }
         // SAFETY: the arguments follow `pick_rows` in kernels/select.cu; scores hold
         // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
         // callers (a budget of 0 reads none); ids, lens and covered hold sel_rows * copies rows
         // of max_len; the dynamic shared memory holds the two histograms, and with keys_smem a
         // row of keys after them (within the limit set at load); slots, where given, hold
-        // num_seqs entries and are range-checked in the kernel, and a null pointer is never
-        // read.
+        // num_seqs entries and are range-checked in the kernel; the flags, where given, hold
+        // sel_rows entries, one per CTA; a null pointer is never read.
         unsafe { b.launch(cfg) }?;
         // A budget of 0 reads and writes no keys.
         if rule.budget_pages > 0 {

@@ -236,6 +236,21 @@ impl DeviceSelection {
     }
 }
 
+/// Per-row flags through which the launch right before a sparse attention publishes its
+/// selection while it still runs (sparse-algo's overlapped Quest step): selection row `r` may be
+/// read once `flags[r / rows_per_flag]` holds `epoch`. See
+/// [`Gpu::sparse_page_attention_published`].
+#[derive(Clone, Copy, Debug)]
+pub struct Published<'a> {
+    /// One flag per selecting row.
+    pub flags: &'a CudaSlice<u32>,
+    /// What a flag holds once the current selection's row is written.
+    pub epoch: u32,
+    /// Selection rows per flag: the KV heads where one selecting row is written once per
+    /// head, else 1.
+    pub rows_per_flag: usize,
+}
+
 /// The output of [`Gpu::gather_page_offsets`]: sorted unique logical pages per (sequence, KV
 /// head) and the tokens they cover, like [`GatheredPages`](crate::GatheredPages).
 pub struct DeviceGathered {

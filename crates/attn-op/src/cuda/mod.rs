@@ -19,7 +19,7 @@ mod timing;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -31,7 +31,7 @@ use crate::kv::Memory;
 use crate::{AttnError, DType, Element, KvCache, KvLayout};
 
 pub use launch::{KernelValue, Launch};
-pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection};
+pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection, Published};
 pub use timing::{StageClock, Timing};
 
 /// CTAs whose records the traced attention kernel keeps (`TRACE_CTAS` in kernels/trace.cuh).
@@ -234,6 +234,9 @@ type AttnKey = (DType, usize, &'static str);
 #[derive(Clone)]
 pub(crate) struct AttnKernel {
     pub(crate) func: CudaFunction,
+    /// The same kernel over a published selection (`NAME_pub`, tensor cores only) and its CTAs
+    /// per multiprocessor.
+    pub(crate) published: Option<(CudaFunction, usize)>,
     pub(crate) rows: usize,
     pub(crate) smem: usize,
     pub(crate) resident: usize,
@@ -321,15 +324,28 @@ impl Gpu {
                         .load_function(&name)
                         .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
                     let smem = spec.smem(d);
-                    let resident = func
-                        .occupancy_max_active_blocks_per_multiprocessor(
+                    let occupancy = |f: &CudaFunction| -> Result<usize, AttnError> {
+                        Ok(f.occupancy_max_active_blocks_per_multiprocessor(
                             to_u32(WARPS * 32)?,
                             smem,
                             None,
                         )?
-                        .max(1) as usize;
+                        .max(1) as usize)
+                    };
+                    let resident = occupancy(&func)?;
+                    let published = if spec.tensor_cores {
+                        let name = format!("{name}_pub");
+                        let f = module
+                            .load_function(&name)
+                            .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
+                        let n = occupancy(&f)?;
+                        Some((f, n))
+                    } else {
+                        None
+                    };
                     let kernel = AttnKernel {
                         func,
+                        published,
                         rows: spec.rows,
                         smem,
                         resident,
@@ -523,6 +539,36 @@ impl Gpu {
                 "no device attention kernel for {dtype:?}, head_dim {d}"
             ))
         })
+    }
+
+    /// What the default attention kernel for an element type and head dim (decode rows), or
+    /// its form over a published selection where `published`, holds per thread and
+    /// multiprocessor, as the driver reports it: registers per thread, bytes of local memory
+    /// per thread (spills), and CTAs per multiprocessor. For benches.
+    pub fn attention_resources(
+        &self,
+        dtype: DType,
+        d: usize,
+        published: bool,
+    ) -> Result<(usize, usize, usize), AttnError> {
+        let kernel = self.attn_kernel(dtype, d, 4)?;
+        let (func, resident) = match (&kernel.published, published) {
+            (Some((f, n)), true) => (f, *n),
+            (None, true) => {
+                return Err(AttnError::Invalid(format!(
+                    "no kernel over published selections for {dtype:?}, head_dim {d}"
+                )));
+            }
+            (_, false) => (&kernel.func, kernel.resident),
+        };
+        let attr = |a| -> Result<usize, AttnError> {
+            Ok(usize::try_from(func.get_attribute(a)?).unwrap_or(0))
+        };
+        Ok((
+            attr(CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+            attr(CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+            resident,
+        ))
     }
 
     /// A loaded kernel by name (every name of [`KERNEL_NAMES`] is loaded by [`Gpu::new`]).

@@ -5,6 +5,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{
     CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu, Launch,
+    Published,
 };
 use super::{Scratch, WARPS, to_i32, to_u32};
 use crate::ops::check_keep;
@@ -17,6 +18,10 @@ enum Keys<'a> {
     Pages(&'a DeviceSelection),
     Tokens(&'a DeviceSelection),
 }
+
+/// The most page ids of one split the tensor-core kernel stages for a published selection
+/// (`PUB_IDS` in kernels/attn.cu).
+const PUBLISHED_IDS: usize = 256;
 
 /// The most bytes of split-KV partial results one launch may use before it splits less.
 const SCRATCH_BUDGET: usize = 256 << 20;
@@ -33,7 +38,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), AttnError> {
-        self.attend(q, kv, meta, Keys::Dense, params, out, lse)
+        self.attend(q, kv, meta, Keys::Dense, None, params, out, lse)
     }
 
     /// [`sparse_page_attention`](crate::sparse_page_attention) on the device. The pages of a
@@ -53,7 +58,56 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), AttnError> {
-        self.attend(q, kv, meta, Keys::Pages(pages), params, out, lse)
+        self.attend(q, kv, meta, Keys::Pages(pages), None, params, out, lse)
+    }
+
+    /// [`sparse_page_attention`](Self::sparse_page_attention) over a selection that the
+    /// launch right before it on this stream publishes row by row through `published`
+    /// (sparse-algo's overlapped Quest step): this launch starts while that one runs, and each
+    /// of its CTAs waits only for its own row's flag, so the first rows are attended to while
+    /// the last ones are still being selected.
+    ///
+    /// # Safety
+    /// The launch right before this one on the stream must be the one that writes `pages` and
+    /// then sets `published.flags` to `published.epoch` row by row, and `q`, `kv` and `meta`
+    /// must have been complete before the launch before that one (the selection's scoring)
+    /// began: this launch waits for nothing else, so it could otherwise read them while they
+    /// are written.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "sparse_page_attention's arguments plus the flags"
+    )]
+    pub unsafe fn sparse_page_attention_published<T: CudaElement>(
+        &self,
+        q: &CudaSlice<T>,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        pages: &DeviceSelection,
+        published: Published<'_>,
+        params: &AttnParams,
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        if published.rows_per_flag == 0
+            || published.flags.len() * published.rows_per_flag != pages.rows
+        {
+            return Err(AttnError::Invalid(format!(
+                "{} flags of {} rows each for a selection of {} rows",
+                published.flags.len(),
+                published.rows_per_flag,
+                pages.rows
+            )));
+        }
+        self.attend(
+            q,
+            kv,
+            meta,
+            Keys::Pages(pages),
+            Some(published),
+            params,
+            out,
+            lse,
+        )
     }
 
     /// [`token_sparse_attention`](crate::token_sparse_attention) on the device; tokens outside
@@ -72,7 +126,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<(), AttnError> {
-        self.attend(q, kv, meta, Keys::Tokens(tokens), params, out, lse)
+        self.attend(q, kv, meta, Keys::Tokens(tokens), None, params, out, lse)
     }
 
     #[allow(
@@ -85,6 +139,7 @@ impl Gpu {
         kv: &DevicePagedKv<T>,
         meta: &DeviceBatch,
         keys: Keys<'_>,
+        published: Option<Published<'_>>,
         params: &AttnParams,
         out: &mut CudaSlice<f32>,
         lse: Option<&mut CudaSlice<f32>>,
@@ -154,6 +209,8 @@ impl Gpu {
         }
         let chunk = (n_keys.div_ceil(splits).div_ceil(16) * 16).max(self.min_chunk);
         let splits = n_keys.div_ceil(chunk).max(1);
+        // A split's keys span at most this many pages of the selection.
+        let split_pages = chunk.div_ceil(bs) + 1;
         let cfg = LaunchConfig {
             grid_dim: (
                 to_u32(splits * layout.kv_heads)?,
@@ -227,7 +284,23 @@ impl Gpu {
                 });
             }
         }
-        let mut b = Launch::new(&self.stream, &kernel.func);
+        // Flags only where the tensor-core kernel runs and every split's page ids fit its
+        // staging; otherwise the launch waits for the selection's whole launch, as any launch
+        // does. No flags: a null pointer, which the kernel never reads.
+        let published = published.filter(|_| split_pages <= PUBLISHED_IDS);
+        // The kernel over a published selection walks the same splits in the same order (the
+        // same bits); the split was planned for the plain kernel's CTAs a multiprocessor, so
+        // it is used only where it holds as many.
+        let pub_func = kernel
+            .published
+            .as_ref()
+            .filter(|(_, n)| *n == kernel.resident)
+            .map(|(f, _)| f);
+        let (func, published) = match (published, pub_func) {
+            (Some(p), Some(f)) => (f, Some(p)),
+            _ => (&kernel.func, None),
+        };
+        let mut b = Launch::new(&self.stream, func);
         b.dependent(self.dependent);
         b.arg(q)
             .arg(kv.k())
@@ -266,11 +339,22 @@ impl Gpu {
                 .arg(&self.dummy_i32),
         };
         b.arg(&splits_i).arg(&total_rows_i);
+        let no_flags: u64 = 0;
+        let (epoch, per_flag) = published.map_or((0u32, 1i32), |p| {
+            (p.epoch, i32::try_from(p.rows_per_flag).unwrap_or(i32::MAX))
+        });
+        match published {
+            Some(p) => b.arg(p.flags),
+            None => b.arg(&no_flags),
+        };
+        b.arg(&epoch).arg(&per_flag);
         // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out and
         // lse have the lengths checked above; with several splits the kernel writes
         // `splits * total_rows` partial rows and counts `units` units, which the scratch
         // buffers hold; the metadata was validated against this layout on upload, and the
-        // kernel range-checks every id it reads from device memory.
+        // kernel range-checks every id it reads from device memory; published flags hold one
+        // flag per rows_per_flag selection rows (checked by the caller), and a null pointer is
+        // never read.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -7,14 +7,18 @@
 //!   prefill's last query row), outputs poisoned first; StreamingLLM's device rows against
 //!   [`StreamingLlm`]'s, and the DSA indexer's device scores + token top-k against [`Dsa`]'s
 //!   with a trained indexer (f32/f16/bf16 keys, tied scores, rows longer than shared memory);
-//!   exits 1 on any mismatch.
+//!   attention right after a top-k that publishes its rows against attention after the whole
+//!   top-k, bit for bit; exits 1 on any mismatch.
 //! - `gpu_select bench [--json FILE] [--only B1|B8]`: bf16, 32 query / 8 KV heads, D 128, pages
 //!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
 //!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
-//!   programmatic dependent launches), with our dense decode in the same run; StreamingLLM's
-//!   rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token
-//!   attention. `--only` keeps the shapes whose tag starts with its value (for profiling one
-//!   shape).
+//!   programmatic dependent launches, and with the rows published to an attention that starts
+//!   early), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer
+//!   (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token attention. Then the
+//!   attention kernel's registers, and a trace of one step per shape (per-CTA timestamps of
+//!   the scoring, `pick_rows` and the attention on one time axis; plain and published, alone
+//!   and behind another step). `--only` keeps the shapes whose tag starts with its value (for
+//!   profiling one shape).
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -28,10 +32,13 @@ mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
 mod rng;
 
+mod steptrace;
+
 use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu};
+use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 
-use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvLayout, PagedKv};
+use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv};
 use half::{bf16, f16};
 use report::{Row, random_bf16, table};
 use rng::Rng;
@@ -478,7 +485,72 @@ fn check_case<T: CudaElement>(
                 .map(|(w, ok)| (format!("exact after tensor cores: {w}"), ok)),
         );
     }
+    if !c.per_sequence {
+        results.push(check_published(
+            gpu, sk, &quest, &dq, c.q_heads, &dev_kv, &meta, &dslots, &dev_pool, &mut out,
+        )?);
+    }
     Ok(results)
+}
+
+/// Attention right after a published top-k ([`SelectKernels::set_publish`]), each CTA
+/// waiting for its own row's flag, against attention after the whole top-k: the same rows,
+/// and the same output bits. Twice, so that the second launch finds the first one's flags.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the check's shared inputs for one case"
+)]
+fn check_published<T: CudaElement>(
+    gpu: &Gpu,
+    sk: &mut SelectKernels,
+    quest: &Quest,
+    q: &CudaSlice<T>,
+    q_heads: usize,
+    kv: &DevicePagedKv<T>,
+    meta: &DeviceBatch,
+    slots: &CudaSlice<i32>,
+    pool: &DeviceRepPool<T>,
+    out: &mut DeviceTopK,
+) -> Result<(String, bool), AlgoError> {
+    let params = AttnParams::new(q_heads, kv.layout().head_dim);
+    let n = q.len();
+    let layer = 1;
+    sk.quest_topk(quest, q, q_heads, meta, layer, slots, pool, out)?;
+    let want_ids = gpu.download(&out.sel.ids)?;
+    let mut want = gpu.zeros::<f32>(n)?;
+    gpu.sparse_page_attention(q, kv, meta, &out.sel, &params, &mut want, None)?;
+    let want = gpu.download(&want)?;
+    let mut got = gpu.upload(&vec![f32::NAN; n])?;
+    sk.set_publish(true);
+    let mut run = || -> Result<(), AlgoError> {
+        for _ in 0..2 {
+            sk.quest_topk(quest, q, q_heads, meta, layer, slots, pool, out)?;
+            let published = out
+                .published()
+                .ok_or_else(|| AlgoError::Invalid("a published top-k left no flags".into()))?;
+            // SAFETY: the launch right before is the top-k that publishes `out.sel` through
+            // these flags, and q, kv and meta were complete before its scoring began.
+            unsafe {
+                gpu.sparse_page_attention_published(
+                    q, kv, meta, &out.sel, published, &params, &mut got, None,
+                )
+            }?;
+        }
+        Ok(())
+    };
+    let ran = run();
+    sk.set_publish(false);
+    ran?;
+    let same_ids = gpu.download(&out.sel.ids)? == want_ids;
+    let got = gpu.download(&got)?;
+    let same_out = want
+        .iter()
+        .zip(&got)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    Ok((
+        format!("published rows: same rows {same_ids}, attention bit for bit {same_out}"),
+        same_ids && same_out,
+    ))
 }
 
 /// A page's CPU score for a selection row (sequence, KV head) in f64, and the sum of its
@@ -867,6 +939,7 @@ fn bench(
     only: Option<&str>,
 ) -> Result<(), AlgoError> {
     let mut rows = Vec::new();
+    let mut traces: Vec<String> = Vec::new();
     let n = 1usize << 28;
     let src = gpu.zeros::<u32>(n)?;
     let mut dst = gpu.zeros::<u32>(n)?;
@@ -1008,6 +1081,21 @@ fn bench(
                         note: note.to_owned(),
                     });
                 }
+                if scoring == QuestScoring::TensorCores {
+                    rows.push(bench_published(
+                        gpu,
+                        sk,
+                        &quest,
+                        &q,
+                        &kv,
+                        &decode,
+                        &slots,
+                        &pool,
+                        &mut top,
+                        &mut out_attn,
+                        &format!("{mode} {tag}"),
+                    )?);
+                }
                 let ids = gpu.download(&top.sel.ids)?;
                 if scoring == QuestScoring::Exact {
                     exact_ids = ids;
@@ -1020,6 +1108,20 @@ fn bench(
                 }
             }
             sk.set_quest_scoring(QuestScoring::Exact);
+            if !shared {
+                let mut step = steptrace::Step {
+                    quest: &quest,
+                    q: &q,
+                    kv: &kv,
+                    decode: &decode,
+                    slots: &slots,
+                    pool: &pool,
+                    top: &mut top,
+                    out: &mut out_attn,
+                    tag: &tag,
+                };
+                traces.extend(steptrace::trace_step(gpu, sk, &mut step)?);
+            }
         }
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)
@@ -1036,11 +1138,81 @@ fn bench(
     }
 
     print!("{}", table(&rows));
+    for published in [false, true] {
+        let (regs, local, ctas) = gpu.attention_resources(attn_op::DType::BF16, D, published)?;
+        println!(
+            "attention kernel (bf16, D {D}{}): {regs} registers, {local} bytes of local memory \
+             a thread, {ctas} CTAs a multiprocessor",
+            if published { ", published rows" } else { "" }
+        );
+    }
+    for t in &traces {
+        print!("{t}");
+    }
     if let Some(path) = json {
         let body = report::json(&gpu.name()?, &rows);
         std::fs::write(path, body).map_err(|e| AlgoError::Invalid(format!("{path}: {e}")))?;
     }
     Ok(())
+}
+
+/// The tensor-core Quest step with its rows published ([`SelectKernels::set_publish`]) and
+/// attention over them as they come; checks that it selects the same pages as the step before
+/// it (the serialized one, whose outputs `top` and `out` hold) and attends to the same bits.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the bench's shared inputs for one shape"
+)]
+fn bench_published(
+    gpu: &Gpu,
+    sk: &mut SelectKernels,
+    quest: &Quest,
+    q: &CudaSlice<bf16>,
+    kv: &DevicePagedKv<bf16>,
+    decode: &DeviceBatch,
+    slots: &CudaSlice<i32>,
+    pool: &DeviceRepPool<bf16>,
+    top: &mut DeviceTopK,
+    out: &mut CudaSlice<f32>,
+    tag: &str,
+) -> Result<Row, AlgoError> {
+    let params = AttnParams::new(Q_HEADS, D);
+    let want_ids = gpu.download(&top.sel.ids)?;
+    let want_out = gpu.download(out)?;
+    sk.set_publish(true);
+    let t = gpu.time(RUNS, || {
+        sk.quest_topk(quest, q, Q_HEADS, decode, 0, slots, pool, top)?;
+        let published = top
+            .published()
+            .ok_or_else(|| AlgoError::Invalid("the publishing top-k published nothing".into()))?;
+        // SAFETY: the launch right before is the top-k that publishes `top.sel` through these
+        // flags, and q, kv and decode were complete before its scoring began.
+        unsafe {
+            gpu.sparse_page_attention_published(
+                q, kv, decode, &top.sel, published, &params, out, None,
+            )
+        }?;
+        Ok::<(), AlgoError>(())
+    });
+    sk.set_publish(false);
+    let t = t?;
+    let same_ids = gpu.download(&top.sel.ids)? == want_ids;
+    let got = gpu.download(out)?;
+    let same_out = got
+        .iter()
+        .zip(&want_out)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    if !same_ids || !same_out {
+        return Err(AlgoError::Invalid(format!(
+            "the published step{tag}: ids equal {same_ids}, outputs equal {same_out}"
+        )));
+    }
+    Ok(Row {
+        name: format!("quest+sparse attn 2K tc published{tag}"),
+        t,
+        bytes: 0.0,
+        note: "rows selected and attended as scored; ids and outputs as serialized".to_owned(),
+    })
 }
 
 /// How many of `got`'s selected ids (rows of `width`, -1 padded, ascending) `want`'s row
@@ -1072,8 +1244,8 @@ fn bench_token_selections(
     sk: &SelectKernels,
     kv: &DevicePagedKv<bf16>,
     decode: &DeviceBatch,
-    q: &cudarc::driver::CudaSlice<bf16>,
-    slots: &cudarc::driver::CudaSlice<i32>,
+    q: &CudaSlice<bf16>,
+    slots: &CudaSlice<i32>,
     b: usize,
     ctx: usize,
     tag: &str,
