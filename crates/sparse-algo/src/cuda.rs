@@ -762,6 +762,8 @@ impl SelectKernels {
             quest.row_width(),
             Some((meta.max_kv_len(), c.page_size)),
         )?;
+        // Rows published only by this launch's pick_rows (none where nothing runs).
+        out.published = false;
         if n == 0 {
             return Ok(());
         }
@@ -791,7 +793,7 @@ impl SelectKernels {
             Some(_) if self.trace && T::DTYPE == DType::BF16 && d == 128 => Some(&self.traced.0),
             other => other,
         };
-        out.publishing = self.publish;
+
         match tc {
             Some(f) => self.launch_score_tc(f, &inputs, out)?,
             None => self.launch_score(&inputs, out)?,
@@ -801,6 +803,7 @@ impl SelectKernels {
             budget_pages: quest.budget_pages(),
             always: c.always,
         };
+        out.publishing = self.publish;
         self.launch_pick(meta, Some((slots, pool.slots)), rule, stores_keys, out)
     }
 

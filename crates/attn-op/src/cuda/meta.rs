@@ -237,8 +237,8 @@ impl DeviceSelection {
 }
 
 /// Per-row flags through which the launch right before a sparse attention publishes its
-/// selection while it still runs (sparse-algo's overlapped Quest step): selection row `r` may be
-/// read once `flags[r / rows_per_flag]` holds `epoch`. See
+/// selection while it still runs (sparse-algo's `SelectKernels::set_publish`): selection row
+/// `r` may be read once `flags[r / rows_per_flag]` holds `epoch`. See
 /// [`Gpu::sparse_page_attention_published`].
 #[derive(Clone, Copy, Debug)]
 pub struct Published<'a> {

@@ -63,9 +63,12 @@ impl Gpu {
 
     /// [`sparse_page_attention`](Self::sparse_page_attention) over a selection that the
     /// launch right before it on this stream publishes row by row through `published`
-    /// (sparse-algo's overlapped Quest step): this launch starts while that one runs, and each
-    /// of its CTAs waits only for its own row's flag, so the first rows are attended to while
-    /// the last ones are still being selected.
+    /// (sparse-algo's `SelectKernels::set_publish`): this launch starts while that one runs,
+    /// and each of its CTAs reads its queries and metadata, then waits only for its own row's
+    /// flag, so the first rows are attended to while the last ones are still being selected.
+    /// Where the tensor-core kernel does not run, or a split spans more than 256 pages, it
+    /// waits for the whole launch before it instead, like
+    /// [`sparse_page_attention`](Self::sparse_page_attention). Outputs are the same bits.
     ///
     /// # Safety
     /// The launch right before this one on the stream must be the one that writes `pages` and
