@@ -12,8 +12,8 @@
 //! - `gpu_select bench [--json FILE] [--only B1|B8]`: bf16, 32 query / 8 KV heads, D 128, pages
 //!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
 //!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
-//!   programmatic dependent launches, and with the rows published to an attention that starts
-//!   early), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer
+//!   programmatic dependent launches, captured in a CUDA graph, and with the rows published to
+//!   an attention that starts early), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer
 //!   (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token attention. Then the
 //!   attention kernel's registers, and a trace of one step per shape (per-CTA timestamps of
 //!   the scoring, `pick_rows` and the attention on one time axis; plain and published, alone
@@ -34,8 +34,9 @@ mod rng;
 
 mod steptrace;
 
-use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu};
+use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu, Timing};
 use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use std::sync::Arc;
 
 use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv};
@@ -1082,6 +1083,19 @@ fn bench(
                     });
                 }
                 if scoring == QuestScoring::TensorCores {
+                    rows.push(bench_graph(
+                        gpu,
+                        sk,
+                        &quest,
+                        &q,
+                        &kv,
+                        &decode,
+                        &slots,
+                        &pool,
+                        &mut top,
+                        &mut out_attn,
+                        &format!("{mode} {tag}"),
+                    )?);
                     rows.push(bench_published(
                         gpu,
                         sk,
@@ -1212,6 +1226,93 @@ fn bench_published(
         t,
         bytes: 0.0,
         note: "rows selected and attended as scored; ids and outputs as serialized".to_owned(),
+    })
+}
+
+/// The plain tensor-core step (estimate, top-k, attention) captured once into a CUDA graph and
+/// replayed, as an engine replays its decode steps: how much of the step's time is the host's
+/// launch work. Checks that the replays select the same pages and attend to the same bits as
+/// the step before it, whose outputs `top` and `out` hold.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the bench's shared inputs for one shape"
+)]
+fn bench_graph(
+    gpu: &Gpu,
+    sk: &SelectKernels,
+    quest: &Quest,
+    q: &CudaSlice<bf16>,
+    kv: &DevicePagedKv<bf16>,
+    decode: &DeviceBatch,
+    slots: &CudaSlice<i32>,
+    pool: &DeviceRepPool<bf16>,
+    top: &mut DeviceTopK,
+    out: &mut CudaSlice<f32>,
+    tag: &str,
+) -> Result<Row, AlgoError> {
+    let params = AttnParams::new(Q_HEADS, D);
+    let want_ids = gpu.download(&top.sel.ids)?;
+    let want_out = gpu.download(out)?;
+    // A stream of its own: the context's default stream cannot be captured.
+    let lane = gpu.fork()?;
+    let sk = sk.on_stream(lane.stream().clone());
+    let step = |top: &mut DeviceTopK, out: &mut CudaSlice<f32>| -> Result<(), AlgoError> {
+        sk.quest_topk(quest, q, Q_HEADS, decode, 0, slots, pool, top)?;
+        lane.sparse_page_attention(q, kv, decode, &top.sel, &params, out, None)?;
+        Ok(())
+    };
+    // Once uncaptured, so that the lane's attention scratch exists before the capture.
+    gpu.synchronize()?;
+    step(top, out)?;
+    lane.synchronize()?;
+    let ctx = gpu.context().clone();
+    let tracking = ctx.is_event_tracking();
+    // SAFETY: all work so far is finished, and the captured work runs on the lane alone, which
+    // is synchronized before tracking is turned back on.
+    unsafe { ctx.disable_event_tracking() };
+    let timed = (|| {
+        let stream = lane.stream();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(AttnError::from)?;
+        let enqueued = step(top, out);
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(AttnError::from)?;
+        enqueued?;
+        let graph = graph.ok_or_else(|| AlgoError::Invalid("the capture made no graph".into()))?;
+        graph.upload().map_err(AttnError::from)?;
+        let t = lane.time(RUNS, || {
+            graph
+                .launch()
+                .map_err(|e| AlgoError::from(AttnError::from(e)))
+        })?;
+        lane.synchronize()?;
+        Ok::<Timing, AlgoError>(t)
+    })();
+    lane.synchronize()?;
+    if tracking {
+        // SAFETY: all work is finished (synchronized just above).
+        unsafe { ctx.enable_event_tracking() };
+    }
+    let t = timed?;
+    let same_ids = gpu.download(&top.sel.ids)? == want_ids;
+    let got = gpu.download(out)?;
+    let same_out = got
+        .iter()
+        .zip(&want_out)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    if !same_ids || !same_out {
+        return Err(AlgoError::Invalid(format!(
+            "the graph's step{tag}: ids equal {same_ids}, outputs equal {same_out}"
+        )));
+    }
+    Ok(Row {
+        name: format!("quest+sparse attn 2K tc graph{tag}"),
+        t,
+        bytes: 0.0,
+        note: "the plain step captured in a CUDA graph, replayed; ids and outputs as plain"
+            .to_owned(),
     })
 }
 
