@@ -79,7 +79,8 @@ def main():
               "published: attention waits per row):")
         goals = {"B8 L32K": 5.0, "B1 L128K": 6.0}
         for (tag, goal), how in [(g, h) for g in goals.items()
-                                 for h in ["", " tc", " tc graph", " tc published"]]:
+                                 for h in ["", " tc", " tc graph", " tc published",
+                                           " tc graph published"]]:
             o = sel.get(f"quest+sparse attn 2K{how} {tag}")
             if not o:
                 continue

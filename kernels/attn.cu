@@ -528,7 +528,7 @@ __device__ __forceinline__ void attn_core(
         const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
-        i32 total_rows, const u32* ready, u32 epoch, i32 ready_div) {                          \
+        i32 total_rows, const u32* ready, const u32* epoch, i32 ready_div) {                   \
         /* Published selections are for the tensor-core kernels only: ready is null here. */   \
         pdl_enter();                                                                           \
         const Outs o{out, has_lse ? lse : nullptr, part_out, part_lse, counters, splits,       \
@@ -738,7 +738,8 @@ __device__ __forceinline__ void attn_mma_core(
     i32 mode, const i32* __restrict__ sel_ids, const i32* __restrict__ sel_lens, i32 sel_max,
     i32 kv_heads, i32 group, i32 bs, float scale, i32 window, i32 sinks,
     const float* __restrict__ sink_logits, i32 has_sinks, i32 chunk, const Outs& o,
-    const u32* __restrict__ ready, u32 epoch, int ready_div, Trace<TRACE>& tr) {
+    const u32* __restrict__ ready, const u32* __restrict__ epoch, int ready_div,
+    Trace<TRACE>& tr) {
     static_assert(D % 64 == 0, "head dim a multiple of 64");
     constexpr int WARPS = 4;
     constexpr int ROWS = 8;
@@ -758,10 +759,11 @@ __device__ __forceinline__ void attn_mma_core(
     if (PUB) {
         // A published page selection (Gpu::sparse_page_attention_published): the launch
         // before this one writes its rows and sets each row's flag, ready[(seq * kv_heads +
-        // h) / ready_div], to `epoch`. The metadata and the queries were complete before that
-        // launch began, so they are read now; only the selection row waits for its flag.
+        // h) / ready_div], to the step's value, *epoch, which the scoring launch before that
+        // one advanced. The metadata, the queries and *epoch were complete before that launch
+        // began, so they are read now; only the selection row waits for its flag.
         load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
-        wait_flag(ready + u.sh / ready_div, epoch);
+        wait_flag(ready + u.sh / ready_div, __ldcg(epoch));
     }
     const Keys<T, D> keys =
         PUB ? staged_keys<T, D>(u.template keys<T, D>(ROWS, group, kc, vc, block_table,
@@ -864,7 +866,7 @@ __device__ __forceinline__ void attn_mma_core(
         const i32* sel_lens, i32 sel_max, i32 kv_heads, i32 group, i32 bs, float scale,        \
         i32 window, i32 sinks, const float* sink_logits, i32 has_sinks, i32 chunk, float* out, \
         float* lse, i32 has_lse, float* part_out, float* part_lse, i32* counters, i32 splits,  \
-        i32 total_rows, const u32* ready, u32 epoch, i32 ready_div) {                          \
+        i32 total_rows, const u32* ready, const u32* epoch, i32 ready_div) {                   \
         Trace<TRACE> tr;                                                                       \
         tr.mark(0, 0u);                                                                        \
         if (PUB) {                                                                             \

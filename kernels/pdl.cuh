@@ -11,7 +11,8 @@
 //
 // One exception: the tensor-core attention over a published selection (`attn_*_tc_pub`, after
 // a pick_rows that publishes its rows). It signals first and never waits for pick_rows; each
-// CTA waits instead for a flag that pick_rows sets once the CTA's row is written (below). It
+// CTA waits instead for a flag that pick_rows sets once the CTA's row is written (below), to
+// the step's value, a counter the scoring launch before pick_rows advanced after its wait. It
 // still starts only after pick_rows has signalled, which pick_rows does after its own wait,
 // so every kernel before pick_rows has finished. And the kernel after the attention waits for
 // the attention, whose CTAs each waited on their row's flag, set last by pick_rows: so no

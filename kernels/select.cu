@@ -342,7 +342,8 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
 // come out of it: Quest's and DSA's after their scoring kernels, StreamingLLM's with a budget
 // of 0 (forced pages only, no keys read) and no slots (`slots` null). Where `ready` is given,
 // each row is then published: its flag, ready[row], set to `epoch` once the row is written,
-// for an attention that started before this launch ends (pdl.cuh).
+// for an attention that started before this launch ends (pdl.cuh). `epoch` is the step's
+// value, advanced by the scoring launch before this one.
 
 #define QJ 2                 // query heads a thread scores per pass over its page
 #define SCORE_THREADS 128    // threads of a scoring CTA
@@ -369,6 +370,14 @@ __device__ __forceinline__ void copy16_wait() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
+}
+
+// Where the step's rows are published (`epoch` non-null), the scoring launch advances the
+// step's value once, after its wait: pick_rows sets each row's flag to it, and the attention
+// that starts before pick_rows ends waits for it. A value kept in device memory, not passed as
+// an argument, so that a replayed CUDA graph of the step advances it too.
+__device__ __forceinline__ void advance_epoch(u32* epoch) {
+    if (epoch != nullptr && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(epoch, 1u);
 }
 
 // quest_score_*'s integer arguments, one struct (the Rust side mirrors it, #[repr(C)]).
@@ -616,7 +625,8 @@ template <typename T, int D, bool TRACE>
 __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ cu_q,
                               const T* __restrict__ reps, const i32* __restrict__ slots,
                               const i32* __restrict__ seq_lens, const ScoreArgs a, i32 items,
-                              i32 per_warp, u32* __restrict__ scores) {
+                              i32 per_warp, u32* __restrict__ scores,
+                              u32* __restrict__ epoch) {
     // Traced (the `_traced` kernel): entry, after the wait, the end of warp 0's items.
     Trace<TRACE> tr(0);
     tr.mark(0, 0u);
@@ -642,6 +652,7 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
     if (first >= last) return;
     RowFacts f((int)(first / a.tiles), a, seq_lens, slots);
     pdl_enter();
+    advance_epoch(epoch);
     tr.mark(1, 0u);
     for (long it = first; it < last; it++) {
         const int tile = (int)(it % a.tiles);
@@ -725,7 +736,7 @@ __device__ __forceinline__ void pick_body(
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
     i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies, i32 zero_keys,
-    u32* __restrict__ ready, u32 epoch) {
+    u32* __restrict__ ready, const u32* __restrict__ epoch) {
     // Traced (`pick_rows_traced`): entry, after the wait, the keys read and the first
     // histogram's range found, the threshold found and the chosen ids written, the row's
     // other entries written, the end.
@@ -832,7 +843,7 @@ __device__ __forceinline__ void pick_body(
         // Publish the row: every thread's writes fenced, then the flag.
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) store_release(ready + row, epoch);
+        if (threadIdx.x == 0) store_release(ready + row, __ldcg(epoch));
     }
     tr.finish(0, 0u);
 }
@@ -843,7 +854,7 @@ __device__ __forceinline__ void pick_body(
         i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,                      \
         u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,        \
         i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies,                \
-        i32 zero_keys, u32* __restrict__ ready, u32 epoch) {                                     \
+        i32 zero_keys, u32* __restrict__ ready, const u32* __restrict__ epoch) {                 \
         pick_body<TRACE>(slots, seq_lens, num_slots, kvh, ps, budget, sink_tokens,               \
                          recent_tokens, shared, scores, score_stride, keys_smem, ids, lens,      \
                          covered, width, copies, zero_keys, ready, epoch);                       \
@@ -945,8 +956,9 @@ __device__ void dsa_body(const float* __restrict__ q, const float* __restrict__ 
     extern "C" __global__ void __launch_bounds__(SCORE_THREADS) quest_score_##NAME(              \
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
-        i32 items, i32 per_cta, u32* __restrict__ scores) {                                      \
+        i32 items, i32 per_cta, u32* __restrict__ scores, u32* __restrict__ epoch) {             \
         pdl_enter();                                                                             \
+        advance_epoch(epoch);                                                                    \
         score_body<T>(q, cu_q, reps, slots, seq_lens, a, items, per_cta, scores);               \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(DSA_THREADS) dsa_score_##NAME(                  \
@@ -964,8 +976,9 @@ SELECT_KERNELS(bf16, __nv_bfloat16)
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) quest_score_tc_##NAME(         \
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
-        i32 items, i32 per_warp, u32* __restrict__ scores) {                                     \
-        score_tc_body<T, D, TRACE>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores);  \
+        i32 items, i32 per_warp, u32* __restrict__ scores, u32* __restrict__ epoch) {            \
+        score_tc_body<T, D, TRACE>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores,   \
+                                   epoch);                                                       \
     }
 
 SCORE_TC_KERNEL(f16_d64, __half, 64, false)

@@ -265,11 +265,11 @@ pub struct DeviceTopK {
     score_stride: usize,
     /// Selection rows (sequences, or (sequence, KV head) pairs).
     sel_rows: usize,
-    /// `[selection rows]` flags `pick_rows` sets to `epoch` as it publishes each row (see
-    /// [`SelectKernels::set_publish`]).
+    /// `[selection rows]` flags `pick_rows` sets to the step's value (`epoch`) as it publishes
+    /// each row (see [`SelectKernels::set_publish`]).
     ready: CudaSlice<u32>,
-    /// The value the last published selection's flags hold.
-    epoch: u32,
+    /// `[1]` the step's value, which each publishing scoring launch advances on the device.
+    epoch: CudaSlice<u32>,
     /// Whether the `pick_rows` about to be launched publishes its rows through `ready`.
     publishing: bool,
     /// Whether the last selection was published through `ready` (see [`Self::published`]).
@@ -364,7 +364,7 @@ impl DeviceTopK {
             score_stride: stride,
             sel_rows,
             ready: gpu.zeros(sel_rows.max(1))?,
-            epoch: 0,
+            epoch: gpu.zeros(1)?,
             publishing: false,
             published: false,
         })
@@ -376,7 +376,7 @@ impl DeviceTopK {
     pub fn published(&self) -> Option<Published<'_>> {
         self.published.then_some(Published {
             flags: &self.ready,
-            epoch: self.epoch,
+            epoch: &self.epoch,
             rows_per_flag: self.copies,
         })
     }
@@ -573,7 +573,9 @@ impl SelectKernels {
     /// read their queries and metadata first, and each waits only for its own row (measured
     /// 0.064 -> 0.061 ms for the Quest step at B8 L32K on an H200, BENCHMARKS.md). The
     /// selections are the same as without. Only with programmatic dependent launches
-    /// ([`Self::set_dependent_launches`]) do the two launches run at once.
+    /// ([`Self::set_dependent_launches`]) do the two launches run at once. The flags' value is
+    /// a counter in device memory that the scoring launch advances, so the step may be
+    /// captured in a CUDA graph and replayed.
     pub fn set_publish(&mut self, on: bool) {
         self.publish = on;
     }
@@ -762,8 +764,10 @@ impl SelectKernels {
             quest.row_width(),
             Some((meta.max_kv_len(), c.page_size)),
         )?;
-        // Rows published only by this launch's pick_rows (none where nothing runs).
+        // Rows published only by this launch's scoring and pick_rows (none where nothing
+        // runs).
         out.published = false;
+        out.publishing = false;
         if n == 0 {
             return Ok(());
         }
@@ -793,6 +797,8 @@ impl SelectKernels {
             Some(_) if self.trace && T::DTYPE == DType::BF16 && d == 128 => Some(&self.traced.0),
             other => other,
         };
+        // The scoring launch advances the step's value, pick_rows publishes under it.
+        out.publishing = self.publish;
 
         match tc {
             Some(f) => self.launch_score_tc(f, &inputs, out)?,
@@ -803,7 +809,6 @@ impl SelectKernels {
             budget_pages: quest.budget_pages(),
             always: c.always,
         };
-        out.publishing = self.publish;
         self.launch_pick(meta, Some((slots, pool.slots)), rule, stores_keys, out)
     }
 
@@ -831,6 +836,8 @@ impl SelectKernels {
                 recent_tokens: c.window_tokens,
             },
         };
+        // Nothing scored advances the step's value: these rows are never published.
+        out.publishing = false;
         self.launch_pick(meta, None, rule, false, out)
     }
 
@@ -930,6 +937,8 @@ impl SelectKernels {
             always: c.always,
         };
         // `dsa_score_*` stores every mid token's key.
+        // DSA's rows are never published (token attention takes no flags).
+        out.publishing = false;
         self.launch_pick(meta, Some((slots, pool.slots)), rule, true, out)
     }
 
@@ -1078,6 +1087,14 @@ impl SelectKernels {
             .arg(&items)
             .arg(&per)
             .arg(&mut out.scores);
+        // The step's value where the rows are published, else a null pointer, which the
+        // kernels never read.
+        let no_epoch: u64 = 0;
+        if out.publishing {
+            b.arg(&mut out.epoch);
+        } else {
+            b.arg(&no_epoch);
+        }
         // SAFETY: the arguments follow `quest_score_*` and `quest_score_tc_*` in
         // kernels/select.cu (the latter compiled for this element type and head dim, with at
         // most 8 heads per group: `tc_kernel`); q holds total_q * q_heads * d elements and
@@ -1087,7 +1104,7 @@ impl SelectKernels {
         // score_stride); the callers sized the dynamic shared memory of `quest_score_*` for the
         // group's g d queries, their g d element-sized masks and two tiles of SCORE_THREADS /
         // tpp padded rows (within the limit set at load); slots are range-checked in the
-        // kernels.
+        // kernels; the epoch, where given, holds one value.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -1163,10 +1180,9 @@ impl SelectKernels {
         let no_flags: u64 = 0;
         out.published = std::mem::take(&mut out.publishing);
         if out.published {
-            out.epoch = out.epoch.wrapping_add(1);
             b.arg(&mut out.ready).arg(&out.epoch);
         } else {
-            b.arg(&no_flags).arg(&0u32);
+            b.arg(&no_flags).arg(&no_flags);
         }
         // SAFETY: the arguments follow `pick_rows` in kernels/select.cu; scores hold
         // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
@@ -1174,7 +1190,8 @@ impl SelectKernels {
         // of max_len; the dynamic shared memory holds the two histograms, and with keys_smem a
         // row of keys after them (within the limit set at load); slots, where given, hold
         // num_seqs entries and are range-checked in the kernel; the flags, where given, hold
-        // sel_rows entries, one per CTA; a null pointer is never read.
+        // sel_rows entries, one per CTA, and the epoch one value; a null pointer is never
+        // read.
         unsafe { b.launch(cfg) }?;
         // A budget of 0 reads and writes no keys.
         if rule.budget_pages > 0 {

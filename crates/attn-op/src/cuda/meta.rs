@@ -238,14 +238,16 @@ impl DeviceSelection {
 
 /// Per-row flags through which the launch right before a sparse attention publishes its
 /// selection while it still runs (sparse-algo's `SelectKernels::set_publish`): selection row
-/// `r` may be read once `flags[r / rows_per_flag]` holds `epoch`. See
+/// `r` may be read once `flags[r / rows_per_flag]` holds the step's value, `epoch[0]`. See
 /// [`Gpu::sparse_page_attention_published`].
 #[derive(Clone, Copy, Debug)]
 pub struct Published<'a> {
     /// One flag per selecting row.
     pub flags: &'a CudaSlice<u32>,
-    /// What a flag holds once the current selection's row is written.
-    pub epoch: u32,
+    /// `[1]` what a flag holds once the current selection's row is written: a value in device
+    /// memory, advanced by the launch that scored the selection, so that a replayed CUDA graph
+    /// of the step waits for each replay's rows.
+    pub epoch: &'a CudaSlice<u32>,
     /// Selection rows per flag: the KV heads where one selecting row is written once per
     /// head, else 1.
     pub rows_per_flag: usize,

@@ -72,10 +72,10 @@ impl Gpu {
     ///
     /// # Safety
     /// The launch right before this one on the stream must be the one that writes `pages` and
-    /// then sets `published.flags` to `published.epoch` row by row, and `q`, `kv` and `meta`
-    /// must have been complete before the launch before that one (the selection's scoring)
-    /// began: this launch waits for nothing else, so it could otherwise read them while they
-    /// are written.
+    /// then sets `published.flags` to `published.epoch[0]` row by row, the launch before that
+    /// one (the selection's scoring) must have advanced `published.epoch[0]`, and `q`, `kv`
+    /// and `meta` must have been complete before that scoring began: this launch waits for
+    /// nothing else, so it could otherwise read them while they are written.
     #[allow(
         clippy::too_many_arguments,
         reason = "sparse_page_attention's arguments plus the flags"
@@ -93,6 +93,7 @@ impl Gpu {
     ) -> Result<(), AttnError> {
         if published.rows_per_flag == 0
             || published.flags.len() * published.rows_per_flag != pages.rows
+            || published.epoch.is_empty()
         {
             return Err(AttnError::Invalid(format!(
                 "{} flags of {} rows each for a selection of {} rows",
@@ -343,21 +344,20 @@ impl Gpu {
         };
         b.arg(&splits_i).arg(&total_rows_i);
         let no_flags: u64 = 0;
-        let (epoch, per_flag) = published.map_or((0u32, 1i32), |p| {
-            (p.epoch, i32::try_from(p.rows_per_flag).unwrap_or(i32::MAX))
-        });
+        let per_flag =
+            published.map_or(1i32, |p| i32::try_from(p.rows_per_flag).unwrap_or(i32::MAX));
         match published {
-            Some(p) => b.arg(p.flags),
-            None => b.arg(&no_flags),
+            Some(p) => b.arg(p.flags).arg(p.epoch),
+            None => b.arg(&no_flags).arg(&no_flags),
         };
-        b.arg(&epoch).arg(&per_flag);
+        b.arg(&per_flag);
         // SAFETY: the arguments follow the ATTN_KERNEL signature in kernels/attn.cu; q, out and
         // lse have the lengths checked above; with several splits the kernel writes
         // `splits * total_rows` partial rows and counts `units` units, which the scratch
         // buffers hold; the metadata was validated against this layout on upload, and the
         // kernel range-checks every id it reads from device memory; published flags hold one
-        // flag per rows_per_flag selection rows (checked by the caller), and a null pointer is
-        // never read.
+        // flag per rows_per_flag selection rows and their epoch a value (checked by the
+        // caller), and a null pointer is never read.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -1083,19 +1083,22 @@ fn bench(
                     });
                 }
                 if scoring == QuestScoring::TensorCores {
-                    rows.push(bench_graph(
-                        gpu,
-                        sk,
-                        &quest,
-                        &q,
-                        &kv,
-                        &decode,
-                        &slots,
-                        &pool,
-                        &mut top,
-                        &mut out_attn,
-                        &format!("{mode} {tag}"),
-                    )?);
+                    for publish in [false, true] {
+                        rows.push(bench_graph(
+                            gpu,
+                            sk,
+                            &quest,
+                            &q,
+                            &kv,
+                            &decode,
+                            &slots,
+                            &pool,
+                            &mut top,
+                            &mut out_attn,
+                            publish,
+                            &format!("{mode} {tag}"),
+                        )?);
+                    }
                     rows.push(bench_published(
                         gpu,
                         sk,
@@ -1229,10 +1232,11 @@ fn bench_published(
     })
 }
 
-/// The plain tensor-core step (estimate, top-k, attention) captured once into a CUDA graph and
-/// replayed, as an engine replays its decode steps: how much of the step's time is the host's
-/// launch work. Checks that the replays select the same pages and attend to the same bits as
-/// the step before it, whose outputs `top` and `out` hold.
+/// The tensor-core step (estimate, top-k, attention; plain, or with its rows published where
+/// `publish`) captured once into a CUDA graph and replayed, as an engine replays its decode
+/// steps: how much of the step's time is the host's launch work. Checks that the replays
+/// select the same pages and attend to the same bits as the step before it, whose outputs
+/// `top` and `out` hold.
 #[allow(
     clippy::too_many_arguments,
     reason = "the bench's shared inputs for one shape"
@@ -1248,6 +1252,7 @@ fn bench_graph(
     pool: &DeviceRepPool<bf16>,
     top: &mut DeviceTopK,
     out: &mut CudaSlice<f32>,
+    publish: bool,
     tag: &str,
 ) -> Result<Row, AlgoError> {
     let params = AttnParams::new(Q_HEADS, D);
@@ -1255,10 +1260,19 @@ fn bench_graph(
     let want_out = gpu.download(out)?;
     // A stream of its own: the context's default stream cannot be captured.
     let lane = gpu.fork()?;
-    let sk = sk.on_stream(lane.stream().clone());
+    let mut sk = sk.on_stream(lane.stream().clone());
+    sk.set_publish(publish);
     let step = |top: &mut DeviceTopK, out: &mut CudaSlice<f32>| -> Result<(), AlgoError> {
         sk.quest_topk(quest, q, Q_HEADS, decode, 0, slots, pool, top)?;
-        lane.sparse_page_attention(q, kv, decode, &top.sel, &params, out, None)?;
+        match top.published() {
+            // SAFETY: the launch right before is the top-k whose scoring advanced the step's
+            // value and which publishes `top.sel` under it; q, kv and decode were complete
+            // before that scoring began.
+            Some(p) => unsafe {
+                lane.sparse_page_attention_published(q, kv, decode, &top.sel, p, &params, out, None)
+            }?,
+            None => lane.sparse_page_attention(q, kv, decode, &top.sel, &params, out, None)?,
+        }
         Ok(())
     };
     // Once uncaptured, so that the lane's attention scratch exists before the capture.
@@ -1307,12 +1321,17 @@ fn bench_graph(
             "the graph's step{tag}: ids equal {same_ids}, outputs equal {same_out}"
         )));
     }
+    let how = if publish { "published" } else { "plain" };
     Ok(Row {
-        name: format!("quest+sparse attn 2K tc graph{tag}"),
+        name: format!(
+            "quest+sparse attn 2K tc graph{}{tag}",
+            if publish { " published" } else { "" }
+        ),
         t,
         bytes: 0.0,
-        note: "the plain step captured in a CUDA graph, replayed; ids and outputs as plain"
-            .to_owned(),
+        note: format!(
+            "the {how} step captured in a CUDA graph, replayed; ids and outputs as plain"
+        ),
     })
 }
 
