@@ -1083,35 +1083,25 @@ fn bench(
                     });
                 }
                 if scoring == QuestScoring::TensorCores {
+                    let step_tag = format!("{mode} {tag}");
+                    let mut step = steptrace::Step {
+                        quest: &quest,
+                        q: &q,
+                        kv: &kv,
+                        decode: &decode,
+                        slots: &slots,
+                        pool: &pool,
+                        top: &mut top,
+                        out: &mut out_attn,
+                        tag: &step_tag,
+                    };
                     for publish in [false, true] {
-                        rows.push(bench_graph(
-                            gpu,
-                            sk,
-                            &quest,
-                            &q,
-                            &kv,
-                            &decode,
-                            &slots,
-                            &pool,
-                            &mut top,
-                            &mut out_attn,
-                            publish,
-                            &format!("{mode} {tag}"),
-                        )?);
+                        rows.push(bench_graph(gpu, sk, &mut step, publish)?);
                     }
-                    rows.push(bench_published(
-                        gpu,
-                        sk,
-                        &quest,
-                        &q,
-                        &kv,
-                        &decode,
-                        &slots,
-                        &pool,
-                        &mut top,
-                        &mut out_attn,
-                        &format!("{mode} {tag}"),
-                    )?);
+                    rows.push(bench_published(gpu, sk, &mut step)?);
+                    if !shared {
+                        traces.extend(steptrace::trace_step(gpu, sk, &mut step)?);
+                    }
                 }
                 let ids = gpu.download(&top.sel.ids)?;
                 if scoring == QuestScoring::Exact {
@@ -1125,20 +1115,6 @@ fn bench(
                 }
             }
             sk.set_quest_scoring(QuestScoring::Exact);
-            if !shared {
-                let mut step = steptrace::Step {
-                    quest: &quest,
-                    q: &q,
-                    kv: &kv,
-                    decode: &decode,
-                    slots: &slots,
-                    pool: &pool,
-                    top: &mut top,
-                    out: &mut out_attn,
-                    tag: &tag,
-                };
-                traces.extend(steptrace::trace_step(gpu, sk, &mut step)?);
-            }
         }
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)
@@ -1173,57 +1149,66 @@ fn bench(
     Ok(())
 }
 
+/// A step's selection and output, which a variant of the step must reproduce bit for bit.
+struct Want {
+    ids: Vec<i32>,
+    out: Vec<f32>,
+}
+
+impl Want {
+    /// The step's outputs as they stand.
+    fn take(gpu: &Gpu, top: &DeviceTopK, out: &CudaSlice<f32>) -> Result<Self, AlgoError> {
+        Ok(Want {
+            ids: gpu.download(&top.sel.ids)?,
+            out: gpu.download(out)?,
+        })
+    }
+
+    /// Fails, naming `what`, unless the outputs now equal these, bit for bit.
+    fn check(
+        &self,
+        gpu: &Gpu,
+        top: &DeviceTopK,
+        out: &CudaSlice<f32>,
+        what: &str,
+    ) -> Result<(), AlgoError> {
+        let now = Want::take(gpu, top, out)?;
+        let same_ids = now.ids == self.ids;
+        let same_out = now
+            .out
+            .iter()
+            .zip(&self.out)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        if same_ids && same_out {
+            Ok(())
+        } else {
+            Err(AlgoError::Invalid(format!(
+                "{what}: ids equal {same_ids}, outputs equal {same_out}"
+            )))
+        }
+    }
+}
+
 /// The tensor-core Quest step with its rows published ([`SelectKernels::set_publish`]) and
 /// attention over them as they come; checks that it selects the same pages as the step before
 /// it (the serialized one, whose outputs `top` and `out` hold) and attends to the same bits.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the bench's shared inputs for one shape"
-)]
 fn bench_published(
     gpu: &Gpu,
     sk: &mut SelectKernels,
-    quest: &Quest,
-    q: &CudaSlice<bf16>,
-    kv: &DevicePagedKv<bf16>,
-    decode: &DeviceBatch,
-    slots: &CudaSlice<i32>,
-    pool: &DeviceRepPool<bf16>,
-    top: &mut DeviceTopK,
-    out: &mut CudaSlice<f32>,
-    tag: &str,
+    s: &mut steptrace::Step<'_>,
 ) -> Result<Row, AlgoError> {
-    let params = AttnParams::new(Q_HEADS, D);
-    let want_ids = gpu.download(&top.sel.ids)?;
-    let want_out = gpu.download(out)?;
+    let want = Want::take(gpu, s.top, s.out)?;
     sk.set_publish(true);
-    let t = gpu.time(RUNS, || {
-        sk.quest_topk(quest, q, Q_HEADS, decode, 0, slots, pool, top)?;
-        let published = top
-            .published()
-            .ok_or_else(|| AlgoError::Invalid("the publishing top-k published nothing".into()))?;
-        // SAFETY: the launch right before is the top-k that publishes `top.sel` through these
-        // flags, and q, kv and decode were complete before its scoring began.
-        unsafe {
-            gpu.sparse_page_attention_published(
-                q, kv, decode, &top.sel, published, &params, out, None,
-            )
-        }?;
-        Ok::<(), AlgoError>(())
-    });
+    let t = gpu.time(RUNS, || s.run(gpu, sk));
     sk.set_publish(false);
     let t = t?;
-    let same_ids = gpu.download(&top.sel.ids)? == want_ids;
-    let got = gpu.download(out)?;
-    let same_out = got
-        .iter()
-        .zip(&want_out)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    if !same_ids || !same_out {
-        return Err(AlgoError::Invalid(format!(
-            "the published step{tag}: ids equal {same_ids}, outputs equal {same_out}"
-        )));
+    if s.top.published().is_none() {
+        return Err(AlgoError::Invalid(
+            "the publishing top-k published nothing".into(),
+        ));
     }
+    let tag = s.tag;
+    want.check(gpu, s.top, s.out, &format!("the published step{tag}"))?;
     Ok(Row {
         name: format!("quest+sparse attn 2K tc published{tag}"),
         t,
@@ -1237,47 +1222,20 @@ fn bench_published(
 /// steps: how much of the step's time is the host's launch work. Checks that the replays
 /// select the same pages and attend to the same bits as the step before it, whose outputs
 /// `top` and `out` hold.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the bench's shared inputs for one shape"
-)]
 fn bench_graph(
     gpu: &Gpu,
     sk: &SelectKernels,
-    quest: &Quest,
-    q: &CudaSlice<bf16>,
-    kv: &DevicePagedKv<bf16>,
-    decode: &DeviceBatch,
-    slots: &CudaSlice<i32>,
-    pool: &DeviceRepPool<bf16>,
-    top: &mut DeviceTopK,
-    out: &mut CudaSlice<f32>,
+    s: &mut steptrace::Step<'_>,
     publish: bool,
-    tag: &str,
 ) -> Result<Row, AlgoError> {
-    let params = AttnParams::new(Q_HEADS, D);
-    let want_ids = gpu.download(&top.sel.ids)?;
-    let want_out = gpu.download(out)?;
+    let want = Want::take(gpu, s.top, s.out)?;
     // A stream of its own: the context's default stream cannot be captured.
     let lane = gpu.fork()?;
     let mut sk = sk.on_stream(lane.stream().clone());
     sk.set_publish(publish);
-    let step = |top: &mut DeviceTopK, out: &mut CudaSlice<f32>| -> Result<(), AlgoError> {
-        sk.quest_topk(quest, q, Q_HEADS, decode, 0, slots, pool, top)?;
-        match top.published() {
-            // SAFETY: the launch right before is the top-k whose scoring advanced the step's
-            // value and which publishes `top.sel` under it; q, kv and decode were complete
-            // before that scoring began.
-            Some(p) => unsafe {
-                lane.sparse_page_attention_published(q, kv, decode, &top.sel, p, &params, out, None)
-            }?,
-            None => lane.sparse_page_attention(q, kv, decode, &top.sel, &params, out, None)?,
-        }
-        Ok(())
-    };
     // Once uncaptured, so that the lane's attention scratch exists before the capture.
     gpu.synchronize()?;
-    step(top, out)?;
+    s.run(&lane, &sk)?;
     lane.synchronize()?;
     let ctx = gpu.context().clone();
     let tracking = ctx.is_event_tracking();
@@ -1289,7 +1247,7 @@ fn bench_graph(
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(AttnError::from)?;
-        let enqueued = step(top, out);
+        let enqueued = s.run(&lane, &sk);
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(AttnError::from)?;
@@ -1310,17 +1268,8 @@ fn bench_graph(
         unsafe { ctx.enable_event_tracking() };
     }
     let t = timed?;
-    let same_ids = gpu.download(&top.sel.ids)? == want_ids;
-    let got = gpu.download(out)?;
-    let same_out = got
-        .iter()
-        .zip(&want_out)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    if !same_ids || !same_out {
-        return Err(AlgoError::Invalid(format!(
-            "the graph's step{tag}: ids equal {same_ids}, outputs equal {same_out}"
-        )));
-    }
+    let tag = s.tag;
+    want.check(gpu, s.top, s.out, &format!("the graph's step{tag}"))?;
     let how = if publish { "published" } else { "plain" };
     Ok(Row {
         name: format!(

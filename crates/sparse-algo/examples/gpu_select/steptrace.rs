@@ -40,7 +40,8 @@ const ATTN_MARKS: &[(usize, &str)] = &[
     (9, "end (merged)"),
 ];
 
-/// The step's inputs.
+/// One Quest step's inputs at one shape, shared by the step's benches and its trace (`tag`
+/// names the shape in their rows, after a space).
 pub(crate) struct Step<'a> {
     pub quest: &'a Quest,
     pub q: &'a CudaSlice<bf16>,
@@ -53,6 +54,30 @@ pub(crate) struct Step<'a> {
     pub tag: &'a str,
 }
 
+impl Step<'_> {
+    /// Enqueues the step on `gpu`'s stream (where `sk` launches too): `sk`'s top-k, then
+    /// attention over its selection, starting early over the published rows where the top-k
+    /// published them ([`SelectKernels::set_publish`]).
+    pub(crate) fn run(&mut self, gpu: &Gpu, sk: &SelectKernels) -> Result<(), AlgoError> {
+        let params = AttnParams::new(Q_HEADS, D);
+        let (q, kv, decode) = (self.q, self.kv, self.decode);
+        sk.quest_topk(
+            self.quest, q, Q_HEADS, decode, 0, self.slots, self.pool, self.top,
+        )?;
+        let sel = &self.top.sel;
+        match self.top.published() {
+            // SAFETY: the launch right before is the top-k whose scoring advanced the step's
+            // value and which publishes the selection under it; q, kv and decode were
+            // complete before that scoring began.
+            Some(p) => unsafe {
+                gpu.sparse_page_attention_published(q, kv, decode, sel, p, &params, self.out, None)
+            }?,
+            None => gpu.sparse_page_attention(q, kv, decode, sel, &params, self.out, None)?,
+        }
+        Ok(())
+    }
+}
+
 /// Traces one step alone (an idle device) and one right behind an untraced step, and answers
 /// a report of each.
 pub(crate) fn trace_step(
@@ -60,26 +85,11 @@ pub(crate) fn trace_step(
     sk: &mut SelectKernels,
     s: &mut Step<'_>,
 ) -> Result<Vec<String>, AlgoError> {
-    let params = AttnParams::new(Q_HEADS, D);
     sk.set_quest_scoring(QuestScoring::TensorCores);
     let mut reports = Vec::new();
     for (publish, behind) in [(false, false), (false, true), (true, false), (true, true)] {
         sk.set_publish(publish);
-        let step = |gpu: &Gpu, sk: &SelectKernels, s: &mut Step<'_>| -> Result<(), AlgoError> {
-            sk.quest_topk(s.quest, s.q, Q_HEADS, s.decode, 0, s.slots, s.pool, s.top)?;
-            match s.top.published() {
-                // SAFETY: the launch right before is the top-k that publishes the selection
-                // through these flags, and q, kv and decode were complete before it began.
-                Some(p) => unsafe {
-                    gpu.sparse_page_attention_published(
-                        s.q, s.kv, s.decode, &s.top.sel, p, &params, s.out, None,
-                    )
-                }?,
-                None => gpu
-                    .sparse_page_attention(s.q, s.kv, s.decode, &s.top.sel, &params, s.out, None)?,
-            }
-            Ok(())
-        };
+        let step = |gpu: &Gpu, sk: &SelectKernels, s: &mut Step<'_>| s.run(gpu, sk);
         step(gpu, sk, s)?;
         gpu.synchronize()?;
         sk.take_trace()?;
@@ -113,7 +123,7 @@ pub(crate) fn trace_step(
         ];
         let name = format!(
             "{}{}{}",
-            s.tag,
+            s.tag.trim(),
             if publish { " published" } else { "" },
             if behind {
                 ", behind an untraced step"
