@@ -85,7 +85,7 @@ def main():
             if not o:
                 continue
             ot = pair(o)
-            line = f"  {tag + how:<22} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
+            line = f"  {tag + how:<27} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
             for peer, want in [(f"torch SDPA dense {tag}", goal),
                                (f"torch Quest pipeline 2K {tag}", 10.0)]:
                 p = peers.get(peer)
