@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use attn_op::cuda::{
     CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, KernelValue, Launch, Published,
-    TRACE_CTAS, TRACE_WORDS, compile_source,
+    compile_source,
 };
 use attn_op::{AttnError, DType, KvCache};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
@@ -270,8 +270,6 @@ pub struct DeviceTopK {
     ready: CudaSlice<u32>,
     /// `[1]` the step's value, which each publishing scoring launch advances on the device.
     epoch: CudaSlice<u32>,
-    /// Whether the `pick_rows` about to be launched publishes its rows through `ready`.
-    publishing: bool,
     /// Whether the last selection was published through `ready` (see [`Self::published`]).
     published: bool,
 }
@@ -365,7 +363,6 @@ impl DeviceTopK {
             sel_rows,
             ready: gpu.zeros(sel_rows.max(1))?,
             epoch: gpu.zeros(1)?,
-            publishing: false,
             published: false,
         })
     }
@@ -443,6 +440,8 @@ struct Inputs<'a, T: CudaElement> {
     layer: usize,
     slots: &'a CudaSlice<i32>,
     pool: &'a DeviceRepPool<T>,
+    /// The rows are published: the scoring advances the step's value.
+    publish: bool,
 }
 
 // Derived Clone/Copy would ask T: Copy; every field is a reference or an integer.
@@ -593,23 +592,7 @@ impl SelectKernels {
     /// scoring CTAs' from record 0, the selecting CTAs' from record [`PICK_TRACE_FIRST`].
     /// Synchronizes this stream, reads the records and zeroes them.
     pub fn take_trace(&self) -> Result<Vec<u64>, AlgoError> {
-        self.stream.synchronize().map_err(device_err)?;
-        let mut view = self
-            .module
-            .get_global("attn_trace", &self.stream)
-            .map_err(device_err)?;
-        let n = TRACE_CTAS * TRACE_WORDS;
-        // SAFETY: `attn_trace` is declared in kernels/trace.cuh as `unsigned long long
-        // [TRACE_CTAS * TRACE_WORDS]`, so the symbol holds exactly n u64s.
-        let mut words = unsafe { view.transmute_mut::<u64>(n) }.ok_or_else(|| {
-            AlgoError::Attn(AttnError::Device(
-                "attn_trace is smaller than kernels/trace.cuh declares".to_owned(),
-            ))
-        })?;
-        let records = self.stream.clone_dtoh(&words).map_err(device_err)?;
-        self.stream.memset_zeros(&mut words).map_err(device_err)?;
-        self.stream.synchronize().map_err(device_err)?;
-        Ok(records)
+        Ok(attn_op::cuda::take_trace(&self.module, &self.stream)?)
     }
 
     /// Turns programmatic dependent launches of the Quest scoring and selecting kernels on or
@@ -767,7 +750,6 @@ impl SelectKernels {
         // Rows published only by this launch's scoring and pick_rows (none where nothing
         // runs).
         out.published = false;
-        out.publishing = false;
         if n == 0 {
             return Ok(());
         }
@@ -779,6 +761,7 @@ impl SelectKernels {
             layer,
             slots,
             pool,
+            publish: self.publish,
         };
         let tc = match self.scoring {
             QuestScoring::TensorCores => self.tc_kernel::<T>(q_heads / kvh, d),
@@ -797,9 +780,6 @@ impl SelectKernels {
             Some(_) if self.trace && T::DTYPE == DType::BF16 && d == 128 => Some(&self.traced.0),
             other => other,
         };
-        // The scoring launch advances the step's value, pick_rows publishes under it.
-        out.publishing = self.publish;
-
         match tc {
             Some(f) => self.launch_score_tc(f, &inputs, out)?,
             None => self.launch_score(&inputs, out)?,
@@ -809,7 +789,14 @@ impl SelectKernels {
             budget_pages: quest.budget_pages(),
             always: c.always,
         };
-        self.launch_pick(meta, Some((slots, pool.slots)), rule, stores_keys, out)
+        self.launch_pick(
+            meta,
+            Some((slots, pool.slots)),
+            rule,
+            stores_keys,
+            self.publish,
+            out,
+        )
     }
 
     /// StreamingLLM's decode selection for the batch `meta`, written into `out` as
@@ -837,8 +824,7 @@ impl SelectKernels {
             },
         };
         // Nothing scored advances the step's value: these rows are never published.
-        out.publishing = false;
-        self.launch_pick(meta, None, rule, false, out)
+        self.launch_pick(meta, None, rule, false, false, out)
     }
 
     /// DSA's decode selection with a trained indexer for the batch `meta`, written into `out`
@@ -936,10 +922,9 @@ impl SelectKernels {
             budget_pages: c.topk,
             always: c.always,
         };
-        // `dsa_score_*` stores every mid token's key.
-        // DSA's rows are never published (token attention takes no flags).
-        out.publishing = false;
-        self.launch_pick(meta, Some((slots, pool.slots)), rule, true, out)
+        // `dsa_score_*` stores every mid token's key; the rows are never published (token
+        // attention takes no flags).
+        self.launch_pick(meta, Some((slots, pool.slots)), rule, true, false, out)
     }
 
     /// The estimate: `quest_score_*` over every (selection row, head, tile of mid pages).
@@ -1090,7 +1075,7 @@ impl SelectKernels {
         // The step's value where the rows are published, else a null pointer, which the
         // kernels never read.
         let no_epoch: u64 = 0;
-        if out.publishing {
+        if inputs.publish {
             b.arg(&mut out.epoch);
         } else {
             b.arg(&no_epoch);
@@ -1113,12 +1098,19 @@ impl SelectKernels {
     /// keys (none with a budget of 0) of sequences whose slot, where `slots` is given with the
     /// pool's slot count, is valid. With `keys_stored` (the scoring kernel wrote every key a
     /// row reads), the keys are left as they are; else they are zeroed for the next launch.
+    /// With `publish` (the scoring just launched advanced the step's value), each row's flag
+    /// is set to that value once the row is written.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the rows' inputs and how the launch treats its keys and flags"
+    )]
     fn launch_pick(
         &self,
         meta: &DeviceBatch,
         slots: Option<(&CudaSlice<i32>, usize)>,
         rule: Rule,
         keys_stored: bool,
+        publish: bool,
         out: &mut DeviceTopK,
     ) -> Result<(), AlgoError> {
         let kvh = meta.layout().kv_heads;
@@ -1178,8 +1170,8 @@ impl SelectKernels {
         // Published rows: each row's flag set to the next epoch once it is written; else a null
         // pointer, which the kernel never reads.
         let no_flags: u64 = 0;
-        out.published = std::mem::take(&mut out.publishing);
-        if out.published {
+        out.published = publish;
+        if publish {
             b.arg(&mut out.ready).arg(&out.epoch);
         } else {
             b.arg(&no_flags).arg(&no_flags);

@@ -46,6 +46,28 @@ pub const TRACE_WORDS: usize = TRACE_MARKS + 2;
 /// merge where this CTA merged its unit).
 pub const TRACE_MARKS: usize = 10;
 
+/// The per-CTA trace records (kernels/trace.cuh) that the traced kernels of `module`, a module
+/// compiled with that header, wrote since the last call: [`TRACE_WORDS`] words per CTA for
+/// [`TRACE_CTAS`] CTAs. Synchronizes `stream`, reads the records and zeroes them. Attention's
+/// are [`Gpu::take_attn_trace`]; sparse-algo reads its own module's the same way.
+pub fn take_trace(
+    module: &Arc<CudaModule>,
+    stream: &Arc<CudaStream>,
+) -> Result<Vec<u64>, AttnError> {
+    stream.synchronize()?;
+    let mut view = module.get_global("attn_trace", stream)?;
+    let n = TRACE_CTAS * TRACE_WORDS;
+    // SAFETY: `attn_trace` is declared in kernels/trace.cuh as `unsigned long long
+    // [TRACE_CTAS * TRACE_WORDS]`, so the symbol holds exactly n u64s.
+    let mut words = unsafe { view.transmute_mut::<u64>(n) }.ok_or_else(|| {
+        AttnError::Device("attn_trace is smaller than kernels/trace.cuh declares".to_owned())
+    })?;
+    let records = stream.clone_dtoh(&words)?;
+    stream.memset_zeros(&mut words)?;
+    stream.synchronize()?;
+    Ok(records)
+}
+
 /// The CUDA C source of every kernel, embedded at build time.
 pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../../kernels/pdl.cuh"),
@@ -388,18 +410,7 @@ impl Gpu {
     /// launch's linear CTA order, for the first [`TRACE_CTAS`] CTAs; all-zero records for CTAs
     /// no launch ran. Synchronizes the stream, reads the records and zeroes them.
     pub fn take_attn_trace(&self) -> Result<Vec<u64>, AttnError> {
-        self.stream.synchronize()?;
-        let mut view = self.module.get_global("attn_trace", &self.stream)?;
-        let n = TRACE_CTAS * TRACE_WORDS;
-        // SAFETY: `attn_trace` is declared in kernels/trace.cuh as `unsigned long long
-        // [TRACE_CTAS * TRACE_WORDS]`, so the symbol holds exactly n u64s.
-        let mut words = unsafe { view.transmute_mut::<u64>(n) }.ok_or_else(|| {
-            AttnError::Device("attn_trace is smaller than kernels/trace.cuh declares".to_owned())
-        })?;
-        let records = self.stream.clone_dtoh(&words)?;
-        self.stream.memset_zeros(&mut words)?;
-        self.stream.synchronize()?;
-        Ok(records)
+        take_trace(&self.module, &self.stream)
     }
 
     /// Streaming multiprocessors of the device.

@@ -96,9 +96,11 @@ impl Gpu {
             || published.epoch.is_empty()
         {
             return Err(AttnError::Invalid(format!(
-                "{} flags of {} rows each for a selection of {} rows",
+                "{} flags of {} rows each, and a step value of {} words, for a selection of {} \
+                 rows",
                 published.flags.len(),
                 published.rows_per_flag,
+                published.epoch.len(),
                 pages.rows
             )));
         }
