@@ -588,9 +588,10 @@ impl SelectKernels {
     }
 
     /// The records the traced kernels wrote since the last call, as
-    /// [`Gpu::take_attn_trace`] returns the attention's: [`TRACE_WORDS`] words per CTA, the
-    /// scoring CTAs' from record 0, the selecting CTAs' from record [`PICK_TRACE_FIRST`].
-    /// Synchronizes this stream, reads the records and zeroes them.
+    /// [`Gpu::take_attn_trace`] returns the attention's
+    /// ([`TRACE_WORDS`](attn_op::cuda::TRACE_WORDS) words per CTA): the scoring CTAs' from
+    /// record 0, the selecting CTAs' from record [`PICK_TRACE_FIRST`]. Synchronizes this
+    /// stream, reads the records and zeroes them.
     pub fn take_trace(&self) -> Result<Vec<u64>, AlgoError> {
         Ok(attn_op::cuda::take_trace(&self.module, &self.stream)?)
     }
