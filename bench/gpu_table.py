@@ -76,16 +76,17 @@ def main():
         print()
         print("Quest estimate + top-k + sparse attention (2K budget) against the torch peers, "
               "synced / queued (tc: scores on tensor cores; graph: replayed from a CUDA graph; "
-              "published: attention waits per row):")
+              "published: attention waits per row; e4m3: Quest's bounds in FP8 E4M3):")
         goals = {"B8 L32K": 5.0, "B1 L128K": 6.0}
         for (tag, goal), how in [(g, h) for g in goals.items()
                                  for h in ["", " tc", " tc graph", " tc published",
-                                           " tc graph published"]]:
+                                           " tc graph published", " e4m3", " tc graph e4m3",
+                                           " tc published e4m3", " tc graph published e4m3"]]:
             o = sel.get(f"quest+sparse attn 2K{how} {tag}")
             if not o:
                 continue
             ot = pair(o)
-            line = f"  {tag + how:<27} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
+            line = f"  {tag + how:<32} ours {ot[0]:.4f}/{ot[1]:.4f} ms"
             for peer, want in [(f"torch SDPA dense {tag}", goal),
                                (f"torch Quest pipeline 2K {tag}", 10.0)]:
                 p = peers.get(peer)

@@ -99,12 +99,55 @@ struct Plan {
 // a decode step: one), so pages (len - q_len) / ps .. ceil(len / ps) change. One thread per
 // (page, KV head, 16-byte vector), looping over the page's tokens. Grid: (chunks, seqs).
 
+//
+// With E4M3 summaries (`codes` non-null; sparse_algo::summary), the bounds are stored as one
+// E4M3 code each in codes [layers, slots, max_pages, kv_heads, 2 d] and the (page, KV head)'s
+// scale exponent in exps [layers, slots, max_pages, kv_heads], instead of in reps. A row's
+// d / V::N threads are neighbouring lanes of one warp (the caller checks that they divide
+// 32): they find the row's largest finite magnitude by shuffles, so every lane of the warp
+// takes part, live or not.
+
+// 2^e for e in -126..=127, exactly.
+__device__ __forceinline__ float pow2f(int e) { return __int_as_float((e + 127) << 23); }
+
+#define E4M3_MAX 448.0f
+#define SCALE_EXP_MIN (-64)
+#define SCALE_EXP_MAX 63
+
+// summary::scale_exp: the least e in the clamp range with amax <= 448 * 2^e (0 for amax 0).
+__device__ __forceinline__ int scale_exp(float amax) {
+    if (amax == 0.0f) return 0;
+    const int k = ((__float_as_int(amax) >> 23) & 0xff) - 127;
+    int e = k - 8;
+    if (e >= SCALE_EXP_MIN && e <= SCALE_EXP_MAX && amax > E4M3_MAX * pow2f(e)) e++;
+    return min(max(e, SCALE_EXP_MIN), SCALE_EXP_MAX);
+}
+
+// The E4M3 code of summary::round_dir(y, up): the nearest E4M3 value at or above y (`up`) or
+// at or below it, clamped to +-448; a zero result is code 0.
+__device__ __forceinline__ u32 e4m3_outward(float y, bool up) {
+    if (y != y) return up ? 0x7eu : 0xfeu;
+    const float a = fabsf(y);
+    const u32 sign = y < 0.0f ? 0x80u : 0u;
+    if (a >= E4M3_MAX) return sign | 0x7eu;
+    const bool away = up == (y >= 0.0f);
+    const int k = ((__float_as_int(a) >> 23) & 0xff) - 127;
+    const int kq = max(k, -6) - 3;  // the spacing of E4M3 values at a: 2^kq
+    const float steps = a * pow2f(-kq);
+    const float v = (away ? ceilf(steps) : floorf(steps)) * pow2f(kq);
+    if (v == 0.0f) return 0u;
+    if (v < 0.015625f) return sign | (u32)(v * 512.0f);  // a subnormal: v = m 2^-9
+    const int kv = ((__float_as_int(v) >> 23) & 0xff) - 127;
+    return sign | ((u32)(kv + 7) << 3) | (u32)((v * pow2f(-kv) - 1.0f) * 8.0f);
+}
+
 template <typename T>
 __device__ void minmax_body(const T* __restrict__ k, i32 num_blocks, i32 bs, i32 kvh, i32 d,
                             const i32* __restrict__ block_table, i32 max_blocks,
                             const i32* __restrict__ cu_q, const i32* __restrict__ seq_lens,
                             const i32* __restrict__ slots, T* __restrict__ reps, i32 layer,
-                            i32 num_slots, i32 max_pages, i32 ps) {
+                            i32 num_slots, i32 max_pages, i32 ps,
+                            unsigned char* __restrict__ codes, signed char* __restrict__ exps) {
     typedef Vec16<T> V;
     const int s = blockIdx.y;
     const int len = seq_lens[s];
@@ -115,8 +158,10 @@ __device__ void minmax_body(const T* __restrict__ k, i32 num_blocks, i32 bs, i32
     const int last = min((len + ps - 1) / ps, max_pages);
     const int vecs = d / V::N;
     const long items = (long)(last - first) * kvh * vecs;
-    const long item = (long)blockIdx.x * SEL_THREADS + threadIdx.x;
-    if (item >= items) return;
+    long item = (long)blockIdx.x * SEL_THREADS + threadIdx.x;
+    const bool live = item < items;
+    if (!live && codes == nullptr) return;
+    if (!live) item = 0;  // a row of this sequence, read but not written
     const int v = (int)(item % vecs);
     const int h = (int)((item / vecs) % kvh);
     const int p = first + (int)(item / ((long)vecs * kvh));
@@ -148,10 +193,37 @@ __device__ void minmax_body(const T* __restrict__ k, i32 num_blocks, i32 bs, i32
         }
         t0 = seg_end;
     }
-    const size_t base =
-        ((((size_t)layer * num_slots + slot) * max_pages + p) * kvh + h) * 2 * d + (size_t)v * V::N;
-    *reinterpret_cast<uint4*>(reps + base) = V::narrow(hi);
-    *reinterpret_cast<uint4*>(reps + base + d) = V::narrow(lo);
+    const size_t row = (((size_t)layer * num_slots + slot) * max_pages + p) * kvh + h;
+    const size_t base = row * 2 * d + (size_t)v * V::N;
+    if (codes == nullptr) {
+        *reinterpret_cast<uint4*>(reps + base) = V::narrow(hi);
+        *reinterpret_cast<uint4*>(reps + base + d) = V::narrow(lo);
+        return;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V::N; i++) {
+        if (isfinite(hi[i])) amax = fmaxf(amax, fabsf(hi[i]));
+        if (isfinite(lo[i])) amax = fmaxf(amax, fabsf(lo[i]));
+    }
+    for (int o = 1; o < vecs; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!live) return;
+    const int e = scale_exp(amax);
+    const float inv = pow2f(-e);
+    u32 up[2] = {0u, 0u}, down[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < V::N; i++) {
+        up[i / 4] |= e4m3_outward(hi[i] * inv, true) << (8 * (i % 4));
+        down[i / 4] |= e4m3_outward(lo[i] * inv, false) << (8 * (i % 4));
+    }
+    if (V::N == 8) {
+        *reinterpret_cast<uint2*>(codes + base) = make_uint2(up[0], up[1]);
+        *reinterpret_cast<uint2*>(codes + base + d) = make_uint2(down[0], down[1]);
+    } else {
+        *reinterpret_cast<u32*>(codes + base) = up[0];
+        *reinterpret_cast<u32*>(codes + base + d) = down[0];
+    }
+    if (v == 0) exps[row] = (signed char)e;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -621,12 +693,45 @@ __device__ __forceinline__ u32 signed_half(u32 w, bool neg) {
     return out;
 }
 
-template <typename T, int D, bool TRACE>
+// With E4M3 summaries (E8: `codes` and `exps` as quest_minmax_* writes them with `codes`), a
+// thread loads 8 bytes a chunk instead of 16 and widens them to f16 by bit moves alone: code
+// bits (s, e, m) become the f16 (s, e, m << 7), which is the code's value times 2^-8 exactly,
+// subnormals included. The group's queries become f16 times 2^-eq, with eq putting their
+// largest magnitude in [2^14, 2^15): exact for every element above 2^-28 of it (the bf16 or
+// f16 element fits f16's wider significand). A page's MMA sums thus come out in units of
+// 2^(-8 - eq - e) of the score, e its scale exponent, and are scaled back exactly.
+// Each 16-bit lane of `x` holds a code in its low byte: the f16 pair of the two codes' values
+// times 2^-8.
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 x) {
+    return ((x & 0x007f007fu) << 7) | ((x & 0x00800080u) << 8);
+}
+
+// Bytes 0-3 and 4-7 of an 8-byte load of codes as four f16 pairs, in element order.
+__device__ __forceinline__ uint4 e4m3x8_f16x8(uint2 w) {
+    return make_uint4(e4m3x2_f16x2(__byte_perm(w.x, 0u, 0x4140)),
+                      e4m3x2_f16x2(__byte_perm(w.x, 0u, 0x4342)),
+                      e4m3x2_f16x2(__byte_perm(w.y, 0u, 0x4140)),
+                      e4m3x2_f16x2(__byte_perm(w.y, 0u, 0x4342)));
+}
+
+// A if B, else C (std::conditional, which NVRTC's headers may lack).
+template <bool B, typename A, typename C>
+struct Either {
+    typedef A type;
+};
+template <typename A, typename C>
+struct Either<false, A, C> {
+    typedef C type;
+};
+
+template <typename T, int D, bool TRACE, bool E8>
 __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ cu_q,
                               const T* __restrict__ reps, const i32* __restrict__ slots,
                               const i32* __restrict__ seq_lens, const ScoreArgs a, i32 items,
                               i32 per_warp, u32* __restrict__ scores,
-                              u32* __restrict__ epoch) {
+                              u32* __restrict__ epoch, const unsigned char* __restrict__ codes,
+                              const signed char* __restrict__ exps) {
+    typedef typename Either<E8, __half, T>::type M;  // the MMA's element type
     // Traced (the `_traced` kernel): entry, after the wait, the end of warp 0's items.
     Trace<TRACE> tr(0);
     tr.mark(0, 0u);
@@ -643,6 +748,7 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
     unsigned done = 0;
 
     uint4 qf[KC];
+    int q_exp = 0;  // E8: the queries' scale exponent
     int have = -1;
     // The (row, head)'s sequence facts, set with its queries. The first item's come from the
     // batch's lengths and slots, which only the host writes: read before waiting for the
@@ -666,16 +772,50 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
             if (npg_all > 0) {
                 const T* qrow =
                     q + ((size_t)(cu_q[f.s + 1] - 1) * a.q_heads + (size_t)f.h * g + gl) * D;
+                if (E8) {
+                    // The group's elements (NaN read as 0), their largest magnitude, eq.
+                    float x[HALF][8];
+                    float amax = 0.0f;
 #pragma unroll
-                for (int i = 0; i < KC; i++) {
-                    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                    if (gl < g) {
-                        v = __ldg(reinterpret_cast<const uint4*>(qrow + (i % HALF) * 32 + t * 8));
-                        const bool neg = i >= HALF;
-                        v = make_uint4(signed_half<T>(v.x, neg), signed_half<T>(v.y, neg),
-                                       signed_half<T>(v.z, neg), signed_half<T>(v.w, neg));
+                    for (int i = 0; i < HALF; i++) {
+                        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                        if (gl < g) v = __ldg(reinterpret_cast<const uint4*>(qrow + i * 32 + t * 8));
+                        Vec16<T>::widen(v, x[i]);
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            if (x[i][j] != x[i][j]) x[i][j] = 0.0f;
+                            amax = fmaxf(amax, fabsf(x[i][j]));
+                        }
                     }
-                    qf[i] = v;
+                    // Magnitudes order as their bits do.
+                    amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
+                    const int k = ((__float_as_int(amax) >> 23) & 0xff) - 127;
+                    q_exp = amax == 0.0f ? 0 : min(max(k - 14, -110), 113);
+                    const float inv = pow2f(-q_exp);
+#pragma unroll
+                    for (int i = 0; i < KC; i++) {
+                        const bool neg = i >= HALF;
+                        float y[8];
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            const float xj = x[i % HALF][j];
+                            y[j] = (neg ? xj < 0.0f : !(xj < 0.0f)) ? xj * inv : 0.0f;
+                        }
+                        qf[i] = Vec16<__half>::narrow(y);
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < KC; i++) {
+                        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                        if (gl < g) {
+                            v = __ldg(
+                                reinterpret_cast<const uint4*>(qrow + (i % HALF) * 32 + t * 8));
+                            const bool neg = i >= HALF;
+                            v = make_uint4(signed_half<T>(v.x, neg), signed_half<T>(v.y, neg),
+                                           signed_half<T>(v.z, neg), signed_half<T>(v.w, neg));
+                        }
+                        qf[i] = v;
+                    }
                 }
             }
         }
@@ -684,23 +824,57 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
         done++;
         if (npg <= 0) continue;  // uniform over the warp
         uint4 ka[KC], kb[KC];
-        const T* src = reps + rep_row0 + (size_t)i0 * page_stride + t * 8;
+        // E8: the two pages' scale exponents (row rep_row0 / 2D of exps is the tile's first).
+        int ea = 0, eb = 0;
+        if (E8) {
+            const unsigned char* src = codes + rep_row0 + (size_t)i0 * page_stride + t * 8;
+            uint2 ra[KC], rb[KC];
 #pragma unroll
-        for (int i = 0; i < KC; i++) {
-            ka[i] = gl < npg ? __ldg(reinterpret_cast<const uint4*>(src + gl * page_stride + i * 32))
-                             : make_uint4(0u, 0u, 0u, 0u);
-            kb[i] = gl + 8 < npg
-                        ? __ldg(reinterpret_cast<const uint4*>(src + (gl + 8) * page_stride + i * 32))
-                        : make_uint4(0u, 0u, 0u, 0u);
+            for (int i = 0; i < KC; i++) {
+                ra[i] = gl < npg
+                            ? __ldg(reinterpret_cast<const uint2*>(src + gl * page_stride + i * 32))
+                            : make_uint2(0u, 0u);
+                rb[i] = gl + 8 < npg ? __ldg(reinterpret_cast<const uint2*>(
+                                           src + (gl + 8) * page_stride + i * 32))
+                                     : make_uint2(0u, 0u);
+            }
+            const signed char* ex = exps + rep_row0 / (2 * D) + (size_t)i0 * a.kvh;
+            if (gl < npg) ea = __ldg(ex + (size_t)gl * a.kvh);
+            if (gl + 8 < npg) eb = __ldg(ex + (size_t)(gl + 8) * a.kvh);
+#pragma unroll
+            for (int i = 0; i < KC; i++) {
+                ka[i] = e4m3x8_f16x8(ra[i]);
+                kb[i] = e4m3x8_f16x8(rb[i]);
+            }
+        } else {
+            const T* src = reps + rep_row0 + (size_t)i0 * page_stride + t * 8;
+#pragma unroll
+            for (int i = 0; i < KC; i++) {
+                ka[i] = gl < npg
+                            ? __ldg(reinterpret_cast<const uint4*>(src + gl * page_stride + i * 32))
+                            : make_uint4(0u, 0u, 0u, 0u);
+                kb[i] = gl + 8 < npg ? __ldg(reinterpret_cast<const uint4*>(
+                                           src + (gl + 8) * page_stride + i * 32))
+                                     : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
         float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < KC; i++) {
 #pragma unroll
             for (int w = 0; w < 4; w += 2) {
-                Mma<T>::run(c, word(ka[i], w), word(kb[i], w), word(ka[i], w + 1),
+                Mma<M>::run(c, word(ka[i], w), word(kb[i], w), word(ka[i], w + 1),
                               word(kb[i], w + 1), word(qf[i], w), word(qf[i], w + 1));
             }
+        }
+        if (E8) {
+            // Back to the score's units: two exact power-of-two scalings each.
+            const float qs = pow2f(q_exp + 8);
+            const float sa = pow2f(ea), sb = pow2f(eb);
+            c[0] = c[0] * qs * sa;
+            c[1] = c[1] * qs * sa;
+            c[2] = c[2] * qs * sb;
+            c[3] = c[3] * qs * sb;
         }
         // Pages gl (c[0], c[1]) and gl + 8 (c[2], c[3]), heads 2t and 2t + 1: the best real head.
         u32 best[2];
@@ -949,9 +1123,10 @@ __device__ void dsa_body(const float* __restrict__ q, const float* __restrict__ 
         const T* __restrict__ k, i32 num_blocks, i32 bs, i32 kvh, i32 d,                        \
         const i32* __restrict__ block_table, i32 max_blocks, const i32* __restrict__ cu_q,      \
         const i32* __restrict__ seq_lens, const i32* __restrict__ slots, T* __restrict__ reps,  \
-        i32 layer, i32 num_slots, i32 max_pages, i32 ps) {                                       \
+        i32 layer, i32 num_slots, i32 max_pages, i32 ps, unsigned char* __restrict__ codes,     \
+        signed char* __restrict__ exps) {                                                        \
         minmax_body<T>(k, num_blocks, bs, kvh, d, block_table, max_blocks, cu_q, seq_lens,      \
-                       slots, reps, layer, num_slots, max_pages, ps);                           \
+                       slots, reps, layer, num_slots, max_pages, ps, codes, exps);              \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(SCORE_THREADS) quest_score_##NAME(              \
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
@@ -977,8 +1152,16 @@ SELECT_KERNELS(bf16, __nv_bfloat16)
         const T* __restrict__ q, const i32* __restrict__ cu_q, const T* __restrict__ reps,      \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, const ScoreArgs a,     \
         i32 items, i32 per_warp, u32* __restrict__ scores, u32* __restrict__ epoch) {            \
-        score_tc_body<T, D, TRACE>(q, cu_q, reps, slots, seq_lens, a, items, per_warp, scores,   \
-                                   epoch);                                                       \
+        score_tc_body<T, D, TRACE, false>(q, cu_q, reps, slots, seq_lens, a, items, per_warp,    \
+                                          scores, epoch, nullptr, nullptr);                      \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) quest_score_tc8_##NAME(        \
+        const T* __restrict__ q, const i32* __restrict__ cu_q,                                   \
+        const unsigned char* __restrict__ codes, const i32* __restrict__ slots,                 \
+        const i32* __restrict__ seq_lens, const ScoreArgs a, i32 items, i32 per_warp,           \
+        u32* __restrict__ scores, u32* __restrict__ epoch, const signed char* __restrict__ exps) { \
+        score_tc_body<T, D, TRACE, true>(q, cu_q, nullptr, slots, seq_lens, a, items, per_warp,  \
+                                         scores, epoch, codes, exps);                            \
     }
 
 SCORE_TC_KERNEL(f16_d64, __half, 64, false)

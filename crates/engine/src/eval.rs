@@ -11,7 +11,7 @@ use attn_op::Element;
 use coordinator::{Mode, SparseConfig, SparseCoordinator};
 use kv_blocks::RequestId;
 use offload::StepStats;
-use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
+use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig, Summary};
 
 use crate::EngineError;
 use crate::ggml::GgmlAttention;
@@ -385,6 +385,7 @@ pub fn default_variants(context: usize) -> Vec<(String, SparseConfig)> {
                 sink_tokens: 16,
                 recent_tokens: 256,
             },
+            summary: Summary::Exact,
         }),
         ..quest(1024, vec![0, 1], Some(1))
     };

@@ -27,7 +27,8 @@ use proptest::test_runner::{RngAlgorithm, TestRng};
 use sparse_algo::metrics::{mass_recall, mean, output_error};
 use sparse_algo::{
     AlgoConfig, AlgoError, Decode, DsaConfig, FullConfig, OracleConfig, PagedKeys, Prompt,
-    QuestConfig, RepPool, RocketConfig, SnapKvConfig, SparseAlgorithm, StreamingConfig, TopK,
+    QuestConfig, RepPool, RocketConfig, SnapKvConfig, SparseAlgorithm, StreamingConfig, Summary,
+    TopK,
 };
 
 const LEN: usize = 32 * 1024;
@@ -67,6 +68,13 @@ fn main() -> Result<(), AlgoError> {
                 AlgoConfig::StreamingLlm(StreamingConfig::default()),
             ),
             ("quest", AlgoConfig::Quest(QuestConfig::default())),
+            (
+                "quest (e4m3 summaries)",
+                AlgoConfig::Quest(QuestConfig {
+                    summary: Summary::E4m3,
+                    ..Default::default()
+                }),
+            ),
             (
                 "quest (shared heads)",
                 AlgoConfig::Quest(QuestConfig {

@@ -28,7 +28,7 @@ use cudarc::driver::{
 };
 
 use crate::pool::pool_extent;
-use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, minmax};
+use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, Summary, minmax};
 
 /// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, `kernels/pdl.cuh`,
 /// `kernels/mma.cuh`, `kernels/trace.cuh`, then `kernels/select.cu`), embedded at build time.
@@ -100,6 +100,8 @@ pub struct SelectKernels {
     quest: [(CudaFunction, CudaFunction); 3],
     /// `quest_score_tc_*` for f16 and bf16 (outer), head dim 64 and 128 (inner).
     quest_tc: [[CudaFunction; 2]; 2],
+    /// `quest_score_tc8_*`, the same over E4M3 summaries.
+    quest_tc8: [[CudaFunction; 2]; 2],
     /// Warps of `quest_score_tc_*` the device holds at once.
     tc_resident_warps: usize,
     /// How `quest_topk` scores.
@@ -185,14 +187,19 @@ struct Rule {
 }
 
 /// [`RepPool`](crate::RepPool)'s flat array `[layers, slots, max_pages, heads, width]` on the
-/// device, in element type `T`. Token counts are not kept: the batch metadata says which pages
-/// a step touched.
+/// device, in element type `T`, or, for Quest's [`Summary::E4m3`], as one E4M3 code per value
+/// plus a scale exponent per (page, head) (`[layers, slots, max_pages, heads]`;
+/// [`crate::summary`] has the format). Token counts are not kept: the batch metadata says which
+/// pages a step touched.
 pub struct DeviceRepPool<T: CudaElement> {
     shape: RepShape,
     layers: usize,
     slots: usize,
     max_pages: usize,
+    /// The values in `T` (one unused element for an E4M3 pool).
     data: CudaSlice<T>,
+    /// An E4M3 pool's codes and scale exponents.
+    e4m3: Option<(CudaSlice<u8>, CudaSlice<i8>)>,
 }
 
 impl<T: CudaElement> DeviceRepPool<T> {
@@ -204,14 +211,56 @@ impl<T: CudaElement> DeviceRepPool<T> {
         slots: usize,
         max_tokens: usize,
     ) -> Result<Self, AlgoError> {
+        Self::with_summary(gpu, shape, layers, slots, max_tokens, Summary::Exact)
+    }
+
+    /// A zeroed pool whose values are stored as `summary` says (Quest's
+    /// [`QuestConfig::summary`](crate::QuestConfig::summary)).
+    pub fn with_summary(
+        gpu: &Gpu,
+        shape: RepShape,
+        layers: usize,
+        slots: usize,
+        max_tokens: usize,
+        summary: Summary,
+    ) -> Result<Self, AlgoError> {
         let (max_pages, len) = pool_extent(shape, layers, slots, max_tokens)?;
+        let (data, e4m3) = match summary {
+            Summary::Exact => (gpu.zeros(len)?, None),
+            Summary::E4m3 => {
+                let rows = len / shape.width.max(1);
+                (gpu.zeros(1)?, Some((gpu.zeros(len)?, gpu.zeros(rows)?)))
+            }
+        };
         Ok(DeviceRepPool {
             shape,
             layers,
             slots,
             max_pages,
-            data: gpu.zeros(len.max(1))?,
+            data,
+            e4m3,
         })
+    }
+
+    /// How the pool stores its values.
+    pub fn summary(&self) -> Summary {
+        if self.e4m3.is_some() {
+            Summary::E4m3
+        } else {
+            Summary::Exact
+        }
+    }
+
+    /// An E4M3 pool's codes `[layers, slots, max_pages, heads, width]` and scale exponents
+    /// `[layers, slots, max_pages, heads]`; `None` for a pool of `T` values.
+    pub fn e4m3(&self) -> Option<(&CudaSlice<u8>, &CudaSlice<i8>)> {
+        self.e4m3.as_ref().map(|(c, e)| (c, e))
+    }
+
+    /// An E4M3 pool's codes and exponents for writers other than this crate's kernels (a
+    /// host-built pool's rows uploaded, [`crate::summary::encode_row`]).
+    pub fn e4m3_mut(&mut self) -> Option<(&mut CudaSlice<u8>, &mut CudaSlice<i8>)> {
+        self.e4m3.as_mut().map(|(c, e)| (c, e))
     }
 
     /// The per-page shape.
@@ -226,10 +275,14 @@ impl<T: CudaElement> DeviceRepPool<T> {
 
     /// Bytes the pool holds on the device.
     pub fn bytes(&self) -> usize {
-        self.data.len() * size_of::<T>()
+        match &self.e4m3 {
+            Some((codes, exps)) => codes.len() + exps.len(),
+            None => self.data.len() * size_of::<T>(),
+        }
     }
 
-    /// The whole array, `[layers, slots, max_pages, heads, width]`.
+    /// The whole array, `[layers, slots, max_pages, heads, width]` (one unused element in an
+    /// E4M3 pool: see [`Self::e4m3`]).
     pub fn data(&self) -> &CudaSlice<T> {
         &self.data
     }
@@ -487,19 +540,22 @@ impl SelectKernels {
             ))
         };
         let quest = [pair("f32")?, pair("f16")?, pair("bf16")?];
-        let quest_tc = [
-            [
-                load("quest_score_tc_f16_d64".to_owned())?,
-                load("quest_score_tc_f16_d128".to_owned())?,
-            ],
-            [
-                load("quest_score_tc_bf16_d64".to_owned())?,
-                load("quest_score_tc_bf16_d128".to_owned())?,
-            ],
-        ];
+        let tc = |kind: &str| -> Result<[[CudaFunction; 2]; 2], AlgoError> {
+            Ok([
+                [
+                    load(format!("quest_score_{kind}_f16_d64"))?,
+                    load(format!("quest_score_{kind}_f16_d128"))?,
+                ],
+                [
+                    load(format!("quest_score_{kind}_bf16_d64"))?,
+                    load(format!("quest_score_{kind}_bf16_d128"))?,
+                ],
+            ])
+        };
+        let (quest_tc, quest_tc8) = (tc("tc")?, tc("tc8")?);
         // The tensor-core kernels use no dynamic shared memory: one occupancy for every call.
         let mut tc_per_sm = u32::MAX;
-        for f in quest_tc.iter().flatten() {
+        for f in quest_tc.iter().chain(&quest_tc8).flatten() {
             let n = f
                 .occupancy_max_active_blocks_per_multiprocessor(to_u32(TC_WARPS * 32)?, 0, None)
                 .map_err(device_err)?;
@@ -549,6 +605,7 @@ impl SelectKernels {
             stream: gpu.stream().clone(),
             quest,
             quest_tc,
+            quest_tc8,
             tc_resident_warps,
             scoring: QuestScoring::default(),
             dsa,
@@ -649,6 +706,13 @@ impl SelectKernels {
         let (kvh, d) = self.check_quest_pool(quest, meta, layer, slots, pool)?;
         let ps = quest.config().page_size;
         let vec = 16 / size_of::<T>();
+        // An E4M3 row's threads find its scale by shuffles within one warp.
+        if pool.e4m3.is_some() && !32usize.is_multiple_of(d / vec) {
+            return Err(AlgoError::Invalid(format!(
+                "E4M3 summaries on the device take head dims whose {vec}-element vectors \
+                 divide 32, not {d}"
+            )));
+        }
         let items = meta
             .kv_lens()
             .iter()
@@ -697,11 +761,18 @@ impl SelectKernels {
             .arg(&ints[6])
             .arg(&ints[7])
             .arg(&ints[8]);
+        // Null pointers (which the kernel never dereferences) for a pool of T values.
+        let none: u64 = 0;
+        match &mut pool.e4m3 {
+            Some((codes, exps)) => b.arg(codes).arg(exps),
+            None => b.arg(&none).arg(&none),
+        };
         // SAFETY: the arguments follow `quest_minmax_*` in kernels/select.cu; the batch was
         // validated against the keys' layout (block ids are range-checked in the kernel), the
         // pool holds `[layers, slots, max_pages, kv_heads, 2 d]` with every sequence's pages
         // within max_pages (checked above), slots are range-checked in the kernel, and d is a
-        // multiple of the 16-byte vector.
+        // multiple of the 16-byte vector; an E4M3 pool's codes have the same shape and its
+        // exponents one per (page, head), and a row's vectors divide a warp (checked above).
         unsafe { b.launch(cfg) }.map_err(device_err)?;
         Ok(())
     }
@@ -764,9 +835,21 @@ impl SelectKernels {
             pool,
             publish: self.publish,
         };
-        let tc = match self.scoring {
-            QuestScoring::TensorCores => self.tc_kernel::<T>(q_heads / kvh, d),
-            QuestScoring::Exact => None,
+        let tc = match (pool.summary(), self.scoring) {
+            (Summary::E4m3, _) => {
+                Some(self.tc_kernel::<T>(q_heads / kvh, d, true).ok_or_else(|| {
+                    AlgoError::Invalid(format!(
+                        "E4M3 summaries are scored on tensor cores only: f16 or bf16 queries \
+                         of head dim 64 or 128, at most {TC_GROUP} per KV head (not {} of \
+                         dim {d})",
+                        q_heads / kvh
+                    ))
+                })?)
+            }
+            (Summary::Exact, QuestScoring::TensorCores) => {
+                self.tc_kernel::<T>(q_heads / kvh, d, false)
+            }
+            (Summary::Exact, QuestScoring::Exact) => None,
         };
         // The tensor-core kernel stores every key of a per-head row; the others merge by
         // atomicMax into zeroed keys.
@@ -778,7 +861,14 @@ impl SelectKernels {
             out.keys_left = false;
         }
         let tc = match tc {
-            Some(_) if self.trace && T::DTYPE == DType::BF16 && d == 128 => Some(&self.traced.0),
+            Some(_)
+                if self.trace
+                    && T::DTYPE == DType::BF16
+                    && d == 128
+                    && pool.summary() == Summary::Exact =>
+            {
+                Some(&self.traced.0)
+            }
             other => other,
         };
         match tc {
@@ -985,11 +1075,16 @@ impl SelectKernels {
 
     /// The tensor-core scoring kernel for `T`, a group of `g` query heads and head dim `d`, if
     /// it takes that shape.
-    fn tc_kernel<T: CudaElement>(&self, g: usize, d: usize) -> Option<&CudaFunction> {
+    fn tc_kernel<T: CudaElement>(&self, g: usize, d: usize, e4m3: bool) -> Option<&CudaFunction> {
+        let table = if e4m3 {
+            &self.quest_tc8
+        } else {
+            &self.quest_tc
+        };
         let by_type = match T::DTYPE {
             DType::F32 => return None,
-            DType::F16 => &self.quest_tc[0],
-            DType::BF16 => &self.quest_tc[1],
+            DType::F16 => &table[0],
+            DType::BF16 => &table[1],
         };
         if g > TC_GROUP {
             return None;
@@ -1064,10 +1159,12 @@ impl SelectKernels {
         };
         let mut b = Launch::new(&self.stream, func);
         b.dependent(self.dependent);
-        b.arg(inputs.q)
-            .arg(meta.cu_seqlens_q())
-            .arg(&pool.data)
-            .arg(inputs.slots)
+        b.arg(inputs.q).arg(meta.cu_seqlens_q());
+        match &pool.e4m3 {
+            Some((codes, _)) => b.arg(codes),
+            None => b.arg(&pool.data),
+        };
+        b.arg(inputs.slots)
             .arg(meta.seq_lens_kv())
             .arg(&args)
             .arg(&items)
@@ -1081,6 +1178,10 @@ impl SelectKernels {
         } else {
             b.arg(&no_epoch);
         }
+        // `quest_score_tc8_*`'s last argument: the scale exponents.
+        if let Some((_, exps)) = &pool.e4m3 {
+            b.arg(exps);
+        }
         // SAFETY: the arguments follow `quest_score_*` and `quest_score_tc_*` in
         // kernels/select.cu (the latter compiled for this element type and head dim, with at
         // most 8 heads per group: `tc_kernel`); q holds total_q * q_heads * d elements and
@@ -1090,7 +1191,9 @@ impl SelectKernels {
         // score_stride); the callers sized the dynamic shared memory of `quest_score_*` for the
         // group's g d queries, their g d element-sized masks and two tiles of SCORE_THREADS /
         // tpp padded rows (within the limit set at load); slots are range-checked in the
-        // kernels; the epoch, where given, holds one value.
+        // kernels; the epoch, where given, holds one value; an E4M3 pool (which only
+        // `quest_score_tc8_*` is given, with its exponents last) holds a code per value and an
+        // exponent per (page, head).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -1206,6 +1309,13 @@ impl SelectKernels {
         let (kvh, d) = (meta.layout().kv_heads, meta.layout().head_dim);
         let want = minmax::shape(quest.config().page_size, kvh, d);
         self.check_pool(want, d, meta, layer, slots, pool)?;
+        if pool.summary() != quest.config().summary {
+            return Err(AlgoError::Invalid(format!(
+                "the pool stores {:?} summaries, Quest is configured for {:?}",
+                pool.summary(),
+                quest.config().summary
+            )));
+        }
         Ok((kvh, d))
     }
 

@@ -64,6 +64,7 @@ mod rocket;
 mod score;
 mod select;
 mod snap;
+pub mod summary;
 
 pub mod metrics;
 
@@ -79,3 +80,4 @@ pub use quest::{Quest, QuestConfig, quest_bound};
 pub use rocket::{RocketConfig, RocketKv};
 pub use select::{AlwaysInclude, TopK};
 pub use snap::{Pooling, SnapKv, SnapKvConfig};
+pub use summary::Summary;

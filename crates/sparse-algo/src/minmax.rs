@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use crate::algo::check_batch;
-use crate::{AlgoError, KeySource, RepPool, RepShape};
+use crate::{AlgoError, KeySource, RepPool, RepShape, Summary, summary};
 
 /// The shape of min/max representations: per page and KV head, `[kmax ‖ kmin]`.
 pub(crate) fn shape(page_size: usize, kv_heads: usize, head_dim: usize) -> RepShape {
@@ -15,13 +15,15 @@ pub(crate) fn shape(page_size: usize, kv_heads: usize, head_dim: usize) -> RepSh
 }
 
 /// Extends every slot's min/max pages to its sequence's length, recomputing the last page it
-/// had (which may have been partial) from the keys. Checks the batch against the pool first.
+/// had (which may have been partial) from the keys, and storing the bounds as `summary` says.
+/// Checks the batch against the pool first.
 pub(crate) fn update(
     layer: usize,
     keys: &dyn KeySource,
     slots: &[usize],
     pool: &mut RepPool,
     shape: RepShape,
+    summary: Summary,
 ) -> Result<(), AlgoError> {
     check_batch(keys, slots, pool, shape)?;
     let RepShape {
@@ -55,6 +57,9 @@ pub(crate) fn update(
                             *hi = hi.max(x);
                             *lo = lo.min(x);
                         }
+                    }
+                    if summary == Summary::E4m3 {
+                        summary::round_row(&mut dst[h * width..(h + 1) * width]);
                     }
                 }
             });

@@ -7,8 +7,8 @@ use crate::algo::check_pool;
 use crate::score::{Weights, page_scores, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::{
-    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, TopK,
-    minmax,
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, Summary,
+    TopK, minmax,
 };
 
 /// Quest (Tang et al., 2024): each page is summarized by the elementwise maximum and minimum of
@@ -40,6 +40,9 @@ pub struct QuestConfig {
     /// query heads (still an upper bound for each head): a hierarchical cache then moves at
     /// most the budget per step instead of up to the budget times the KV heads.
     pub shared_heads: bool,
+    /// How each page's bounds are stored: exactly, or in FP8 E4M3 rounded outward (half the
+    /// metadata bytes; still upper bounds, looser ones).
+    pub summary: Summary,
 }
 
 impl Default for QuestConfig {
@@ -49,6 +52,7 @@ impl Default for QuestConfig {
             budget_tokens: 2048,
             always: AlwaysInclude::default(),
             shared_heads: false,
+            summary: Summary::Exact,
         }
     }
 }
@@ -131,7 +135,7 @@ impl SparseAlgorithm for Quest {
         pool: &mut RepPool,
     ) -> Result<(), AlgoError> {
         let shape = self.rep_shape(keys.kv_heads(), keys.head_dim());
-        minmax::update(layer, keys, slots, pool, shape)
+        minmax::update(layer, keys, slots, pool, shape, self.config.summary)
     }
 
     fn retrieve_topk(&self, step: &Decode<'_>, pool: &RepPool) -> Result<TopK, AlgoError> {

@@ -106,7 +106,7 @@ impl SparseAlgorithm for RocketKv {
         pool: &mut RepPool,
     ) -> Result<(), AlgoError> {
         let shape = self.rep_shape(keys.kv_heads(), keys.head_dim());
-        minmax::update(layer, keys, slots, pool, shape)
+        minmax::update(layer, keys, slots, pool, shape, crate::Summary::Exact)
     }
 
     fn predict_keep(&self, prompt: &Prompt<'_>) -> Result<TopK, AlgoError> {

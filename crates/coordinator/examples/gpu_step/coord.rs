@@ -3,9 +3,9 @@
 //! different lengths prefill, decode across page boundaries, end, and a new request takes a
 //! freed slot in a mixed prefill + decode batch. Per sparse layer and step: the routes, the
 //! selections, the hits and misses, and the attention outputs (relative error 1e-2 in bf16)
-//! must agree. The scenario runs four times: Quest with one selection shared by the KV heads,
+//! must agree. The scenario runs six times: Quest with one selection shared by the KV heads,
 //! and with one per KV head (whose hot buffer holds their union), each without and with
-//! prefetch. With prefetch, each layer's start prefetches the next layer from an estimate of
+//! prefetch, and both again over E4M3 summaries (sparse_algo::summary). With prefetch, each layer's start prefetches the next layer from an estimate of
 //! its queries (`prefetch` on the CPU, `prefetch_device` on the copy stream, left running
 //! while the layer's own step is enqueued), and the pages each loaded early must agree too.
 
@@ -16,7 +16,7 @@ use coordinator::{Capacity, ModelShape, Route, SparseConfig, SparseCoordinator};
 use half::bf16;
 use kv_blocks::RequestId;
 use offload::{HostAlloc, HostLayout, StepStats};
-use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig};
+use sparse_algo::{AlgoConfig, AlwaysInclude, QuestConfig, Summary};
 
 use crate::rng::Rng;
 use crate::{Res, err};
@@ -46,13 +46,19 @@ struct Pair {
 }
 
 /// Runs the scenario with one selection shared by the KV heads (pages of 16) and with one
-/// per KV head (pages of 4), each without and with prefetch; answers the number of failed
-/// comparisons.
+/// per KV head (pages of 4), each without and with prefetch, then both without prefetch over
+/// E4M3 summaries (scored on tensor cores on the device, so the two sides' scores differ in
+/// their last bits; the scenario's random queries leave no near ties at its selections'
+/// edges); answers the number of failed comparisons.
 pub(crate) fn check(gpu: &Gpu) -> Res<usize> {
     let mut failed = 0;
-    for prefetch in [false, true] {
+    for (prefetch, summary) in [
+        (false, Summary::Exact),
+        (true, Summary::Exact),
+        (false, Summary::E4m3),
+    ] {
         for (page_size, shared_heads) in [(16, true), (4, false)] {
-            failed += scenario(gpu, page_size, shared_heads, prefetch)?;
+            failed += scenario(gpu, page_size, shared_heads, prefetch, summary)?;
         }
     }
     Ok(failed)
@@ -60,7 +66,13 @@ pub(crate) fn check(gpu: &Gpu) -> Res<usize> {
 
 /// The scenario with Quest over pages of `page_size`, its selections shared by the KV heads
 /// or not, with or without prefetch.
-fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool, prefetch: bool) -> Res<usize> {
+fn scenario(
+    gpu: &Gpu,
+    page_size: usize,
+    shared_heads: bool,
+    prefetch: bool,
+    summary: Summary,
+) -> Res<usize> {
     let config = SparseConfig {
         algo: AlgoConfig::Quest(QuestConfig {
             page_size,
@@ -70,6 +82,7 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool, prefetch: bool) -> 
                 recent_tokens: 32,
             },
             shared_heads,
+            summary,
         }),
         hot_tokens: None,
         min_prompt_tokens: Some(1),
@@ -137,8 +150,8 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool, prefetch: bool) -> 
     }
     p.compared += 1;
     println!(
-        "{} coordinator, CPU hooks against device hooks ({}, pages of {page_size}{}): {} layer \
-         steps compared, {} failed; device {} hits, {} misses{}",
+        "{} coordinator, CPU hooks against device hooks ({}, pages of {page_size}{}{}): {} \
+         layer steps compared, {} failed; device {} hits, {} misses{}",
         if p.failed == 0 { "ok  " } else { "FAIL" },
         if shared_heads {
             "one selection shared by the KV heads"
@@ -146,6 +159,11 @@ fn scenario(gpu: &Gpu, page_size: usize, shared_heads: bool, prefetch: bool) -> 
             "a selection per KV head"
         },
         if prefetch { ", prefetch" } else { "" },
+        if summary == Summary::E4m3 {
+            ", E4M3 summaries"
+        } else {
+            ""
+        },
         p.compared,
         p.failed,
         p.hits,

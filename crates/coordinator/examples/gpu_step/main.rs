@@ -47,7 +47,7 @@ use offload::{HostLayout, HostPool, HostShape, HostStore, HotBuffer};
 use report::random_bf16;
 use rng::Rng;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
-use sparse_algo::{AlwaysInclude, Quest, QuestConfig, SparseAlgorithm};
+use sparse_algo::{Quest, QuestConfig, SparseAlgorithm};
 
 /// Errors of this tool: every layer's errors as text.
 type Res<T> = Result<T, String>;
@@ -193,8 +193,8 @@ impl Cache {
         let quest = Quest::new(QuestConfig {
             page_size: page,
             budget_tokens: budget,
-            always: AlwaysInclude::default(),
             shared_heads: true,
+            ..Default::default()
         })
         .map_err(err)?;
         let slots = gpu

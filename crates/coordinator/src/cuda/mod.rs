@@ -49,6 +49,7 @@ use offload::cuda::{
 };
 use offload::{HotBuffer, StepStats};
 use sparse_algo::cuda::{DeviceRepPool, QuestScoring, SelectKernels};
+use sparse_algo::summary;
 use sparse_algo::{AlgoConfig, Quest};
 
 use crate::{CoordError, Route, SparseCoordinator};
@@ -262,7 +263,14 @@ impl<T: CudaElement> DeviceSparse<T> {
             let pool = &coord.pools[sl];
             max_pages = pool.max_tokens() / c.page_size;
             layers.push(DeviceLayer {
-                reps: DeviceRepPool::new(gpu, pool.shape(), 1, slots, pool.max_tokens())?,
+                reps: DeviceRepPool::with_summary(
+                    gpu,
+                    pool.shape(),
+                    1,
+                    slots,
+                    pool.max_tokens(),
+                    quest.config().summary,
+                )?,
                 quest,
                 kv: DevicePagedKv::new(gpu, layout)?,
                 bufs: DeviceHotBuffers::upload(gpu, &vec![HotBuffer::new(c.hot_pages); slots])?,
@@ -459,20 +467,40 @@ impl<T: CudaElement> DeviceSparse<T> {
             l.bufs.reset_row(gpu, slot)?;
             l.reserved[slot] = (-1, 0);
             let pool = &coord.pools[sl];
-            let pages: Vec<T> = pool
-                .pages(0, slot)?
-                .iter()
-                .map(|&x| T::from_f32(x))
-                .collect();
-            if !pages.is_empty() {
-                let row = self.dims.max_pages * pool.shape().page_len();
-                let at = slot * row;
+            let values = pool.pages(0, slot)?;
+            if values.is_empty() {
+                continue;
+            }
+            let driver = |e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}"));
+            let at = slot * self.dims.max_pages * pool.shape().page_len();
+            let width = pool.shape().width;
+            if let Some((codes, exps)) = l.reps.e4m3_mut() {
+                // The CPU pool holds the rounded values; the device keeps their codes.
+                let mut bytes = vec![0u8; values.len()];
+                let scales: Vec<i8> = values
+                    .chunks(width)
+                    .zip(bytes.chunks_mut(width))
+                    .map(|(row, out)| {
+                        i8::try_from(summary::encode_row(row, out))
+                            .expect("scale exponents lie in SCALE_EXP_MIN..=SCALE_EXP_MAX")
+                    })
+                    .collect();
+                let stream = gpu.stream();
+                stream
+                    .memcpy_htod(&bytes, &mut codes.slice_mut(at..at + bytes.len()))
+                    .map_err(driver)?;
+                let rows = at / width..at / width + scales.len();
+                stream
+                    .memcpy_htod(&scales, &mut exps.slice_mut(rows))
+                    .map_err(driver)?;
+            } else {
+                let pages: Vec<T> = values.iter().map(|&x| T::from_f32(x)).collect();
                 gpu.stream()
                     .memcpy_htod(
                         &pages,
                         &mut l.reps.data_mut().slice_mut(at..at + pages.len()),
                     )
-                    .map_err(|e| attn_op::AttnError::Device(format!("CUDA driver: {e:?}")))?;
+                    .map_err(driver)?;
             }
         }
         self.epochs[slot] = coord.slot_epochs[slot];

@@ -98,6 +98,7 @@ fn config() -> SparseConfig {
                 recent_tokens: RECENT,
             },
             shared_heads: true,
+            ..Default::default()
         }),
         hot_tokens: Some(HOT),
         min_prompt_tokens: Some(1),

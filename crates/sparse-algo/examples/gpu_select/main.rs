@@ -8,12 +8,15 @@
 //!   [`StreamingLlm`]'s, and the DSA indexer's device scores + token top-k against [`Dsa`]'s
 //!   with a trained indexer (f32/f16/bf16 keys, tied scores, rows longer than shared memory);
 //!   attention right after a top-k that publishes its rows against attention after the whole
-//!   top-k, bit for bit; exits 1 on any mismatch.
+//!   top-k, bit for bit; the same with Quest's bounds in FP8 E4M3 (`Summary::E4m3`: the device
+//!   pool's codes and scales against the CPU pool bit for bit, the tensor-core selection up to
+//!   near ties); exits 1 on any mismatch.
 //! - `gpu_select bench [--json FILE] [--only B1|B8]`: bf16, 32 query / 8 KV heads, D 128, pages
 //!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
 //!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
 //!   programmatic dependent launches, captured in a CUDA graph, and with the rows published to
-//!   an attention that starts early), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer
+//!   an attention that starts early), the same over E4M3 bounds (with how many ids it shares
+//!   with the bf16 bounds' selection), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer
 //!   (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token attention. Then the
 //!   attention kernel's registers, and a trace of one step per shape (per-CTA timestamps of
 //!   the scoring, `pick_rows` and the attention on one time axis; plain and published, alone
@@ -44,9 +47,10 @@ use half::{bf16, f16};
 use report::{Row, random_bf16, table};
 use rng::Rng;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, QuestScoring, SelectKernels};
+use sparse_algo::summary;
 use sparse_algo::{
     AlgoError, AlwaysInclude, Decode, Dsa, DsaConfig, Indexer, KeySource, PagedKeys, Quest,
-    QuestConfig, RepPool, SparseAlgorithm, StreamingConfig, StreamingLlm, TopK,
+    QuestConfig, RepPool, SparseAlgorithm, StreamingConfig, StreamingLlm, Summary, TopK,
 };
 
 fn main() {
@@ -302,6 +306,220 @@ fn meta_for(
     Ok(DeviceBatch::upload(gpu, &meta, layout)?)
 }
 
+/// A case's data on both sides: keys in a shuffled block table (host and device), the pool
+/// slots (reversed, so slot and sequence differ), and the selection's queries.
+struct Setup<T: CudaElement> {
+    layout: KvLayout,
+    table: Vec<i32>,
+    max_blocks: usize,
+    cpu_kv: PagedKv<T>,
+    dev_kv: DevicePagedKv<T>,
+    slots: Vec<usize>,
+    dslots: CudaSlice<i32>,
+    /// Every query row, `[n * q_rows, q_heads, d]`, on the device too.
+    q: Vec<T>,
+    dq: CudaSlice<T>,
+    /// Each sequence's last query row, as f32 (what the CPU selects from).
+    last_q: Vec<f32>,
+}
+
+/// The layer the checks build and select in (of [`LAYERS`]).
+const LAYER: usize = 1;
+
+impl<T: CudaElement> Setup<T> {
+    fn new(gpu: &Gpu, c: &Case, rng: &mut Rng) -> Result<Self, AlgoError> {
+        let n = c.lens.len();
+        let max_len = c.lens.iter().copied().max().unwrap_or(0);
+        let max_blocks = max_len.div_ceil(c.bs);
+        let layout = KvLayout {
+            num_blocks: n * max_blocks + 3,
+            block_size: c.bs,
+            kv_heads: c.kv_heads,
+            head_dim: c.d,
+        };
+        let perm = rng.permutation(layout.num_blocks);
+        let table: Vec<i32> = (0..n * max_blocks).map(|i| perm[i] as i32).collect();
+        let k: Vec<T> = keys(rng, layout.len(), c.levels);
+        let cpu_kv = PagedKv::from_tensors(layout, k.clone(), k.clone())?;
+        let dev_kv = DevicePagedKv::from_host(gpu, layout, &k, &k)?;
+        let slots: Vec<usize> = (0..n).map(|s| n - 1 - s).collect();
+        let d = c.d;
+        let q: Vec<T> = (0..n * c.q_rows * c.q_heads * d)
+            .map(|_| T::from_f32(rng.unit() * 2.0))
+            .collect();
+        let last_q: Vec<f32> = (0..n)
+            .flat_map(|s| {
+                let r = (s + 1) * c.q_rows - 1;
+                q[r * c.q_heads * d..(r + 1) * c.q_heads * d]
+                    .iter()
+                    .map(|x| x.to_f32())
+            })
+            .collect();
+        Ok(Setup {
+            layout,
+            table,
+            max_blocks,
+            cpu_kv,
+            dev_kv,
+            dslots: slots_upload(gpu, &slots)?,
+            slots,
+            dq: gpu.upload(&q)?,
+            q,
+            last_q,
+        })
+    }
+
+    /// `quest`'s pools on both sides, built at each sequence's length minus the case's decode
+    /// steps, then maintained one decode token at a time; and the final lengths.
+    fn pools(
+        &self,
+        gpu: &Gpu,
+        sk: &SelectKernels,
+        c: &Case,
+        quest: &Quest,
+    ) -> Result<(RepPool, DeviceRepPool<T>, Vec<usize>), AlgoError> {
+        let n = c.lens.len();
+        let max_len = c.lens.iter().copied().max().unwrap_or(0);
+        let shape = quest.rep_shape(c.kv_heads, c.d);
+        let mut cpu = RepPool::new(shape, LAYERS, n, max_len)?;
+        let summary = quest.config().summary;
+        let mut dev = DeviceRepPool::<T>::with_summary(gpu, shape, LAYERS, n, max_len, summary)?;
+        let mut lens: Vec<usize> = c.lens.iter().map(|&l| l - c.steps.min(l - 1)).collect();
+        let (table, mb) = (&self.table, self.max_blocks);
+        let l32 = |lens: &[usize]| lens.iter().map(|&l| l as i32).collect::<Vec<_>>();
+        let now = l32(&lens);
+        let pk = PagedKeys::new(&self.cpu_kv, &now, table, mb)?;
+        quest.construct_representations(LAYER, &pk, &self.slots, &mut cpu)?;
+        let meta = meta_for(gpu, &self.layout, &lens, &lens, table, mb)?;
+        sk.update_minmax(quest, &self.dev_kv, &meta, LAYER, &self.dslots, &mut dev)?;
+        for _ in 0..c.steps {
+            for (l, &fin) in lens.iter_mut().zip(c.lens) {
+                *l = (*l + 1).min(fin);
+            }
+            let now = l32(&lens);
+            let pk = PagedKeys::new(&self.cpu_kv, &now, table, mb)?;
+            quest.update_representations(LAYER, &pk, &self.slots, &mut cpu)?;
+            let meta = meta_for(gpu, &self.layout, &lens, &vec![1; n], table, mb)?;
+            sk.update_minmax(quest, &self.dev_kv, &meta, LAYER, &self.dslots, &mut dev)?;
+        }
+        Ok((cpu, dev, lens))
+    }
+
+    /// The selection's step on the CPU side.
+    fn step<'a>(&'a self, c: &Case, lens: &'a [usize]) -> Decode<'a> {
+        Decode {
+            layer: LAYER,
+            q: &self.last_q,
+            q_heads: c.q_heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.d,
+            seq_lens: lens,
+            slots: &self.slots,
+            keys: None,
+        }
+    }
+
+    /// The selection's batch on the device: `q_rows` query rows a sequence.
+    fn meta(&self, gpu: &Gpu, c: &Case, lens: &[usize]) -> Result<DeviceBatch, AlgoError> {
+        let q_rows = vec![c.q_rows; lens.len()];
+        meta_for(
+            gpu,
+            &self.layout,
+            lens,
+            &q_rows,
+            &self.table,
+            self.max_blocks,
+        )
+    }
+}
+
+fn slots_upload(gpu: &Gpu, slots: &[usize]) -> Result<CudaSlice<i32>, AlgoError> {
+    Ok(gpu.upload(&slots.iter().map(|&s| s as i32).collect::<Vec<_>>())?)
+}
+
+/// Whether the device pool's pages of every sequence equal the CPU pool's bit for bit (an
+/// E4M3 pool's codes decoded with their scales).
+fn pools_equal<T: CudaElement>(
+    gpu: &Gpu,
+    c: &Case,
+    setup: &Setup<T>,
+    cpu: &RepPool,
+    dev: &DeviceRepPool<T>,
+    lens: &[usize],
+) -> Result<bool, AlgoError> {
+    let n = lens.len();
+    let width = cpu.shape().width;
+    let page_len = cpu.shape().page_len();
+    let max_pages = c.lens.iter().copied().max().unwrap_or(0).div_ceil(16);
+    let values: Vec<f32> = match dev.e4m3() {
+        None => gpu
+            .download(dev.data())?
+            .iter()
+            .map(|x| x.to_f32())
+            .collect(),
+        Some((codes, exps)) => {
+            let (codes, exps) = (gpu.download(codes)?, gpu.download(exps)?);
+            codes
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| summary::e4m3_value(x) * 2f32.powi(i32::from(exps[i / width])))
+                .collect()
+        }
+    };
+    let mut ok = true;
+    for (s, &slot) in setup.slots.iter().enumerate() {
+        let want = cpu.pages(LAYER, slot)?;
+        let at = (LAYER * n + slot) * max_pages * page_len;
+        let got = &values[at..at + lens[s].div_ceil(16) * page_len];
+        ok &= want.len() == got.len()
+            && want
+                .iter()
+                .zip(got)
+                .all(|(w, g)| w.to_bits() == g.to_bits());
+    }
+    Ok(ok)
+}
+
+/// The CPU's score of page `p` for row (s, h) as the near-tie rule reads it, from `pool`'s
+/// bounds and the f32 queries, in f64: the best over the row's query heads, and the sum of
+/// magnitudes that scales the tie tolerance.
+fn cpu_score(
+    c: &Case,
+    pool: &RepPool,
+    setup_slots: &[usize],
+    last_q: &[f32],
+    (s, h, p): (usize, usize, i32),
+) -> (f64, f64) {
+    let (kvh, d) = (c.kv_heads, c.d);
+    let g = c.q_heads / kvh;
+    let pages = pool
+        .pages(LAYER, setup_slots[s])
+        .expect("the check's CPU pool holds every sequence's pages");
+    let q = &last_q[s * c.q_heads * d..(s + 1) * c.q_heads * d];
+    let heads = if c.shared {
+        0..c.q_heads
+    } else {
+        h * g..(h + 1) * g
+    };
+    let (mut best, mut mag) = (f64::NEG_INFINITY, 0.0f64);
+    for qh in heads {
+        // A page past the sequence's end scores +inf, which no near tie allows.
+        let at = (p.max(0) as usize * kvh + qh / g) * 2 * d;
+        let Some(row) = pages.get(at..at + 2 * d) else {
+            return (f64::INFINITY, 0.0);
+        };
+        let (mut sum, mut abs) = (0.0f64, 0.0f64);
+        for (e, &x) in q[qh * d..(qh + 1) * d].iter().enumerate() {
+            let k = if x >= 0.0 { row[e] } else { row[d + e] };
+            sum += f64::from(x) * f64::from(k);
+            abs += f64::from(x.abs()) * f64::from(k.abs());
+        }
+        best = best.max(sum);
+        mag = mag.max(abs);
+    }
+    (best, mag)
+}
+
 fn check_case<T: CudaElement>(
     gpu: &Gpu,
     sk: &mut SelectKernels,
@@ -310,23 +528,9 @@ fn check_case<T: CudaElement>(
 ) -> Result<Vec<(String, bool)>, AlgoError> {
     let mut rng = Rng::new(seed);
     let n = c.lens.len();
-    let (kvh, d, bs) = (c.kv_heads, c.d, c.bs);
-    let max_len = c.lens.iter().copied().max().unwrap_or(0);
-    let max_blocks = max_len.div_ceil(bs);
-    let layout = KvLayout {
-        num_blocks: n * max_blocks + 3,
-        block_size: bs,
-        kv_heads: kvh,
-        head_dim: d,
-    };
-    let perm = rng.permutation(layout.num_blocks);
-    let table: Vec<i32> = (0..n * max_blocks).map(|i| perm[i] as i32).collect();
-    let k: Vec<T> = keys(&mut rng, layout.len(), c.levels);
-    let cpu_kv = PagedKv::from_tensors(layout, k.clone(), k.clone())?;
-    let dev_kv = DevicePagedKv::from_host(gpu, layout, &k, &k)?;
-    drop(k);
-
-    let quest = Quest::new(QuestConfig {
+    let (kvh, d) = (c.kv_heads, c.d);
+    let setup = Setup::<T>::new(gpu, c, &mut rng)?;
+    let config = QuestConfig {
         page_size: 16,
         budget_tokens: c.budget_tokens,
         always: AlwaysInclude {
@@ -334,84 +538,26 @@ fn check_case<T: CudaElement>(
             recent_tokens: c.recent,
         },
         shared_heads: c.shared,
-    })?;
-    let shape = quest.rep_shape(kvh, d);
-    let slots: Vec<usize> = (0..n).map(|s| n - 1 - s).collect();
-    let dslots = gpu.upload(&slots.iter().map(|&s| s as i32).collect::<Vec<_>>())?;
-    let mut cpu_pool = RepPool::new(shape, LAYERS, n, max_len)?;
-    let mut dev_pool = DeviceRepPool::<T>::new(gpu, shape, LAYERS, n, max_len)?;
-    let layer = 1;
-
-    // Prefill at len - steps, then one decode token at a time, on both sides.
-    let mut lens: Vec<usize> = c.lens.iter().map(|&l| l - c.steps.min(l - 1)).collect();
-    let cpu_lens = |lens: &[usize]| lens.iter().map(|&l| l as i32).collect::<Vec<_>>();
-    let l32 = cpu_lens(&lens);
-    let pk = PagedKeys::new(&cpu_kv, &l32, &table, max_blocks)?;
-    quest.construct_representations(layer, &pk, &slots, &mut cpu_pool)?;
-    let meta = meta_for(gpu, &layout, &lens, &lens, &table, max_blocks)?;
-    sk.update_minmax(&quest, &dev_kv, &meta, layer, &dslots, &mut dev_pool)?;
-    for _ in 0..c.steps {
-        for (l, &fin) in lens.iter_mut().zip(c.lens) {
-            *l = (*l + 1).min(fin);
-        }
-        let l32 = cpu_lens(&lens);
-        let pk = PagedKeys::new(&cpu_kv, &l32, &table, max_blocks)?;
-        quest.update_representations(layer, &pk, &slots, &mut cpu_pool)?;
-        let meta = meta_for(gpu, &layout, &lens, &vec![1; n], &table, max_blocks)?;
-        sk.update_minmax(&quest, &dev_kv, &meta, layer, &dslots, &mut dev_pool)?;
-    }
-    let mut results = Vec::new();
-
-    // The pools, bit for bit over every page the sequences cover.
-    let dev = gpu.download(dev_pool.data())?;
-    let page_len = shape.page_len();
-    let row = max_len.div_ceil(16) * page_len;
-    let mut pool_ok = true;
-    for (s, &slot) in slots.iter().enumerate() {
-        let want = cpu_pool.pages(layer, slot)?;
-        let at = (layer * n + slot) * row;
-        let got = &dev[at..at + lens[s].div_ceil(16) * page_len];
-        pool_ok &= want.len() == got.len()
-            && want
-                .iter()
-                .zip(got)
-                .all(|(w, g)| w.to_bits() == g.to_f32().to_bits());
-    }
-    results.push(("min/max pages equal the CPU pool".to_owned(), pool_ok));
+        summary: Summary::Exact,
+    };
+    let quest = Quest::new(config)?;
+    let (cpu_pool, dev_pool, lens) = setup.pools(gpu, sk, c, &quest)?;
+    let max_len = c.lens.iter().copied().max().unwrap_or(0);
+    let mut results = vec![(
+        "min/max pages equal the CPU pool".to_owned(),
+        pools_equal(gpu, c, &setup, &cpu_pool, &dev_pool, &lens)?,
+    )];
 
     // The selection: CPU from the f32 values of the same T queries.
-    let q_rows = vec![c.q_rows; n];
-    let total_q = n * c.q_rows;
-    let q: Vec<T> = (0..total_q * c.q_heads * d)
-        .map(|_| T::from_f32(rng.unit() * 2.0))
-        .collect();
-    let last_q: Vec<f32> = (0..n)
-        .flat_map(|s| {
-            let r = (s + 1) * c.q_rows - 1;
-            q[r * c.q_heads * d..(r + 1) * c.q_heads * d]
-                .iter()
-                .map(|x| x.to_f32())
-        })
-        .collect();
-    let step = Decode {
-        layer,
-        q: &last_q,
-        q_heads: c.q_heads,
-        kv_heads: kvh,
-        head_dim: d,
-        seq_lens: &lens,
-        slots: &slots,
-        keys: None,
-    };
-    let want = quest.retrieve_topk(&step, &cpu_pool)?;
-    let meta = meta_for(gpu, &layout, &lens, &q_rows, &table, max_blocks)?;
-    let dq = gpu.upload(&q)?;
+    let want = quest.retrieve_topk(&setup.step(c, &lens), &cpu_pool)?;
+    let meta = setup.meta(gpu, c, &lens)?;
+    let (dq, dslots) = (&setup.dq, &setup.dslots);
     let mut out = DeviceTopK::new(gpu, &quest, n, kvh, max_len, c.per_sequence)?;
     poison(gpu, &mut out)?;
     // Twice: the second launch finds the score keys the first left (zeroed).
     for _ in 0..2 {
         sk.quest_topk(
-            &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+            &quest, dq, c.q_heads, &meta, LAYER, dslots, &dev_pool, &mut out,
         )?;
     }
     results.extend(compare_rows(gpu, &want, &out, &lens, None)?);
@@ -419,40 +565,15 @@ fn check_case<T: CudaElement>(
     // Tensor-core scores, where the kernel takes the shape: equal up to near ties.
     let g = c.q_heads / kvh;
     if T::DTYPE != attn_op::DType::F32 && g <= 8 && (d == 64 || d == 128) {
-        let score = |s: usize, h: usize, p: i32| -> (f64, f64) {
-            let pages = cpu_pool
-                .pages(layer, slots[s])
-                .expect("the check's CPU pool holds every sequence's pages");
-            let q = &last_q[s * c.q_heads * d..(s + 1) * c.q_heads * d];
-            let heads = if c.shared {
-                0..c.q_heads
-            } else {
-                h * g..(h + 1) * g
-            };
-            let (mut best, mut mag) = (f64::NEG_INFINITY, 0.0f64);
-            for qh in heads {
-                // A page past the sequence's end scores +inf, which no near tie allows.
-                let at = (p.max(0) as usize * kvh + qh / g) * 2 * d;
-                let Some(row) = pages.get(at..at + 2 * d) else {
-                    return (f64::INFINITY, 0.0);
-                };
-                let (mut sum, mut abs) = (0.0f64, 0.0f64);
-                for (e, &x) in q[qh * d..(qh + 1) * d].iter().enumerate() {
-                    let k = if x >= 0.0 { row[e] } else { row[d + e] };
-                    sum += f64::from(x) * f64::from(k);
-                    abs += f64::from(x.abs()) * f64::from(k.abs());
-                }
-                best = best.max(sum);
-                mag = mag.max(abs);
-            }
-            (best, mag)
+        let score = |s: usize, h: usize, p: i32| {
+            cpu_score(c, &cpu_pool, &setup.slots, &setup.last_q, (s, h, p))
         };
         sk.set_quest_scoring(QuestScoring::TensorCores);
         poison(gpu, &mut out)?;
         let mut run = || -> Result<(), AlgoError> {
             for _ in 0..2 {
                 sk.quest_topk(
-                    &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+                    &quest, dq, c.q_heads, &meta, LAYER, dslots, &dev_pool, &mut out,
                 )?;
             }
             Ok(())
@@ -468,16 +589,16 @@ fn check_case<T: CudaElement>(
         // The exact kernel again, after a tensor-core estimate of other queries on the same
         // buffers: a per-head row's keys are stored and left, and must not leak into the
         // exact kernel's atomicMax.
-        let other = gpu.upload(&q.iter().rev().copied().collect::<Vec<T>>())?;
+        let other = gpu.upload(&setup.q.iter().rev().copied().collect::<Vec<T>>())?;
         sk.set_quest_scoring(QuestScoring::TensorCores);
         let ran = sk.quest_topk(
-            &quest, &other, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+            &quest, &other, c.q_heads, &meta, LAYER, dslots, &dev_pool, &mut out,
         );
         sk.set_quest_scoring(QuestScoring::Exact);
         ran?;
         poison(gpu, &mut out)?;
         sk.quest_topk(
-            &quest, &dq, c.q_heads, &meta, layer, &dslots, &dev_pool, &mut out,
+            &quest, dq, c.q_heads, &meta, LAYER, dslots, &dev_pool, &mut out,
         )?;
         let again = compare_rows(gpu, &want, &out, &lens, None)?;
         results.extend(
@@ -485,11 +606,71 @@ fn check_case<T: CudaElement>(
                 .into_iter()
                 .map(|(w, ok)| (format!("exact after tensor cores: {w}"), ok)),
         );
+        results.extend(check_e4m3(gpu, sk, c, &setup, config, &mut out)?);
     }
     if !c.per_sequence {
         results.push(check_published(
-            gpu, sk, &quest, &dq, c.q_heads, &dev_kv, &meta, &dslots, &dev_pool, &mut out,
+            gpu,
+            sk,
+            &quest,
+            dq,
+            c.q_heads,
+            &setup.dev_kv,
+            &meta,
+            dslots,
+            &dev_pool,
+            &mut out,
         )?);
+    }
+    Ok(results)
+}
+
+/// Quest with E4M3 summaries ([`Summary::E4m3`]): the device pool's codes and scales decode to
+/// the CPU pool's values bit for bit, the tensor-core selection equals the CPU's up to near
+/// ties, and attention right after its published rows equals attention after the whole top-k.
+fn check_e4m3<T: CudaElement>(
+    gpu: &Gpu,
+    sk: &mut SelectKernels,
+    c: &Case,
+    setup: &Setup<T>,
+    config: QuestConfig,
+    out: &mut DeviceTopK,
+) -> Result<Vec<(String, bool)>, AlgoError> {
+    let quest = Quest::new(QuestConfig {
+        summary: Summary::E4m3,
+        ..config
+    })?;
+    let (cpu_pool, dev_pool, lens) = setup.pools(gpu, sk, c, &quest)?;
+    let mut results = vec![(
+        "e4m3: pages equal the CPU pool".to_owned(),
+        pools_equal(gpu, c, setup, &cpu_pool, &dev_pool, &lens)?,
+    )];
+    let want = quest.retrieve_topk(&setup.step(c, &lens), &cpu_pool)?;
+    let meta = setup.meta(gpu, c, &lens)?;
+    let (dq, dslots) = (&setup.dq, &setup.dslots);
+    poison(gpu, out)?;
+    for _ in 0..2 {
+        sk.quest_topk(&quest, dq, c.q_heads, &meta, LAYER, dslots, &dev_pool, out)?;
+    }
+    let score = |s: usize, h: usize, p: i32| {
+        cpu_score(c, &cpu_pool, &setup.slots, &setup.last_q, (s, h, p))
+    };
+    let near = compare_rows(gpu, &want, out, &lens, Some(&score))?;
+    results.extend(near.into_iter().map(|(w, ok)| (format!("e4m3: {w}"), ok)));
+    if !c.per_sequence {
+        let (what, ok) = check_published(
+            gpu,
+            sk,
+            &quest,
+            dq,
+            c.q_heads,
+            &setup.dev_kv,
+            &meta,
+            dslots,
+            &dev_pool,
+            out,
+        )?;
+        results.push((format!("e4m3: {what}"), ok));
     }
     Ok(results)
 }
@@ -515,8 +696,7 @@ fn check_published<T: CudaElement>(
 ) -> Result<(String, bool), AlgoError> {
     let params = AttnParams::new(q_heads, kv.layout().head_dim);
     let n = q.len();
-    let layer = 1;
-    sk.quest_topk(quest, q, q_heads, meta, layer, slots, pool, out)?;
+    sk.quest_topk(quest, q, q_heads, meta, LAYER, slots, pool, out)?;
     let want_ids = gpu.download(&out.sel.ids)?;
     let mut want = gpu.zeros::<f32>(n)?;
     gpu.sparse_page_attention(q, kv, meta, &out.sel, &params, &mut want, None)?;
@@ -525,7 +705,7 @@ fn check_published<T: CudaElement>(
     sk.set_publish(true);
     let mut run = || -> Result<(), AlgoError> {
         for _ in 0..2 {
-            sk.quest_topk(quest, q, q_heads, meta, layer, slots, pool, out)?;
+            sk.quest_topk(quest, q, q_heads, meta, LAYER, slots, pool, out)?;
             let published = out
                 .published()
                 .ok_or_else(|| AlgoError::Invalid("a published top-k left no flags".into()))?;
@@ -903,8 +1083,8 @@ fn check_dsa<T: CudaElement>(
     let max_len = c.lens.iter().copied().max().unwrap_or(1);
     let shape = dsa.rep_shape(c.kv_heads, 16);
     let slots: Vec<usize> = (0..n).map(|s| n - 1 - s).collect();
-    let layer = 1;
     let mut pool = RepPool::new(shape, LAYERS, n, max_len)?;
+    let layer = 1;
     dsa.update_representations(layer, &Lengths(c.lens), &slots, &mut pool)?;
     let mut dev_pool = DeviceRepPool::<T>::new(gpu, shape, LAYERS, n, max_len)?;
     let host: Vec<T> = pool.data().iter().map(|&x| T::from_f32(x)).collect();
@@ -990,8 +1170,8 @@ fn bench(
             let quest = Quest::new(QuestConfig {
                 page_size: PS,
                 budget_tokens: 2048,
-                always: AlwaysInclude::default(),
                 shared_heads: shared,
+                ..Default::default()
             })?;
             let mode = if shared { " shared" } else { "" };
             let shape = quest.rep_shape(KV_HEADS, D);
@@ -1116,6 +1296,18 @@ fn bench(
             }
             sk.set_quest_scoring(QuestScoring::Exact);
         }
+        rows.extend(bench_e4m3(
+            gpu,
+            sk,
+            &kv,
+            (&prefill, &decode),
+            &slots,
+            &q,
+            &mut out_attn,
+            (b, ctx),
+            &tag,
+            bw,
+        )?);
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)
         })?;
@@ -1147,6 +1339,106 @@ fn bench(
         std::fs::write(path, body).map_err(|e| AlgoError::Invalid(format!("{path}: {e}")))?;
     }
     Ok(())
+}
+
+/// Quest with E4M3 summaries ([`Summary::E4m3`]) at one shape, `b` sequences of `ctx` tokens:
+/// the pool's construction, the estimate + top-k, and the step with attention (eager, from a
+/// CUDA graph, and published), each checked as the bf16 steps are; the estimate's row notes
+/// how many of its ids the bf16 summaries' tensor-core selection also picks.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one shape's inputs, shared with the bf16 steps"
+)]
+fn bench_e4m3(
+    gpu: &Gpu,
+    sk: &mut SelectKernels,
+    kv: &DevicePagedKv<bf16>,
+    (prefill, decode): (&DeviceBatch, &DeviceBatch),
+    slots: &CudaSlice<i32>,
+    q: &CudaSlice<bf16>,
+    out: &mut CudaSlice<f32>,
+    (b, ctx): (usize, usize),
+    tag: &str,
+    bw: f64,
+) -> Result<Vec<Row>, AlgoError> {
+    let bf16_quest = Quest::new(QuestConfig {
+        page_size: PS,
+        budget_tokens: 2048,
+        ..Default::default()
+    })?;
+    let quest = Quest::new(QuestConfig {
+        summary: Summary::E4m3,
+        ..bf16_quest.config()
+    })?;
+    let shape = quest.rep_shape(KV_HEADS, D);
+    let mut top = DeviceTopK::new(gpu, &quest, b, KV_HEADS, ctx, false)?;
+    // The bf16 summaries' tensor-core ids, to count the E4M3 ones against.
+    let reference = {
+        let mut pool = DeviceRepPool::<bf16>::new(gpu, shape, 1, b, ctx)?;
+        sk.update_minmax(&bf16_quest, kv, prefill, 0, slots, &mut pool)?;
+        sk.set_quest_scoring(QuestScoring::TensorCores);
+        let ran = sk.quest_topk(&bf16_quest, q, Q_HEADS, decode, 0, slots, &pool, &mut top);
+        sk.set_quest_scoring(QuestScoring::Exact);
+        ran?;
+        gpu.download(&top.sel.ids)?
+    };
+    let mut pool = DeviceRepPool::<bf16>::with_summary(gpu, shape, 1, b, ctx, Summary::E4m3)?;
+    let kv_bytes = (b * ctx * KV_HEADS * D * 2 * 2) as f64;
+    let rep_bytes = (b * (ctx / PS) * KV_HEADS * (2 * D + 1)) as f64;
+    let mut rows = Vec::new();
+    let t = gpu.time(RUNS, || {
+        sk.update_minmax(&quest, kv, prefill, 0, slots, &mut pool)
+    })?;
+    let built = kv_bytes / 2.0 + rep_bytes;
+    rows.push(Row {
+        name: format!("quest build min/max e4m3 {tag}"),
+        t,
+        bytes: built,
+        note: format!("{:.2} of copy bw", built / t.synced / 1e6 / bw),
+    });
+    let t = gpu.time(RUNS, || {
+        sk.quest_topk(&quest, q, Q_HEADS, decode, 0, slots, &pool, &mut top)
+    })?;
+    let (same, all) = same_ids(&reference, &gpu.download(&top.sel.ids)?, top.sel.max_len);
+    rows.push(Row {
+        name: format!("quest estimate+top-k e4m3 {tag}"),
+        t,
+        bytes: rep_bytes,
+        note: format!(
+            "{:.2} / {:.2} of copy bw; ids as bf16 tc: {same} of {all}",
+            rep_bytes / t.synced / 1e6 / bw,
+            rep_bytes / t.queued / 1e6 / bw
+        ),
+    });
+    let params = AttnParams::new(Q_HEADS, D);
+    let t = gpu.time(RUNS, || {
+        sk.quest_topk(&quest, q, Q_HEADS, decode, 0, slots, &pool, &mut top)?;
+        gpu.sparse_page_attention(q, kv, decode, &top.sel, &params, out, None)?;
+        Ok::<(), AlgoError>(())
+    })?;
+    rows.push(Row {
+        name: format!("quest+sparse attn 2K e4m3 {tag}"),
+        t,
+        bytes: rep_bytes + (b * KV_HEADS * 2048 * D * 4) as f64,
+        note: "estimate, top-k, attention over the selection".to_owned(),
+    });
+    let step_tag = format!(" e4m3 {tag}");
+    let mut step = steptrace::Step {
+        quest: &quest,
+        q,
+        kv,
+        decode,
+        slots,
+        pool: &pool,
+        top: &mut top,
+        out,
+        tag: &step_tag,
+    };
+    for publish in [false, true] {
+        rows.push(bench_graph(gpu, sk, &mut step, publish)?);
+    }
+    rows.push(bench_published(gpu, sk, &mut step)?);
+    Ok(rows)
 }
 
 /// A step's selection and output, which a variant of the step must reproduce bit for bit.

@@ -3,6 +3,7 @@
 use attn_op::Element;
 use half::{bf16, f16};
 use proptest::prelude::*;
+use sparse_algo::summary::{self, Summary};
 use sparse_algo::{
     AlwaysInclude, KeySource, Quest, QuestConfig, RepPool, SparseAlgorithm, quest_bound,
 };
@@ -82,15 +83,36 @@ fn built<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape) -> RepPool {
     pool
 }
 
+/// The stored bound of an E4M3 summary: the least (`up`) or greatest E4M3 value times `2^e`
+/// at or beyond `x`, found by walking every finite E4M3 value.
+fn outward(x: f32, e: i32, up: bool) -> f32 {
+    let s = 2f32.powi(e);
+    let mut best: Option<f32> = None;
+    for c in 0..=255u8 {
+        if c & 0x7f == 0x7f {
+            continue;
+        }
+        let v = summary::e4m3_value(c) * s;
+        let ok = if up { v >= x } else { v <= x };
+        let better = best.is_none_or(|b| if up { v < b } else { v > b });
+        if ok && better {
+            best = Some(v);
+        }
+    }
+    best.expect("|x| within 448 * 2^e") + 0.0
+}
+
 /// The upper-bound property for one dtype: every page's stored `[kmax ‖ kmin]` is the
-/// elementwise max/min of its keys, and for every query head the bound is at least every
-/// `q · k` of the page (computed in f64), up to f32 rounding of the bound's own sum.
-fn check_bound<T: Element>(sh: Shape, seed: u64) -> Result<(), TestCaseError> {
+/// elementwise max/min of its keys (with E4M3 summaries, the nearest scaled E4M3 values
+/// outward of them), and for every query head the bound is at least every `q · k` of the page
+/// (computed in f64), up to f32 rounding of the bound's own sum.
+fn check_bound<T: Element>(sh: Shape, seed: u64, summary: Summary) -> Result<(), TestCaseError> {
     let c = case::<T>(sh, seed);
     let ps = sh.page_size;
     let quest = Quest::new(QuestConfig {
         page_size: ps,
         budget_tokens: ps,
+        summary,
         ..Default::default()
     })
     .expect("valid config");
@@ -107,10 +129,24 @@ fn check_bound<T: Element>(sh: Shape, seed: u64) -> Result<(), TestCaseError> {
                 let keys: Vec<Vec<f32>> = (p * ps..((p + 1) * ps).min(len))
                     .map(|t| c.key(s, t, h))
                     .collect();
+                let exact: Vec<f32> = (0..2 * d)
+                    .map(|i| {
+                        let col = keys.iter().map(|k| k[i % d]);
+                        if i < d {
+                            col.fold(f32::NEG_INFINITY, f32::max)
+                        } else {
+                            col.fold(f32::INFINITY, f32::min)
+                        }
+                    })
+                    .collect();
+                let e = summary::scale_exp(&exact);
                 for i in 0..d {
-                    let hi = keys.iter().map(|k| k[i]).fold(f32::NEG_INFINITY, f32::max);
-                    let lo = keys.iter().map(|k| k[i]).fold(f32::INFINITY, f32::min);
-                    prop_assert_eq!((kmax[i], kmin[i]), (hi, lo));
+                    let (hi, lo) = (exact[i], exact[d + i]);
+                    let want = match summary {
+                        Summary::Exact => (hi, lo),
+                        Summary::E4m3 => (outward(hi, e, true), outward(lo, e, false)),
+                    };
+                    prop_assert_eq!((kmax[i], kmin[i]), want, "page {} head {} dim {}", p, h, i);
                 }
                 for j in h * sh.group..(h + 1) * sh.group {
                     let q = &c.q[(s * q_heads + j) * d..(s * q_heads + j + 1) * d];
@@ -148,6 +184,7 @@ fn check_selection(
     seed: u64,
     budget_pages: usize,
     shared_heads: bool,
+    summary: Summary,
 ) -> Result<(), TestCaseError> {
     let c = case::<f32>(sh, seed);
     let ps = sh.page_size;
@@ -156,6 +193,7 @@ fn check_selection(
         budget_tokens: budget_pages * ps,
         always: AlwaysInclude::default(),
         shared_heads,
+        summary,
     })
     .expect("valid config");
     let pool = built(&quest, &c, sh);
@@ -223,23 +261,30 @@ proptest! {
 
     #[test]
     fn quest_page_score_bounds_every_key_of_the_page(sh in shape(), seed in any::<u64>()) {
-        check_bound::<f32>(sh, seed)?;
-        check_bound::<f16>(sh, seed)?;
-        check_bound::<bf16>(sh, seed)?;
+        for summary in [Summary::Exact, Summary::E4m3] {
+            check_bound::<f32>(sh, seed, summary)?;
+            check_bound::<f16>(sh, seed, summary)?;
+            check_bound::<bf16>(sh, seed, summary)?;
+        }
     }
 
     #[test]
     fn quest_selects_by_the_bound_and_everything_within_budget(
         sh in shape(), seed in any::<u64>(), budget in 1..12usize, shared in any::<bool>(),
+        e4m3 in any::<bool>(),
     ) {
-        check_selection(sh, seed, budget, shared)?;
-        check_selection(sh, seed, sh.max_len.div_ceil(sh.page_size), shared)?;
+        let summary = if e4m3 { Summary::E4m3 } else { Summary::Exact };
+        check_selection(sh, seed, budget, shared, summary)?;
+        check_selection(sh, seed, sh.max_len.div_ceil(sh.page_size), shared, summary)?;
     }
 
     #[test]
-    fn update_after_decode_equals_construction(sh in shape(), seed in any::<u64>(), cut in 0..100usize) {
+    fn update_after_decode_equals_construction(
+        sh in shape(), seed in any::<u64>(), cut in 0..100usize, e4m3 in any::<bool>(),
+    ) {
         let c = case::<bf16>(sh, seed);
-        let quest = Quest::new(QuestConfig { page_size: sh.page_size, budget_tokens: sh.page_size, ..Default::default() })
+        let summary = if e4m3 { Summary::E4m3 } else { Summary::Exact };
+        let quest = Quest::new(QuestConfig { page_size: sh.page_size, budget_tokens: sh.page_size, summary, ..Default::default() })
             .expect("valid config");
         let whole = built(&quest, &c, sh);
         // The same sequences, first cut short (as after prefill), then extended (as decode does).
