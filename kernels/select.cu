@@ -694,7 +694,7 @@ __device__ __forceinline__ u32 signed_half(u32 w, bool neg) {
 }
 
 // With E4M3 summaries (E8: `codes` and `exps` as quest_minmax_* writes them with `codes`), a
-// thread loads 8 bytes a chunk instead of 16 and widens them to f16 by bit moves alone: code
+// thread loads two chunks' codes at once (e8_elem) and widens them to f16 by bit moves alone: code
 // bits (s, e, m) become the f16 (s, e, m << 7), which is the code's value times 2^-8 exactly,
 // subnormals included. The group's queries become f16 times 2^-eq, with eq putting their
 // largest magnitude in [2^14, 2^15): exact for every element above 2^-28 of it (the bf16 or
@@ -715,6 +715,12 @@ __device__ __forceinline__ uint4 e4m3x8_f16x8(uint2 w) {
 }
 
 // A if B, else C (std::conditional, which NVRTC's headers may lack).
+// E8: the first element of chunk i of a [kmax ‖ kmin] row (or of a query, for i below HALF)
+// that thread t of a group of four holds. The k order of an MMA may be permuted freely as long
+// as both operands share it, so a thread's two chunks 2j and 2j + 1 are 16 consecutive codes
+// (one 16-byte load): elements 64 j + 16 t .. + 16.
+__device__ __forceinline__ int e8_elem(int i, int t) { return 64 * (i / 2) + 16 * t + 8 * (i % 2); }
+
 template <bool B, typename A, typename C>
 struct Either {
     typedef A type;
@@ -779,7 +785,8 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
 #pragma unroll
                     for (int i = 0; i < HALF; i++) {
                         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                        if (gl < g) v = __ldg(reinterpret_cast<const uint4*>(qrow + i * 32 + t * 8));
+                        if (gl < g)
+                            v = __ldg(reinterpret_cast<const uint4*>(qrow + e8_elem(i, t)));
                         Vec16<T>::widen(v, x[i]);
 #pragma unroll
                         for (int j = 0; j < 8; j++) {
@@ -827,24 +834,26 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
         // E8: the two pages' scale exponents (row rep_row0 / 2D of exps is the tile's first).
         int ea = 0, eb = 0;
         if (E8) {
-            const unsigned char* src = codes + rep_row0 + (size_t)i0 * page_stride + t * 8;
-            uint2 ra[KC], rb[KC];
+            const unsigned char* src = codes + rep_row0 + (size_t)i0 * page_stride;
+            uint4 ra[KC / 2], rb[KC / 2];
 #pragma unroll
-            for (int i = 0; i < KC; i++) {
-                ra[i] = gl < npg
-                            ? __ldg(reinterpret_cast<const uint2*>(src + gl * page_stride + i * 32))
-                            : make_uint2(0u, 0u);
-                rb[i] = gl + 8 < npg ? __ldg(reinterpret_cast<const uint2*>(
-                                           src + (gl + 8) * page_stride + i * 32))
-                                     : make_uint2(0u, 0u);
+            for (int j = 0; j < KC / 2; j++) {
+                const int at = e8_elem(2 * j, t);
+                ra[j] = gl < npg
+                            ? __ldg(reinterpret_cast<const uint4*>(src + gl * page_stride + at))
+                            : make_uint4(0u, 0u, 0u, 0u);
+                rb[j] = gl + 8 < npg ? __ldg(reinterpret_cast<const uint4*>(
+                                           src + (gl + 8) * page_stride + at))
+                                     : make_uint4(0u, 0u, 0u, 0u);
             }
             const signed char* ex = exps + rep_row0 / (2 * D) + (size_t)i0 * a.kvh;
             if (gl < npg) ea = __ldg(ex + (size_t)gl * a.kvh);
             if (gl + 8 < npg) eb = __ldg(ex + (size_t)(gl + 8) * a.kvh);
 #pragma unroll
             for (int i = 0; i < KC; i++) {
-                ka[i] = e4m3x8_f16x8(ra[i]);
-                kb[i] = e4m3x8_f16x8(rb[i]);
+                const uint4 a = ra[i / 2], b = rb[i / 2];
+                ka[i] = e4m3x8_f16x8(i % 2 == 0 ? make_uint2(a.x, a.y) : make_uint2(a.z, a.w));
+                kb[i] = e4m3x8_f16x8(i % 2 == 0 ? make_uint2(b.x, b.y) : make_uint2(b.z, b.w));
             }
         } else {
             const T* src = reps + rep_row0 + (size_t)i0 * page_stride + t * 8;

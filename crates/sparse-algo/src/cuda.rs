@@ -123,8 +123,9 @@ pub struct SelectKernels {
     dependent: bool,
     /// The loaded module (for its `attn_trace` records).
     module: Arc<CudaModule>,
-    /// `quest_score_tc_bf16_d128_traced` and `pick_rows_traced`.
-    traced: (CudaFunction, CudaFunction),
+    /// `quest_score_tc_bf16_d128_traced`, `pick_rows_traced` and
+    /// `quest_score_tc8_bf16_d128_traced`.
+    traced: (CudaFunction, CudaFunction, CudaFunction),
     /// Whether [`quest_topk`](Self::quest_topk) launches the traced kernels where they exist.
     trace: bool,
     /// Whether [`quest_topk`](Self::quest_topk) publishes its rows (see
@@ -572,6 +573,7 @@ impl SelectKernels {
         let traced = (
             load("quest_score_tc_bf16_d128_traced".to_owned())?,
             load("pick_rows_traced".to_owned())?,
+            load("quest_score_tc8_bf16_d128_traced".to_owned())?,
         );
         // Scoring CTAs hold the group's queries and two tiles, a selecting CTA a row's keys:
         // allow them, once, all the device offers beyond the kernels' static arrays.
@@ -860,16 +862,14 @@ impl SelectKernels {
                 .map_err(device_err)?;
             out.keys_left = false;
         }
-        let tc = match tc {
-            Some(_)
-                if self.trace
-                    && T::DTYPE == DType::BF16
-                    && d == 128
-                    && pool.summary() == Summary::Exact =>
-            {
-                Some(&self.traced.0)
+        let tc = match (tc, pool.summary()) {
+            (Some(_), summary) if self.trace && T::DTYPE == DType::BF16 && d == 128 => {
+                Some(match summary {
+                    Summary::Exact => &self.traced.0,
+                    Summary::E4m3 => &self.traced.2,
+                })
             }
-            other => other,
+            (other, _) => other,
         };
         match tc {
             Some(f) => self.launch_score_tc(f, &inputs, out)?,

@@ -1307,6 +1307,7 @@ fn bench(
             (b, ctx),
             &tag,
             bw,
+            &mut traces,
         )?);
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)
@@ -1344,13 +1345,14 @@ fn bench(
 /// Quest with E4M3 summaries ([`Summary::E4m3`]) at one shape, `b` sequences of `ctx` tokens:
 /// the pool's construction, the estimate + top-k, and the step with attention (eager, from a
 /// CUDA graph, and published), each checked as the bf16 steps are; the estimate's row notes
-/// how many of its ids the bf16 summaries' tensor-core selection also picks.
+/// how many of its ids the bf16 summaries' tensor-core selection also picks; and the step's
+/// trace, into `traces`.
 #[allow(
     clippy::too_many_arguments,
     reason = "one shape's inputs, shared with the bf16 steps"
 )]
 fn bench_e4m3(
-    gpu: &Gpu,
+    gpu: &mut Gpu,
     sk: &mut SelectKernels,
     kv: &DevicePagedKv<bf16>,
     (prefill, decode): (&DeviceBatch, &DeviceBatch),
@@ -1360,6 +1362,7 @@ fn bench_e4m3(
     (b, ctx): (usize, usize),
     tag: &str,
     bw: f64,
+    traces: &mut Vec<String>,
 ) -> Result<Vec<Row>, AlgoError> {
     let bf16_quest = Quest::new(QuestConfig {
         page_size: PS,
@@ -1438,6 +1441,7 @@ fn bench_e4m3(
         rows.push(bench_graph(gpu, sk, &mut step, publish)?);
     }
     rows.push(bench_published(gpu, sk, &mut step)?);
+    traces.extend(steptrace::trace_step(gpu, sk, &mut step)?);
     Ok(rows)
 }
 
