@@ -16,7 +16,8 @@
 //! - `gpu_step bench [--json FILE]`: bf16, 32 query / 8 KV heads, D 128, pages of 16, a 2K
 //!   budget, a hot buffer of 4K tokens per sequence, B8 L32K: CUDA events around each stage
 //!   over 16 steps of drifting queries (after one step that fills the buffers), the share of
-//!   each stage and the miss rate the drift gave; then 4 layers of two micro-batches of B4,
+//!   each stage and the miss rate the drift gave, with Quest's bounds in bf16 and again in
+//!   E4M3 (`sparse_algo::Summary::E4m3`); then 4 layers of two micro-batches of B4,
 //!   serial against pipelined, in ms per layer.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
@@ -47,7 +48,7 @@ use offload::{HostLayout, HostPool, HostShape, HostStore, HotBuffer};
 use report::random_bf16;
 use rng::Rng;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
-use sparse_algo::{Quest, QuestConfig, SparseAlgorithm};
+use sparse_algo::{Quest, QuestConfig, SparseAlgorithm, Summary};
 
 /// Errors of this tool: every layer's errors as text.
 type Res<T> = Result<T, String>;
@@ -156,9 +157,9 @@ fn err(e: impl std::fmt::Display) -> String {
 }
 
 impl Cache {
-    /// Random keys and values, in a pinned host pool; the min/max pages built on the device
-    /// from a temporary copy of the keys (as after a prefill).
-    fn new(gpu: &Gpu, k: &Kernels, shape: Shape, seed: u64) -> Res<Rc<Self>> {
+    /// Random keys and values, in a pinned host pool; the min/max pages, stored as `summary`
+    /// says, built on the device from a temporary copy of the keys (as after a prefill).
+    fn new(gpu: &Gpu, k: &Kernels, shape: Shape, seed: u64, summary: Summary) -> Res<Rc<Self>> {
         let Shape {
             seqs,
             len,
@@ -194,15 +195,16 @@ impl Cache {
             page_size: page,
             budget_tokens: budget,
             shared_heads: true,
+            summary,
             ..Default::default()
         })
         .map_err(err)?;
         let slots = gpu
             .upload(&(0..seqs as i32).collect::<Vec<_>>())
             .map_err(err)?;
-        let mut reps =
-            DeviceRepPool::<bf16>::new(gpu, quest.rep_shape(kv_heads, dim), 1, seqs, len)
-                .map_err(err)?;
+        let rep_shape = quest.rep_shape(kv_heads, dim);
+        let mut reps = DeviceRepPool::<bf16>::with_summary(gpu, rep_shape, 1, seqs, len, summary)
+            .map_err(err)?;
         {
             let full = DevicePagedKv::from_host(gpu, layout, &kk, &kk).map_err(err)?;
             k.select
@@ -449,7 +451,7 @@ fn check(gpu: &Gpu, k: &Kernels) -> Res<i32> {
             4,
         ),
     ] {
-        let cache = Cache::new(gpu, k, shape, 7)?;
+        let cache = Cache::new(gpu, k, shape, 7, Summary::Exact)?;
         let mut step = Step::new(gpu, &cache)?;
         let mut cpu = vec![HotBuffer::new(shape.hot); shape.seqs];
         let mut rng = Rng::new(3);
@@ -543,6 +545,25 @@ fn check(gpu: &Gpu, k: &Kernels) -> Res<i32> {
     Ok(i32::from(failed > 0))
 }
 
+/// The stages of a full step, in the order the bench times them.
+const STAGES: [&str; 4] = [
+    "quest estimate + top-k",
+    "hot-buffer diff",
+    "loads of misses (PCIe)",
+    "attention over the hot buffer",
+];
+
+/// Decode steps a stage table averages over.
+const STEPS: usize = 16;
+
+/// What [`bench_step`] measured: each stage's total over the steps, the median whole step,
+/// and the miss rate.
+struct StepTimes {
+    stage: [f64; 4],
+    median: f64,
+    miss_rate: f64,
+}
+
 fn bench(gpu: &Gpu, k: &Kernels, json: Option<&str>) -> Res<()> {
     let shape = Shape {
         seqs: 8,
@@ -554,8 +575,50 @@ fn bench(gpu: &Gpu, k: &Kernels, json: Option<&str>) -> Res<()> {
         budget: 2048,
         hot: 256,
     };
-    const STEPS: usize = 16;
-    let cache = Cache::new(gpu, k, shape, 21)?;
+    let StepTimes {
+        stage,
+        median,
+        miss_rate,
+    } = bench_step(gpu, k, shape, Summary::Exact)?;
+    bench_step(gpu, k, shape, Summary::E4m3)?;
+    let total: f64 = stage.iter().sum();
+    let (serial_ms, pipelined_ms, pipe_miss) = bench_pipeline(gpu, k, shape)?;
+    println!(
+        "{PIPE_LAYERS} layers, 2 micro-batches of B{}: serial {serial_ms:.4} ms/layer, loads on a \
+         copy stream under the other micro-batch's compute {pipelined_ms:.4} ms/layer \
+         ({:.2}x; miss rate {:.1}%)",
+        shape.seqs / 2,
+        serial_ms / pipelined_ms,
+        100.0 * pipe_miss
+    );
+    if let Some(path) = json {
+        let mut s = format!(
+            "{{\"device\": \"{}\", \"shape\": \"B{} L{}K budget {} HOT {}\", \"miss_rate\": {miss_rate:.4}, \"whole_ms\": {median:.5}, \"serial_ms_per_layer\": {serial_ms:.5}, \"pipelined_ms_per_layer\": {pipelined_ms:.5}, \"stages\": [",
+            gpu.name().map_err(err)?,
+            shape.seqs,
+            shape.len / 1024,
+            shape.budget,
+            shape.hot * shape.page
+        );
+        for (i, (n, st)) in STAGES.iter().zip(stage).enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            s.push_str(&format!(
+                "{sep}{{\"stage\": \"{n}\", \"ms\": {:.5}, \"share\": {:.4}}}",
+                st / STEPS as f64,
+                st / total
+            ));
+        }
+        s.push_str("]}\n");
+        std::fs::write(path, s).map_err(err)?;
+    }
+    Ok(())
+}
+
+/// One layer's full step at `shape` with Quest's bounds stored as `summary`, over [`STEPS`]
+/// drifting queries after a step that fills the hot buffers: prints each stage's time and
+/// share, the median whole step and the miss rate.
+fn bench_step(gpu: &Gpu, k: &Kernels, shape: Shape, summary: Summary) -> Res<StepTimes> {
+    let cache = Cache::new(gpu, k, shape, 21, summary)?;
     let mut step = Step::new(gpu, &cache)?;
     let mut rng = Rng::new(9);
     let n_q = shape.seqs * shape.q_heads * shape.dim;
@@ -601,24 +664,23 @@ fn bench(gpu: &Gpu, k: &Kernels, json: Option<&str>) -> Res<()> {
     whole.sort_by(f64::total_cmp);
     let median = whole[whole.len() / 2];
     let total: f64 = stage.iter().sum();
-    let names = [
-        "quest estimate + top-k",
-        "hot-buffer diff",
-        "loads of misses (PCIe)",
-        "attention over the hot buffer",
-    ];
     let miss_rate = missed as f64 / selected as f64;
     let page_bytes = shape.page * shape.kv_heads * shape.dim * 2 * 2;
     let loaded = missed as f64 / STEPS as f64 * page_bytes as f64;
     println!(
-        "full hierarchical step, one layer, B{} L{}K, budget {} tokens, HOT {} tokens, {STEPS} steps",
+        "full hierarchical step, one layer, B{} L{}K, budget {} tokens, HOT {} tokens, {STEPS} \
+         steps, Quest's bounds {}",
         shape.seqs,
         shape.len / 1024,
         shape.budget,
-        shape.hot * shape.page
+        shape.hot * shape.page,
+        match summary {
+            Summary::Exact => "in bf16 (scored exactly, on CUDA cores)",
+            Summary::E4m3 => "in E4M3 (scored on tensor cores)",
+        }
     );
     println!("{:<34} {:>10} {:>7}", "stage", "ms/step", "share");
-    for (n, s) in names.iter().zip(stage) {
+    for (n, s) in STAGES.iter().zip(stage) {
         println!(
             "{n:<34} {:>10.4} {:>6.1}%",
             s / STEPS as f64,
@@ -634,37 +696,11 @@ fn bench(gpu: &Gpu, k: &Kernels, json: Option<&str>) -> Res<()> {
         loaded / f64::from(1u32 << 20),
         loaded / (stage[2] / STEPS as f64) / 1e6
     );
-    drop((step, cache));
-    let (serial_ms, pipelined_ms, pipe_miss) = bench_pipeline(gpu, k, shape)?;
-    println!(
-        "{PIPE_LAYERS} layers, 2 micro-batches of B{}: serial {serial_ms:.4} ms/layer, loads on a \
-         copy stream under the other micro-batch's compute {pipelined_ms:.4} ms/layer \
-         ({:.2}x; miss rate {:.1}%)",
-        shape.seqs / 2,
-        serial_ms / pipelined_ms,
-        100.0 * pipe_miss
-    );
-    if let Some(path) = json {
-        let mut s = format!(
-            "{{\"device\": \"{}\", \"shape\": \"B{} L{}K budget {} HOT {}\", \"miss_rate\": {miss_rate:.4}, \"whole_ms\": {median:.5}, \"serial_ms_per_layer\": {serial_ms:.5}, \"pipelined_ms_per_layer\": {pipelined_ms:.5}, \"stages\": [",
-            gpu.name().map_err(err)?,
-            shape.seqs,
-            shape.len / 1024,
-            shape.budget,
-            shape.hot * shape.page
-        );
-        for (i, (n, st)) in names.iter().zip(stage).enumerate() {
-            let sep = if i == 0 { "" } else { ", " };
-            s.push_str(&format!(
-                "{sep}{{\"stage\": \"{n}\", \"ms\": {:.5}, \"share\": {:.4}}}",
-                st / STEPS as f64,
-                st / total
-            ));
-        }
-        s.push_str("]}\n");
-        std::fs::write(path, s).map_err(err)?;
-    }
-    Ok(())
+    Ok(StepTimes {
+        stage,
+        median,
+        miss_rate,
+    })
 }
 
 /// The copy stream, offload's kernels launched on it, and the events that order it against the
@@ -811,8 +847,8 @@ fn check_pipeline(gpu: &Gpu, k: &Kernels) -> Res<usize> {
         hot: 40,
     };
     let caches = [
-        Cache::new(gpu, k, shape, 31)?,
-        Cache::new(gpu, k, shape, 37)?,
+        Cache::new(gpu, k, shape, 31, Summary::Exact)?,
+        Cache::new(gpu, k, shape, 37, Summary::Exact)?,
     ];
     let mut a = layer_steps(gpu, &caches, LAYERS)?;
     let mut b = layer_steps(gpu, &caches, LAYERS)?;
@@ -860,8 +896,8 @@ fn bench_pipeline(gpu: &Gpu, k: &Kernels, full: Shape) -> Res<(f64, f64, f64)> {
         ..full
     };
     let caches = [
-        Cache::new(gpu, k, shape, 41)?,
-        Cache::new(gpu, k, shape, 43)?,
+        Cache::new(gpu, k, shape, 41, Summary::Exact)?,
+        Cache::new(gpu, k, shape, 43, Summary::Exact)?,
     ];
     let mut layers = layer_steps(gpu, &caches, PIPE_LAYERS)?;
     let copy = CopyStream::new(gpu, k)?;
