@@ -321,6 +321,8 @@ struct Setup<T: CudaElement> {
     dq: CudaSlice<T>,
     /// Each sequence's last query row, as f32 (what the CPU selects from).
     last_q: Vec<f32>,
+    /// Query heads of a row.
+    q_heads: usize,
 }
 
 /// The layer the checks build and select in (of [`LAYERS`]).
@@ -366,6 +368,7 @@ impl<T: CudaElement> Setup<T> {
             dq: gpu.upload(&q)?,
             q,
             last_q,
+            q_heads: c.q_heads,
         })
     }
 
@@ -609,17 +612,9 @@ fn check_case<T: CudaElement>(
         results.extend(check_e4m3(gpu, sk, c, &setup, config, &mut out)?);
     }
     if !c.per_sequence {
+        let pool = &dev_pool;
         results.push(check_published(
-            gpu,
-            sk,
-            &quest,
-            dq,
-            c.q_heads,
-            &setup.dev_kv,
-            &meta,
-            dslots,
-            &dev_pool,
-            &mut out,
+            gpu, sk, &quest, &setup, &meta, pool, &mut out,
         )?);
     }
     Ok(results)
@@ -658,18 +653,7 @@ fn check_e4m3<T: CudaElement>(
     let near = compare_rows(gpu, &want, out, &lens, Some(&score))?;
     results.extend(near.into_iter().map(|(w, ok)| (format!("e4m3: {w}"), ok)));
     if !c.per_sequence {
-        let (what, ok) = check_published(
-            gpu,
-            sk,
-            &quest,
-            dq,
-            c.q_heads,
-            &setup.dev_kv,
-            &meta,
-            dslots,
-            &dev_pool,
-            out,
-        )?;
+        let (what, ok) = check_published(gpu, sk, &quest, setup, &meta, &dev_pool, out)?;
         results.push((format!("e4m3: {what}"), ok));
     }
     Ok(results)
@@ -678,22 +662,17 @@ fn check_e4m3<T: CudaElement>(
 /// Attention right after a published top-k ([`SelectKernels::set_publish`]), each CTA
 /// waiting for its own row's flag, against attention after the whole top-k: the same rows,
 /// and the same output bits. Twice, so that the second launch finds the first one's flags.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the check's shared inputs for one case"
-)]
 fn check_published<T: CudaElement>(
     gpu: &Gpu,
     sk: &mut SelectKernels,
     quest: &Quest,
-    q: &CudaSlice<T>,
-    q_heads: usize,
-    kv: &DevicePagedKv<T>,
+    setup: &Setup<T>,
     meta: &DeviceBatch,
-    slots: &CudaSlice<i32>,
     pool: &DeviceRepPool<T>,
     out: &mut DeviceTopK,
 ) -> Result<(String, bool), AlgoError> {
+    let (q, kv, slots) = (&setup.dq, &setup.dev_kv, &setup.dslots);
+    let q_heads = setup.q_heads;
     let params = AttnParams::new(q_heads, kv.layout().head_dim);
     let n = q.len();
     sk.quest_topk(quest, q, q_heads, meta, LAYER, slots, pool, out)?;
@@ -1213,16 +1192,8 @@ fn bench(
                 let t = gpu.time(RUNS, || {
                     sk.quest_topk(&quest, &q, Q_HEADS, &decode, 0, &slots, &pool, &mut top)
                 })?;
-                rows.push(Row {
-                    name: format!("quest estimate+top-k{how}{mode} {tag}"),
-                    t,
-                    bytes: rep_bytes,
-                    note: format!(
-                        "{:.2} / {:.2} of copy bw",
-                        rep_bytes / t.synced / 1e6 / bw,
-                        rep_bytes / t.queued / 1e6 / bw
-                    ),
-                });
+                let name = format!("quest estimate+top-k{how}{mode} {tag}");
+                rows.push(bw_row(name, t, rep_bytes, bw, ""));
                 // With programmatic dependent launches where the device has them (the
                 // default), then, for the tensor-core scoring, serialized: what they save.
                 let serial_too = scoring == QuestScoring::TensorCores && gpu.dependent_launches();
@@ -1403,16 +1374,9 @@ fn bench_e4m3(
         sk.quest_topk(&quest, q, Q_HEADS, decode, 0, slots, &pool, &mut top)
     })?;
     let (same, all) = same_ids(&reference, &gpu.download(&top.sel.ids)?, top.sel.max_len);
-    rows.push(Row {
-        name: format!("quest estimate+top-k e4m3 {tag}"),
-        t,
-        bytes: rep_bytes,
-        note: format!(
-            "{:.2} / {:.2} of copy bw; ids as bf16 tc: {same} of {all}",
-            rep_bytes / t.synced / 1e6 / bw,
-            rep_bytes / t.queued / 1e6 / bw
-        ),
-    });
+    let name = format!("quest estimate+top-k e4m3 {tag}");
+    let ids = format!("; ids as bf16 tc: {same} of {all}");
+    rows.push(bw_row(name, t, rep_bytes, bw, &ids));
     let params = AttnParams::new(Q_HEADS, D);
     let t = gpu.time(RUNS, || {
         sk.quest_topk(&quest, q, Q_HEADS, decode, 0, slots, &pool, &mut top)?;
@@ -1443,6 +1407,21 @@ fn bench_e4m3(
     rows.push(bench_published(gpu, sk, &mut step)?);
     traces.extend(steptrace::trace_step(gpu, sk, &mut step)?);
     Ok(rows)
+}
+
+/// A row that reads `bytes` in `t`, noted as its fractions of the copy bandwidth `bw` (synced
+/// / queued), then `more`.
+fn bw_row(name: String, t: Timing, bytes: f64, bw: f64, more: &str) -> Row {
+    Row {
+        name,
+        t,
+        bytes,
+        note: format!(
+            "{:.2} / {:.2} of copy bw{more}",
+            bytes / t.synced / 1e6 / bw,
+            bytes / t.queued / 1e6 / bw
+        ),
+    }
 }
 
 /// A step's selection and output, which a variant of the step must reproduce bit for bit.
