@@ -610,6 +610,8 @@ fn check_case<T: CudaElement>(
                 .map(|(w, ok)| (format!("exact after tensor cores: {w}"), ok)),
         );
         results.extend(check_e4m3(gpu, sk, c, &setup, config, &mut out)?);
+    } else {
+        results.push(e4m3_refused(gpu, sk, c, &setup, config, &mut out)?);
     }
     if !c.per_sequence {
         let pool = &dev_pool;
@@ -657,6 +659,37 @@ fn check_e4m3<T: CudaElement>(
         results.push((format!("e4m3: {what}"), ok));
     }
     Ok(results)
+}
+
+/// Where the tensor cores do not take the shape (f32 queries, a group past 8 or another head
+/// dim), a top-k over E4M3 summaries is refused with an error, and its output left alone.
+fn e4m3_refused<T: CudaElement>(
+    gpu: &Gpu,
+    sk: &mut SelectKernels,
+    c: &Case,
+    setup: &Setup<T>,
+    config: QuestConfig,
+    out: &mut DeviceTopK,
+) -> Result<(String, bool), AlgoError> {
+    let quest = Quest::new(QuestConfig {
+        summary: Summary::E4m3,
+        ..config
+    })?;
+    let max_len = c.lens.iter().copied().max().unwrap_or(0);
+    let shape = quest.rep_shape(c.kv_heads, c.d);
+    let pool =
+        DeviceRepPool::<T>::with_summary(gpu, shape, LAYERS, c.lens.len(), max_len, Summary::E4m3)?;
+    let meta = setup.meta(gpu, c, c.lens)?;
+    poison(gpu, out)?;
+    let (dq, dslots) = (&setup.dq, &setup.dslots);
+    let refused = sk
+        .quest_topk(&quest, dq, c.q_heads, &meta, LAYER, dslots, &pool, out)
+        .is_err();
+    let untouched = gpu.download(&out.sel.lens)?.iter().all(|&x| x == POISON);
+    Ok((
+        "e4m3 refused where the tensor cores do not apply, output untouched".to_owned(),
+        refused && untouched,
+    ))
 }
 
 /// Attention right after a published top-k ([`SelectKernels::set_publish`]), each CTA
