@@ -609,10 +609,8 @@ fn check_case<T: CudaElement>(
                 .into_iter()
                 .map(|(w, ok)| (format!("exact after tensor cores: {w}"), ok)),
         );
-        results.extend(check_e4m3(gpu, sk, c, &setup, config, &mut out)?);
-    } else {
-        results.push(e4m3_refused(gpu, sk, c, &setup, config, &mut out)?);
     }
+    results.extend(check_e4m3(gpu, sk, c, &setup, config, &mut out)?);
     if !c.per_sequence {
         let pool = &dev_pool;
         results.push(check_published(
@@ -625,6 +623,8 @@ fn check_case<T: CudaElement>(
 /// Quest with E4M3 summaries ([`Summary::E4m3`]): the device pool's codes and scales decode to
 /// the CPU pool's values bit for bit, the tensor-core selection equals the CPU's up to near
 /// ties, and attention right after its published rows equals attention after the whole top-k.
+/// Where the tensor cores do not take the shape (f32 queries, a group past 8 or another head
+/// dim), the top-k is refused with an error, and its output left alone.
 fn check_e4m3<T: CudaElement>(
     gpu: &Gpu,
     sk: &mut SelectKernels,
@@ -637,6 +637,22 @@ fn check_e4m3<T: CudaElement>(
         summary: Summary::E4m3,
         ..config
     })?;
+    let (dq, dslots) = (&setup.dq, &setup.dslots);
+    let g = c.q_heads / c.kv_heads;
+    if T::DTYPE == attn_op::DType::F32 || g > 8 || (c.d != 64 && c.d != 128) {
+        let max_len = c.lens.iter().copied().max().unwrap_or(0);
+        let shape = quest.rep_shape(c.kv_heads, c.d);
+        let n = c.lens.len();
+        let pool = DeviceRepPool::<T>::with_summary(gpu, shape, LAYERS, n, max_len, Summary::E4m3)?;
+        let meta = setup.meta(gpu, c, c.lens)?;
+        poison(gpu, out)?;
+        let refused = sk
+            .quest_topk(&quest, dq, c.q_heads, &meta, LAYER, dslots, &pool, out)
+            .is_err();
+        let untouched = gpu.download(&out.sel.lens)?.iter().all(|&x| x == POISON);
+        let what = "e4m3 refused where the tensor cores do not apply, output untouched";
+        return Ok(vec![(what.to_owned(), refused && untouched)]);
+    }
     let (cpu_pool, dev_pool, lens) = setup.pools(gpu, sk, c, &quest)?;
     let mut results = vec![(
         "e4m3: pages equal the CPU pool".to_owned(),
@@ -644,7 +660,6 @@ fn check_e4m3<T: CudaElement>(
     )];
     let want = quest.retrieve_topk(&setup.step(c, &lens), &cpu_pool)?;
     let meta = setup.meta(gpu, c, &lens)?;
-    let (dq, dslots) = (&setup.dq, &setup.dslots);
     poison(gpu, out)?;
     for _ in 0..2 {
         sk.quest_topk(&quest, dq, c.q_heads, &meta, LAYER, dslots, &dev_pool, out)?;
@@ -659,37 +674,6 @@ fn check_e4m3<T: CudaElement>(
         results.push((format!("e4m3: {what}"), ok));
     }
     Ok(results)
-}
-
-/// Where the tensor cores do not take the shape (f32 queries, a group past 8 or another head
-/// dim), a top-k over E4M3 summaries is refused with an error, and its output left alone.
-fn e4m3_refused<T: CudaElement>(
-    gpu: &Gpu,
-    sk: &mut SelectKernels,
-    c: &Case,
-    setup: &Setup<T>,
-    config: QuestConfig,
-    out: &mut DeviceTopK,
-) -> Result<(String, bool), AlgoError> {
-    let quest = Quest::new(QuestConfig {
-        summary: Summary::E4m3,
-        ..config
-    })?;
-    let max_len = c.lens.iter().copied().max().unwrap_or(0);
-    let shape = quest.rep_shape(c.kv_heads, c.d);
-    let pool =
-        DeviceRepPool::<T>::with_summary(gpu, shape, LAYERS, c.lens.len(), max_len, Summary::E4m3)?;
-    let meta = setup.meta(gpu, c, c.lens)?;
-    poison(gpu, out)?;
-    let (dq, dslots) = (&setup.dq, &setup.dslots);
-    let refused = sk
-        .quest_topk(&quest, dq, c.q_heads, &meta, LAYER, dslots, &pool, out)
-        .is_err();
-    let untouched = gpu.download(&out.sel.lens)?.iter().all(|&x| x == POISON);
-    Ok((
-        "e4m3 refused where the tensor cores do not apply, output untouched".to_owned(),
-        refused && untouched,
-    ))
 }
 
 /// Attention right after a published top-k ([`SelectKernels::set_publish`]), each CTA
