@@ -717,13 +717,13 @@ __device__ __forceinline__ void load_q_rows(const Unit& u, const T* __restrict__
 // The longest block-table row a CTA over a published selection stages in shared memory.
 #define PUB_TABLE 2048
 
-// Starts copying the sequence's block-table row (`n` entries, when they fit PUB_TABLE) into
-// `dst` in shared memory, 4 bytes a copy without registers (cp.async), while the CTA waits for
-// its row's flag: the host wrote the table before the step began. pub_table_wait ends the
-// copies; staged_keys then has the walk read the table there, not from L2, once the page ids
-// arrive.
-__device__ __forceinline__ void pub_table_start(i32* dst, const i32* row, int n) {
-    if (n > PUB_TABLE) return;
+// Starts copying the sequence's block-table row (`n` entries) into `dst` in shared memory, 4
+// bytes a copy without registers (cp.async), while the CTA waits for its row's flag: the host
+// wrote the table before the step began. Returns `dst`, or null where the row does not fit
+// PUB_TABLE (the walk then reads the table in global memory). staged_keys ends the copies and
+// has the walk read the table there, not from L2, once the page ids arrive.
+__device__ __forceinline__ const i32* pub_table_start(i32* dst, const i32* row, int n) {
+    if (n > PUB_TABLE) return nullptr;
 #if __CUDA_ARCH__ >= 800
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const unsigned at = (unsigned)__cvta_generic_to_shared(dst + i);
@@ -733,24 +733,23 @@ __device__ __forceinline__ void pub_table_start(i32* dst, const i32* row, int n)
 #else
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i];
 #endif
-}
-
-__device__ __forceinline__ void pub_table_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;\n" ::);
-#endif
+    return dst;
 }
 
 // A published selection's keys: the split's page ids, written while this kernel ran, are
 // read past L1 once (other rows' reads may have left stale lines of this row there) into
 // shared memory, which the walk then reads instead of the list; the block table, where
-// pub_table_start staged it (`max_blocks` fits), is read from `table`. The Rust side ensures
-// the ids fit; ids past PUB_IDS would be read as missing.
+// pub_table_start staged it (`table` not null), is read there once its copies end. The Rust
+// side ensures the ids fit; ids past PUB_IDS would be read as missing.
 template <typename T, int D>
-__device__ __forceinline__ Keys<T, D> staged_keys(Keys<T, D> k, const i32* table,
-                                                  int max_blocks) {
+__device__ __forceinline__ Keys<T, D> staged_keys(Keys<T, D> k, const i32* table) {
     __shared__ i32 staged[PUB_IDS];
-    if (max_blocks <= PUB_TABLE) k.table = table;
+    if (table != nullptr) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile("cp.async.wait_all;\n" ::);
+#endif
+        k.table = table;
+    }
     const int p0 = k.t0 / k.bs;
     const int p1 = min(k.t1 > k.t0 ? (k.t1 - 1) / k.bs + 1 : p0, p0 + PUB_IDS);
     for (int i = threadIdx.x; i < p1 - p0; i += blockDim.x) staged[i] = __ldcg(k.sel + p0 + i);
@@ -787,6 +786,7 @@ __device__ __forceinline__ void attn_mma_core(
     unsigned rounds = 0;
     uint4 qf[KVEC];
     __shared__ i32 table_row[PUB ? PUB_TABLE : 1];
+    const i32* staged_table = nullptr;
     if (PUB) {
         // A published page selection (Gpu::sparse_page_attention_published): the launch
         // before this one writes its rows and sets each row's flag, ready[(seq * kv_heads +
@@ -795,16 +795,16 @@ __device__ __forceinline__ void attn_mma_core(
         // before that launch began, so they are read now; only the selection row waits for
         // its flag.
         load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
-        pub_table_start(table_row, block_table + (size_t)u.seq * max_blocks, max_blocks);
+        staged_table =
+            pub_table_start(table_row, block_table + (size_t)u.seq * max_blocks, max_blocks);
         wait_flag(ready + u.sh / ready_div, __ldcg(epoch));
-        pub_table_wait();
     }
     const Keys<T, D> keys =
         PUB ? staged_keys<T, D>(u.template keys<T, D>(ROWS, group, kc, vc, block_table,
                                                       max_blocks, num_blocks, mode, sel_ids,
                                                       sel_lens, sel_max, kv_heads, bs, chunk, 0,
                                                       true),
-                                table_row, max_blocks)
+                                staged_table)
             : u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks, num_blocks,
                                     mode, sel_ids, sel_lens, sel_max, kv_heads, bs, chunk, 0);
 

@@ -706,7 +706,7 @@ __device__ __forceinline__ u32 e4m3x2_f16x2(u32 x) {
     return ((x & 0x007f007fu) << 7) | ((x & 0x00800080u) << 8);
 }
 
-// Bytes 0-3 and 4-7 of an 8-byte load of codes as four f16 pairs, in element order.
+// Eight codes (two words, in element order) as four f16 pairs.
 __device__ __forceinline__ uint4 e4m3x8_f16x8(uint2 w) {
     return make_uint4(e4m3x2_f16x2(__byte_perm(w.x, 0u, 0x4140)),
                       e4m3x2_f16x2(__byte_perm(w.x, 0u, 0x4342)),
@@ -714,13 +714,13 @@ __device__ __forceinline__ uint4 e4m3x8_f16x8(uint2 w) {
                       e4m3x2_f16x2(__byte_perm(w.y, 0u, 0x4342)));
 }
 
-// A if B, else C (std::conditional, which NVRTC's headers may lack).
 // E8: the first element of chunk i of a [kmax ‖ kmin] row (or of a query, for i below HALF)
 // that thread t of a group of four holds. The k order of an MMA may be permuted freely as long
 // as both operands share it, so a thread's two chunks 2j and 2j + 1 are 16 consecutive codes
 // (one 16-byte load): elements 64 j + 16 t .. + 16.
 __device__ __forceinline__ int e8_elem(int i, int t) { return 64 * (i / 2) + 16 * t + 8 * (i % 2); }
 
+// A if B, else C (std::conditional, which NVRTC's headers may lack).
 template <bool B, typename A, typename C>
 struct Either {
     typedef A type;
@@ -851,9 +851,9 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
             if (gl + 8 < npg) eb = __ldg(ex + (size_t)(gl + 8) * a.kvh);
 #pragma unroll
             for (int i = 0; i < KC; i++) {
-                const uint4 a = ra[i / 2], b = rb[i / 2];
-                ka[i] = e4m3x8_f16x8(i % 2 == 0 ? make_uint2(a.x, a.y) : make_uint2(a.z, a.w));
-                kb[i] = e4m3x8_f16x8(i % 2 == 0 ? make_uint2(b.x, b.y) : make_uint2(b.z, b.w));
+                const uint4 x = ra[i / 2], y = rb[i / 2];
+                ka[i] = e4m3x8_f16x8(i % 2 == 0 ? make_uint2(x.x, x.y) : make_uint2(x.z, x.w));
+                kb[i] = e4m3x8_f16x8(i % 2 == 0 ? make_uint2(y.x, y.y) : make_uint2(y.z, y.w));
             }
         } else {
             const T* src = reps + rep_row0 + (size_t)i0 * page_stride + t * 8;

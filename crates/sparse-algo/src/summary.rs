@@ -87,17 +87,12 @@ fn round_dir(y: f32, up: bool) -> f32 {
 }
 
 /// Rounds a page's `[kmax ‖ kmin]` row (`2 * d` values, one KV head) outward to E4M3 with its
-/// scale in place; returns the scale exponent.
+/// scale in place (`kmax` up, `kmin` down); returns the scale exponent.
 pub(crate) fn round_row(row: &mut [f32]) -> i32 {
     let e = scale_exp(row);
-    let (s, inv) = (pow2(e), pow2(-e));
-    let d = row.len() / 2;
-    let (kmax, kmin) = row.split_at_mut(d);
-    for x in kmax {
-        *x = round_dir(*x * inv, true) * s;
-    }
-    for x in kmin {
-        *x = round_dir(*x * inv, false) * s;
+    let (s, inv, d) = (pow2(e), pow2(-e), row.len() / 2);
+    for (i, x) in row.iter_mut().enumerate() {
+        *x = round_dir(*x * inv, i < d) * s;
     }
     e
 }
@@ -129,15 +124,14 @@ fn e4m3_code(v: f32) -> u8 {
     sign | (((k + 7) as u8) << 3) | m
 }
 
-/// A rounded row (as [`Summary::E4m3`] leaves it in the pool) as a device pool stores it: one
-/// E4M3 code per value and the row's scale exponent. `row` must come from the pool of a Quest
-/// with E4M3 summaries; other values are rounded outward first.
+/// A row as a device pool stores it: one E4M3 code per value and the row's scale exponent.
+/// A row from the pool of a Quest with E4M3 summaries is already rounded (rounding it again
+/// changes neither its values nor its scale); other values are rounded outward.
 pub fn encode_row(row: &[f32], codes: &mut [u8]) -> i32 {
-    let mut r = row.to_vec();
-    let e = round_row(&mut r);
-    let inv = pow2(-e);
-    for (c, &x) in codes.iter_mut().zip(&r) {
-        *c = e4m3_code(x * inv);
+    let e = scale_exp(row);
+    let (inv, d) = (pow2(-e), row.len() / 2);
+    for (i, (c, &x)) in codes.iter_mut().zip(row).enumerate() {
+        *c = e4m3_code(round_dir(x * inv, i < d));
     }
     e
 }
@@ -197,6 +191,37 @@ mod tests {
             x ^= x >> 17;
             x ^= x << 5;
             check((x as f32 / u32::MAX as f32 - 0.5) * 2.0 * 448.0 * (x % 7) as f32 / 6.0);
+        }
+    }
+
+    #[test]
+    fn a_rounded_row_encodes_to_its_own_values() {
+        let mut x = 0x2545_f491u32;
+        for round in 0..200 {
+            let row: Vec<f32> = (0..64)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    (x as f32 / u32::MAX as f32 - 0.5) * (1 << (round % 20)) as f32 / 64.0
+                })
+                .collect();
+            let mut rounded = row.clone();
+            let e = round_row(&mut rounded);
+            let (mut codes, mut again) = (vec![0u8; 64], vec![0u8; 64]);
+            assert_eq!(encode_row(&rounded, &mut codes), e);
+            assert_eq!(encode_row(&row, &mut again), e);
+            assert_eq!(
+                codes, again,
+                "round {round}: the row and its rounding encode alike"
+            );
+            for (&c, &v) in codes.iter().zip(&rounded) {
+                assert_eq!(
+                    (e4m3_value(c) * pow2(e)).to_bits(),
+                    v.to_bits(),
+                    "round {round}"
+                );
+            }
         }
     }
 

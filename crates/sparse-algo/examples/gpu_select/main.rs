@@ -531,7 +531,7 @@ fn check_case<T: CudaElement>(
 ) -> Result<Vec<(String, bool)>, AlgoError> {
     let mut rng = Rng::new(seed);
     let n = c.lens.len();
-    let (kvh, d) = (c.kv_heads, c.d);
+    let kvh = c.kv_heads;
     let setup = Setup::<T>::new(gpu, c, &mut rng)?;
     let config = QuestConfig {
         page_size: 16,
@@ -566,8 +566,7 @@ fn check_case<T: CudaElement>(
     results.extend(compare_rows(gpu, &want, &out, &lens, None)?);
 
     // Tensor-core scores, where the kernel takes the shape: equal up to near ties.
-    let g = c.q_heads / kvh;
-    if T::DTYPE != attn_op::DType::F32 && g <= 8 && (d == 64 || d == 128) {
+    if tensor_cores_apply::<T>(c) {
         let score = |s: usize, h: usize, p: i32| {
             cpu_score(c, &cpu_pool, &setup.slots, &setup.last_q, (s, h, p))
         };
@@ -612,12 +611,17 @@ fn check_case<T: CudaElement>(
     }
     results.extend(check_e4m3(gpu, sk, c, &setup, config, &mut out)?);
     if !c.per_sequence {
-        let pool = &dev_pool;
-        results.push(check_published(
-            gpu, sk, &quest, &setup, &meta, pool, &mut out,
-        )?);
+        let published = check_published(gpu, sk, &quest, &setup, &meta, &dev_pool, &mut out);
+        results.push(published?);
     }
     Ok(results)
+}
+
+/// Whether the tensor-core scoring takes a case's shape: f16 or bf16 queries, at most 8 per KV
+/// head, head dim 64 or 128.
+fn tensor_cores_apply<T: CudaElement>(c: &Case) -> bool {
+    let g = c.q_heads / c.kv_heads;
+    T::DTYPE != attn_op::DType::F32 && g <= 8 && (c.d == 64 || c.d == 128)
 }
 
 /// Quest with E4M3 summaries ([`Summary::E4m3`]): the device pool's codes and scales decode to
@@ -638,8 +642,7 @@ fn check_e4m3<T: CudaElement>(
         ..config
     })?;
     let (dq, dslots) = (&setup.dq, &setup.dslots);
-    let g = c.q_heads / c.kv_heads;
-    if T::DTYPE == attn_op::DType::F32 || g > 8 || (c.d != 64 && c.d != 128) {
+    if !tensor_cores_apply::<T>(c) {
         let max_len = c.lens.iter().copied().max().unwrap_or(0);
         let shape = quest.rep_shape(c.kv_heads, c.d);
         let n = c.lens.len();
