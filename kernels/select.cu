@@ -254,13 +254,14 @@ __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
 // SEL_BINS ints), each clearing the other one as it bins, so a round costs three barriers:
 // binned, warp totals written, bin found.
 // Then each warp takes, in id order, every key above T and the first (pick - #above) keys equal
-// to T of its run of ids, placed by one scan of the warps' counts. Every thread of a CTA of
-// THREADS (1024) threads calls it.
+// to T of its run of ids, placed by one scan of the warps' counts. Key i's id is id0 + i, or
+// ids[i] where `ids` is given (a list of candidates in id order, pick_candidates). Every thread
+// of a CTA of THREADS (1024) threads calls it.
 #define SEL_BINS 4096
 
-template <int THREADS, bool SMEM>
-__device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, u32 lo, u32 top,
-                           int* hist) {
+template <int THREADS, bool SMEM, bool TRACE>
+__device__ int select_top(const u32* keys, int n, int pick, int id0, i32* out, u32 lo, u32 top,
+                          int* hist, Trace<TRACE>& tr, const i32* ids = nullptr) {
     constexpr int PER = SEL_BINS / THREADS;  // bins per thread
     constexpr int WARPS = THREADS / 32;
     static_assert(WARPS == 32, "a lane per warp in the scans over warps");
@@ -272,8 +273,8 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
     const int warp = tid >> 5;
     // Every key reaches lo; none reaches hi; `above` keys lie at or above hi.
     unsigned long long hi = (unsigned long long)top + 1;
-    int above = 0;
-    for (int cur = 0; hi - lo > 1; cur ^= 1) {
+    int above = 0, rounds = 0;
+    for (int cur = 0; hi - lo > 1; cur ^= 1, rounds++) {
         int* h = hist + cur * SEL_BINS;
         int* other = hist + (cur ^ 1) * SEL_BINS;
         const unsigned long long span = hi - lo;
@@ -344,6 +345,7 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
             break;
         }
     }
+    tr.mark(6, lo);
     // lo is T, and `above` keys exceed it. Warp w owns ids [w0, w1), read 32 at a time (lane i
     // the i-th): its counts by ballot, then one scan of the warps' (greater, equal) counts.
     const u32 t = lo;
@@ -382,10 +384,11 @@ __device__ void select_top(const u32* keys, int n, int pick, int id0, i32* out, 
         const bool take =
             i < w1 && (key > t || (key == t && eq_seen + __popc(eqs & below) < remaining));
         const u32 takes = __ballot_sync(0xffffffffu, take);
-        if (take) out[at + __popc(takes & below)] = id0 + i;
+        if (take) out[at + __popc(takes & below)] = ids != nullptr ? ids[i] : id0 + i;
         at += __popc(takes);
         eq_seen += __popc(eqs);
     }
+    return rounds;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -913,6 +916,95 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
 // Records of traced selecting CTAs start here in attn_trace, after the scoring CTAs'.
 #define PICK_TRACE_FIRST 2048
 
+// Keys a selecting thread holds in registers: rows of up to PICK_KEYS * PICK_THREADS keys (8192:
+// L128K in pages of 16) are read once.
+#define PICK_KEYS 8
+// The most candidates (keys at or above the floor) a selecting CTA keeps in shared memory.
+#define PICK_CANDIDATES 1024
+
+// A row's candidates in id order: their keys and ids, and the counts of each (key j, warp)
+// ballot that place them.
+struct Candidates {
+    u32 keys[PICK_CANDIDATES];
+    i32 ids[PICK_CANDIDATES];
+    int counts[PICK_KEYS][PICK_THREADS / 32];
+};
+
+// Turns each thread's least and largest key into the row's floor and largest key, the same in
+// every thread. The floor: where each of the 32 warps needs to give only per = ceil(pick / 32)
+// keys, the smallest over the warps of a warp's per-th largest lane maximum. Every warp then
+// has per lanes with a key at or above it, so 32 per >= pick keys reach it (where a warp has
+// fewer lanes with keys, the floor is 0, which every key reaches); past 32 a warp, the least
+// key. It leaves out of the first histogram, and out of the candidates, the keys far below the
+// pick-th. One barrier.
+__device__ __forceinline__ void row_floor(u32& lo, u32& top, int pick,
+                                          u32 (&red)[2][PICK_THREADS / 32]) {
+    const int lane = threadIdx.x & 31;
+    const int per = (pick + 31) / 32;
+    if (per <= 32) {
+        u32 v = top, m = 0;
+        for (int r = 0; r < per; r++) {
+            m = __reduce_max_sync(0xffffffffu, v);
+            if (lane == __ffs(__ballot_sync(0xffffffffu, v == m)) - 1) v = 0;
+        }
+        lo = m;
+    } else {
+        lo = __reduce_min_sync(0xffffffffu, lo);
+    }
+    top = __reduce_max_sync(0xffffffffu, top);
+    if (lane == 0) {
+        red[0][threadIdx.x >> 5] = lo;
+        red[1][threadIdx.x >> 5] = top;
+    }
+    __syncthreads();
+    lo = __reduce_min_sync(0xffffffffu, red[0][lane]);
+    top = __reduce_max_sync(0xffffffffu, red[1][lane]);
+}
+
+// Gathers the keys at or above `lo` among a row's n keys, key j of thread t being key j *
+// PICK_THREADS + t (id id0 plus that), into `c` in id order: the (key j, warp) ballots are
+// counted, and each warp places its lanes after the keys of every smaller j and of the warps
+// before it in its own j. Returns how many there are, the same in every thread, or -1 where
+// more than PICK_CANDIDATES reach `lo` (nothing is written then). Two barriers.
+__device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n, u32 lo, int id0,
+                                               Candidates& c) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    u32 hit[PICK_KEYS];
+#pragma unroll
+    for (int j = 0; j < PICK_KEYS; j++) {
+        hit[j] = 0;
+        if (j * PICK_THREADS < n) {
+            const int i = j * PICK_THREADS + threadIdx.x;
+            hit[j] = __ballot_sync(0xffffffffu, i < n && k[j] >= lo);
+            if (lane == 0) c.counts[j][warp] = __popc(hit[j]);
+        }
+    }
+    __syncthreads();
+    int total = 0, at[PICK_KEYS];
+#pragma unroll
+    for (int j = 0; j < PICK_KEYS; j++) {
+        at[j] = total;
+        if (j * PICK_THREADS < n) {
+            const int w = c.counts[j][lane];
+            at[j] += __reduce_add_sync(0xffffffffu, lane < warp ? w : 0);
+            total += __reduce_add_sync(0xffffffffu, w);
+        }
+    }
+    if (total > PICK_CANDIDATES) return -1;
+    const u32 below = (1u << lane) - 1u;
+#pragma unroll
+    for (int j = 0; j < PICK_KEYS; j++) {
+        if ((hit[j] >> lane) & 1u) {
+            const int p = at[j] + __popc(hit[j] & below);
+            c.keys[p] = k[j];
+            c.ids[p] = id0 + j * PICK_THREADS + (int)threadIdx.x;
+        }
+    }
+    __syncthreads();
+    return total;
+}
+
 template <bool TRACE>
 __device__ __forceinline__ void pick_body(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
@@ -922,12 +1014,14 @@ __device__ __forceinline__ void pick_body(
     u32* __restrict__ ready, const u32* __restrict__ epoch) {
     // Traced (`pick_rows_traced`): entry, after the wait, the keys read and the first
     // histogram's range found, the threshold found and the chosen ids written, the row's
-    // other entries written, the end.
+    // other entries written; the candidates gathered (5) and the threshold found (6); the
+    // end, with select_top's rounds.
     Trace<TRACE> tr(PICK_TRACE_FIRST);
     tr.mark(0, 0u);
     // Dynamic shared memory: select_top's two histograms, then (keys_smem) the row's keys.
     extern __shared__ int hist[];
     __shared__ u32 red[2][PICK_THREADS / 32];
+    __shared__ Candidates cand;
     u32* sk = reinterpret_cast<u32*>(hist + 2 * SEL_BINS);
     // The row's plan comes from the batch's lengths and slots, which only the host writes: read
     // before waiting for the scoring kernel, so their loads overlap its end.
@@ -937,19 +1031,35 @@ __device__ __forceinline__ void pick_body(
     const int slot = slots ? slots[s] : 0;
     const bool valid = len > 0 && (!slots || (slot >= 0 && slot < num_slots));
     const Plan plan(max(len, 1), ps, budget, sink_tokens, recent_tokens);
-    pdl_enter();
-    tr.mark(1, 0u);
     u32* row_keys = scores + (size_t)row * score_stride;
     const int out_row0 = shared ? row * copies : row;
     i32* out = ids + (size_t)out_row0 * width;
-    int count = 0, tokens = 0;
-    if (valid) {
-        const int pick = min(plan.pick, score_stride);
-        if (pick > 0) {
-            const int n = min(plan.mid(), score_stride);
-            // The keys' largest and a floor that `pick` keys reach, taken as they are copied
-            // (keys_smem) or read once; the first histogram is cleared under the same barrier.
-            u32 lo = 0xffffffffu, top = 0;
+    const int pick = valid ? min(plan.pick, score_stride) : 0;
+    const int n = min(plan.mid(), score_stride);
+    int rounds = 0;
+    pdl_enter();
+    tr.mark(1, 0u);
+    if (pick > 0) {
+        // A row of 3 to PICK_KEYS keys a thread is read once into registers and selected from
+        // its candidates, the keys at or above the floor, gathered in shared memory; other rows,
+        // and rows whose candidates do not fit, from all their keys (a shared-memory copy where
+        // keys_smem). At 2 keys a thread the gathering's two barriers cost more than they save
+        // (kernels/NOTES.md, session 37). Either way the first histogram is cleared under the
+        // floor's barrier.
+        u32 k[PICK_KEYS];
+        u32 lo = 0xffffffffu, top = 0;
+        const bool in_regs = n > 2 * PICK_THREADS && n <= PICK_KEYS * PICK_THREADS;
+        if (in_regs) {
+#pragma unroll
+            for (int j = 0; j < PICK_KEYS; j++) {
+                const int i = j * PICK_THREADS + threadIdx.x;
+                k[j] = i < n ? __ldcg(row_keys + i) : 0u;
+                if (i < n) {
+                    lo = min(lo, k[j]);
+                    top = max(top, k[j]);
+                }
+            }
+        } else {
 #pragma unroll 8
             for (int i = threadIdx.x; i < n; i += PICK_THREADS) {
                 const u32 key = __ldcg(row_keys + i);
@@ -957,52 +1067,36 @@ __device__ __forceinline__ void pick_body(
                 lo = min(lo, key);
                 top = max(top, key);
             }
-#pragma unroll
-            for (int j = 0; j < SEL_BINS / PICK_THREADS; j++)
-                hist[threadIdx.x * (SEL_BINS / PICK_THREADS) + j] = 0;
-            const int lane = threadIdx.x & 31;
-            // The floor: where each of the 32 warps needs to give only per = ceil(pick / 32)
-            // keys, the smallest over the warps of a warp's per-th largest lane maximum. Every
-            // warp then has per lanes with a key at or above it, so 32 per >= pick keys reach
-            // it (where a warp has fewer lanes with keys, the floor is 0, which every key
-            // reaches). It leaves out of the first histogram the keys far below the pick-th,
-            // whose bins would otherwise be wide enough to need a further round.
-            const int per = (pick + 31) / 32;
-            if (per <= 32) {
-                u32 v = top, m = 0;
-                for (int r = 0; r < per; r++) {
-                    m = __reduce_max_sync(0xffffffffu, v);
-                    if (lane == __ffs(__ballot_sync(0xffffffffu, v == m)) - 1) v = 0;
-                }
-                lo = m;
-            } else {
-                lo = __reduce_min_sync(0xffffffffu, lo);
-            }
-            top = __reduce_max_sync(0xffffffffu, top);
-            if (lane == 0) {
-                red[0][threadIdx.x >> 5] = lo;
-                red[1][threadIdx.x >> 5] = top;
-            }
-            __syncthreads();
-            lo = __reduce_min_sync(0xffffffffu, red[0][lane]);
-            top = __reduce_max_sync(0xffffffffu, red[1][lane]);
-            tr.mark(2, lo);
-            if (keys_smem) {
-                select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, out + plan.head_end,
-                                               lo, top, hist);
-            } else {
-                select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end,
-                                                out + plan.head_end, lo, top, hist);
-            }
-            tr.mark(3, 0u);
-            // Every thread has read the keys: zero them for the next launch where its scoring
-            // merges into them by atomicMax. (Zeroing each key as it is copied measured about
-            // 3 µs slower at B8: kernels/NOTES.md, session 29.)
-            if (zero_keys) {
-                __syncthreads();
-                for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
-            }
         }
+#pragma unroll
+        for (int j = 0; j < SEL_BINS / PICK_THREADS; j++)
+            hist[threadIdx.x * (SEL_BINS / PICK_THREADS) + j] = 0;
+        row_floor(lo, top, pick, red);
+        tr.mark(2, lo);
+        i32* dst = out + plan.head_end;
+        const int found = in_regs ? pick_candidates(k, n, lo, plan.head_end, cand) : -1;
+        tr.mark(5, (u32)found);
+        if (found >= 0) {
+            rounds = select_top<PICK_THREADS, true>(cand.keys, found, pick, 0, dst, lo, top, hist,
+                                                    tr, cand.ids);
+        } else if (keys_smem && !in_regs) {
+            rounds = select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, dst, lo, top,
+                                                    hist, tr);
+        } else {
+            rounds = select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end, dst, lo,
+                                                     top, hist, tr);
+        }
+        // Every thread has read the keys before the zeroing below.
+        if (zero_keys) __syncthreads();
+    }
+    tr.mark(3, 0u);
+    int count = 0, tokens = 0;
+    if (valid) {
+        // Every thread has read the keys: zero them for the next launch where its scoring
+        // merges into them by atomicMax. (Zeroing each key as it is copied measured about
+        // 3 µs slower at B8: kernels/NOTES.md, session 29.)
+        if (pick > 0 && zero_keys)
+            for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
         const int tail = plan.n - plan.tail_start;
         for (int i = threadIdx.x; i < plan.head_end; i += PICK_THREADS) out[i] = i;
         for (int i = threadIdx.x; i < tail; i += PICK_THREADS)
@@ -1028,7 +1122,7 @@ __device__ __forceinline__ void pick_body(
         __syncthreads();
         if (threadIdx.x == 0) store_release(ready + row, __ldcg(epoch));
     }
-    tr.finish(0, 0u);
+    tr.finish(0, (u32)rounds);
 }
 
 #define PICK_KERNEL(NAME, TRACE)                                                                 \

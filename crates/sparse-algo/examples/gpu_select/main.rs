@@ -943,6 +943,8 @@ struct DsaCase {
     recent: u32,
     /// Keys drawn from this many levels (tied scores), or uniform.
     levels: Option<usize>,
+    /// Only this many distinct keys, repeated along each sequence (scores tied exactly).
+    distinct: Option<usize>,
     per_sequence: bool,
 }
 
@@ -957,6 +959,7 @@ const DSA_CASES: &[DsaCase] = &[
         sink: 0,
         recent: 1,
         levels: None,
+        distinct: None,
         per_sequence: false,
     },
     DsaCase {
@@ -969,6 +972,7 @@ const DSA_CASES: &[DsaCase] = &[
         sink: 4,
         recent: 64,
         levels: None,
+        distinct: None,
         per_sequence: true,
     },
     DsaCase {
@@ -981,6 +985,35 @@ const DSA_CASES: &[DsaCase] = &[
         sink: 0,
         recent: 1,
         levels: Some(3),
+        distinct: None,
+        per_sequence: true,
+    },
+    DsaCase {
+        // 1500 keys tie at the top: more candidates than the selecting CTA keeps.
+        name: "DSA 4 heads of 32, 4 distinct keys, 6000 tokens",
+        heads: 4,
+        dim: 32,
+        kv_heads: 2,
+        lens: &[6000, 4000],
+        topk: 300,
+        sink: 0,
+        recent: 1,
+        levels: None,
+        distinct: Some(4),
+        per_sequence: false,
+    },
+    DsaCase {
+        // 750 keys tie at the top: all of them candidates.
+        name: "DSA 4 heads of 32, 8 distinct keys, 6000 tokens",
+        heads: 4,
+        dim: 32,
+        kv_heads: 1,
+        lens: &[6000],
+        topk: 300,
+        sink: 16,
+        recent: 1,
+        levels: None,
+        distinct: Some(8),
         per_sequence: true,
     },
     DsaCase {
@@ -993,6 +1026,7 @@ const DSA_CASES: &[DsaCase] = &[
         sink: 16,
         recent: 1,
         levels: None,
+        distinct: None,
         per_sequence: false,
     },
 ];
@@ -1056,9 +1090,14 @@ fn check_dsa<T: CudaElement>(
     let n = c.lens.len();
     // Keys the element type holds exactly, so the CPU's f32 pool and the device's agree.
     let keys_of = |rng: &mut Rng, len: usize| -> Vec<f32> {
-        keys::<T>(rng, len * c.dim, c.levels)
+        let rows = c.distinct.map_or(len, |d| d.min(len));
+        let k: Vec<f32> = keys::<T>(rng, rows * c.dim, c.levels)
             .iter()
             .map(|x| x.to_f32())
+            .collect();
+        (0..len)
+            .flat_map(|t| &k[(t % rows) * c.dim..][..c.dim])
+            .copied()
             .collect()
     };
     let ix = TableIndexer {

@@ -25,7 +25,9 @@ const PICK_MARKS: &[(usize, &str)] = &[
     (0, "start"),
     (1, "wait over"),
     (2, "keys read, floor"),
-    (3, "threshold, ids"),
+    (5, "candidates"),
+    (6, "threshold"),
+    (3, "ids"),
     (4, "row written"),
     (9, "end"),
 ];
@@ -175,6 +177,24 @@ fn report(name: &str, event_ms: f64, kernels: &[Traced<'_>]) -> String {
                 at[0],
                 at[at.len() / 2],
                 at[at.len() - 1]
+            );
+        }
+        // The SM clock over each CTA's marks, and the rounds it counted (the selecting
+        // kernel's histogram rounds, the attention's walk).
+        let mut mhz: Vec<f64> = ctas
+            .iter()
+            .filter(|c| c[9] > c[0])
+            .map(|c| c[TRACE_MARKS + 1] as f64 * 1e3 / (c[9] - c[0]) as f64)
+            .collect();
+        let mut rounds: Vec<u64> = ctas.iter().map(|c| c[TRACE_MARKS] >> 20).collect();
+        if !mhz.is_empty() {
+            mhz.sort_by(f64::total_cmp);
+            rounds.sort_unstable();
+            s += &format!(
+                " clock {:.0} MHz, rounds {}/{};",
+                mhz[mhz.len() / 2],
+                rounds[rounds.len() / 2],
+                rounds[rounds.len() - 1]
             );
         }
         s.push('\n');
