@@ -237,38 +237,40 @@ __device__ __forceinline__ void merge_elem(const float* parts_out, const float* 
     if (d == 0 && lse != nullptr) lse[r] = L > 0.f ? m2 + logf(L) : NEG_INF;
 }
 
-// Splits whose partials a merge loads at once.
+// Splits whose partials a merge loads at once: MERGE_BATCH where that covers them all, else
+// MERGE_WIDE at a time where the registers allow (merge_unit's WIDE), so that 17 splits
+// (sparse B1 L128K) merge in one batch of loads instead of two (kernels/NOTES.md, session 37).
 #define MERGE_BATCH 16
+#define MERGE_WIDE 24
 
 // Four consecutive dims of one row merged over the n normalized partials that load(p, lse,
-// v) reads (natural-log lse, -inf for an empty partial), in batches of MERGE_BATCH loads in
-// flight, with an online rescale between batches; an optional sink logit joins the
-// denominator with a zero value. Writes the merged dims to out4 and the row's lse to *lse
-// (when lse is not null).
-template <typename Load>
+// v) reads (natural-log lse, -inf for an empty partial), in batches of BATCH loads in flight,
+// with an online rescale between batches; an optional sink logit joins the denominator with a
+// zero value. Writes the merged dims to out4 and the row's lse to *lse (when lse is not null).
+template <int BATCH, typename Load>
 __device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool has_sink,
                                            float4* out4, float* lse) {
     float M = NEG_INF, L = 0.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int p0 = 0; p0 < n; p0 += MERGE_BATCH) {
-        float lp[MERGE_BATCH];
-        float4 v[MERGE_BATCH];
+    for (int p0 = 0; p0 < n; p0 += BATCH) {
+        float lp[BATCH];
+        float4 v[BATCH];
 #pragma unroll
-        for (int j = 0; j < MERGE_BATCH; j++) {
+        for (int j = 0; j < BATCH; j++) {
             lp[j] = NEG_INF;
             v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (p0 + j < n) load(p0 + j, lp[j], v[j]);
         }
         float mb = M;
 #pragma unroll
-        for (int j = 0; j < MERGE_BATCH; j++) mb = fmaxf(mb, lp[j]);
+        for (int j = 0; j < BATCH; j++) mb = fmaxf(mb, lp[j]);
         if (mb == NEG_INF) continue;
         const float c = M == NEG_INF ? 0.f : __expf(M - mb);
         M = mb;
         L *= c;
         a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
 #pragma unroll
-        for (int j = 0; j < MERGE_BATCH; j++) {
+        for (int j = 0; j < BATCH; j++) {
             const float w = lp[j] == NEG_INF ? 0.f : __expf(lp[j] - M);
             L += w;
             a.x += w * v[j].x;
@@ -290,8 +292,9 @@ __device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool ha
 }
 
 // The merge of a unit's split partials by its last CTA: each thread merges 4 consecutive dims
-// of a row, reading every split's partial from global memory (merge_dims).
-template <int D, int ROWS>
+// of a row, reading every split's partial from global memory (merge_dims), WIDE splits at a
+// time where MERGE_BATCH does not cover them all.
+template <int D, int ROWS, int WIDE = MERGE_BATCH>
 __device__ __forceinline__ void merge_unit(const Unit& u, int group, int q_heads,
                                            const float* __restrict__ sink_logits,
                                            int has_sinks, const Outs& o) {
@@ -306,9 +309,14 @@ __device__ __forceinline__ void merge_unit(const Unit& u, int group, int q_heads
             lp = __ldcg(o.part_lse + pr);
             v = __ldcg(reinterpret_cast<const float4*>(o.part_out + pr * D) + d4);
         };
-        merge_dims(o.splits, load, has_sinks ? sink_logits[orw % q_heads] : NEG_INF,
-                   has_sinks, reinterpret_cast<float4*>(o.out + (size_t)orw * D) + d4,
-                   d4 == 0 && o.lse != nullptr ? o.lse + orw : nullptr);
+        const float sink = has_sinks ? sink_logits[orw % q_heads] : NEG_INF;
+        float4* out4 = reinterpret_cast<float4*>(o.out + (size_t)orw * D) + d4;
+        float* lse = d4 == 0 && o.lse != nullptr ? o.lse + orw : nullptr;
+        if (WIDE == MERGE_BATCH || o.splits <= MERGE_BATCH) {
+            merge_dims<MERGE_BATCH>(o.splits, load, sink, has_sinks, out4, lse);
+        } else {
+            merge_dims<WIDE>(o.splits, load, sink, has_sinks, out4, lse);
+        }
     }
 }
 
@@ -886,7 +894,11 @@ __device__ __forceinline__ void attn_mma_core(
     tr.mark(6, 0u);
     const bool last =
         finish_rows<D, ROWS, WARPS>(smem, u, group, q_heads, sink_logits, has_sinks, o, tr);
-    if (last) merge_unit<D, ROWS>(u, group, q_heads, sink_logits, has_sinks, o);
+    // Only the tensor-core kernels of head dim 128 (3 CTAs a multiprocessor) have the
+    // registers for the wide merge; the others spill with it.
+    if (last)
+        merge_unit<D, ROWS, D >= 128 ? MERGE_WIDE : MERGE_BATCH>(u, group, q_heads, sink_logits,
+                                                                 has_sinks, o);
     tr.finish(last, rounds);
 }
 
