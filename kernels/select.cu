@@ -1037,7 +1037,32 @@ __device__ __forceinline__ void pick_body(
     const int pick = valid ? min(plan.pick, score_stride) : 0;
     const int n = min(plan.mid(), score_stride);
     int rounds = 0;
-    pdl_enter();
+    // What the row holds besides the chosen pages depends on the plan alone: the forced head
+    // and tail pages, the -1 padding, the length and the tokens covered. Where a budget is
+    // given, the launch before this one is its scoring kernel (launch_pick's callers), which
+    // neither reads nor writes them, and every launch before that one has finished (pdl.cuh):
+    // so they are written before the wait, under the scoring kernel's end. The attention after
+    // reads them only after this launch, or after the row's flag. Without a budget (StreamingLLM)
+    // the launch before may read the rows, and they are written after the wait.
+    const bool early = budget > 0;
+    if (!early) pdl_enter();
+    int count = 0, tokens = 0;
+    if (valid) {
+        const int tail = plan.n - plan.tail_start;
+        for (int i = threadIdx.x; i < plan.head_end; i += PICK_THREADS) out[i] = i;
+        for (int i = threadIdx.x; i < tail; i += PICK_THREADS)
+            out[plan.head_end + pick + i] = plan.tail_start + i;
+        count = plan.head_end + pick + tail;
+        tokens = (count - 1) * ps + (len - (plan.n - 1) * ps);
+    }
+    for (int i = count + threadIdx.x; i < width; i += PICK_THREADS) out[i] = -1;
+    if (threadIdx.x == 0) {
+        for (int c = 0; c < (shared ? copies : 1); c++) {
+            lens[out_row0 + c] = count;
+            covered[out_row0 + c] = tokens;
+        }
+    }
+    if (early) pdl_enter();
     tr.mark(1, 0u);
     if (pick > 0) {
         // A row of 3 to PICK_KEYS keys a thread is read once into registers and selected from
@@ -1090,31 +1115,17 @@ __device__ __forceinline__ void pick_body(
         if (zero_keys) __syncthreads();
     }
     tr.mark(3, 0u);
-    int count = 0, tokens = 0;
-    if (valid) {
-        // Every thread has read the keys: zero them for the next launch where its scoring
-        // merges into them by atomicMax. (Zeroing each key as it is copied measured about
-        // 3 µs slower at B8: kernels/NOTES.md, session 29.)
-        if (pick > 0 && zero_keys)
-            for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
-        const int tail = plan.n - plan.tail_start;
-        for (int i = threadIdx.x; i < plan.head_end; i += PICK_THREADS) out[i] = i;
-        for (int i = threadIdx.x; i < tail; i += PICK_THREADS)
-            out[plan.head_end + pick + i] = plan.tail_start + i;
-        count = plan.head_end + pick + tail;
-        tokens = (count - 1) * ps + (len - (plan.n - 1) * ps);
-    }
-    for (int i = count + threadIdx.x; i < width; i += PICK_THREADS) out[i] = -1;
+    // Every thread has read the keys: zero them for the next launch where its scoring merges
+    // into them by atomicMax. (Zeroing each key as it is copied measured about 3 µs slower at
+    // B8: kernels/NOTES.md, session 29.)
+    if (pick > 0 && zero_keys)
+        for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
     tr.mark(4, 0u);
-    __syncthreads();
-    for (int c = 1; c < (shared ? copies : 1); c++)
-        for (int i = threadIdx.x; i < width; i += PICK_THREADS)
-            out[(size_t)c * width + i] = out[i];
-    if (threadIdx.x == 0) {
-        for (int c = 0; c < (shared ? copies : 1); c++) {
-            lens[out_row0 + c] = count;
-            covered[out_row0 + c] = tokens;
-        }
+    if (shared && copies > 1) {
+        __syncthreads();
+        for (int c = 1; c < copies; c++)
+            for (int i = threadIdx.x; i < width; i += PICK_THREADS)
+                out[(size_t)c * width + i] = out[i];
     }
     if (ready) {
         // Publish the row: every thread's writes fenced, then the flag.

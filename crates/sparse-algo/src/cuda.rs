@@ -1203,7 +1203,9 @@ impl SelectKernels {
     /// pool's slot count, is valid. With `keys_stored` (the scoring kernel wrote every key a
     /// row reads), the keys are left as they are; else they are zeroed for the next launch.
     /// With `publish` (the scoring just launched advanced the step's value), each row's flag
-    /// is set to that value once the row is written.
+    /// is set to that value once the row is written. With a budget, the launch right before
+    /// must be the rows' scoring kernel: the rows' plan (forced pages, padding, lengths) is
+    /// written before the kernel waits for it (kernels/select.cu, `pick_body`).
     #[allow(
         clippy::too_many_arguments,
         reason = "the rows' inputs and how the launch treats its keys and flags"
