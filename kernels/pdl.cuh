@@ -7,7 +7,9 @@
 // turn. Since every kernel here signals only after its own wait, a kernel that starts early
 // overlaps only the one kernel before it: every earlier one has finished. So it may read,
 // before waiting, what that kernel never writes (pick_rows reads the batch's lengths this
-// way). Both are no-ops in a kernel launched the ordinary way and on older architectures.
+// way), and write what that kernel neither reads nor writes (pick_rows, after its scoring
+// launch, writes its rows' plan this way). pdl_wait() and pdl_launch_dependents() are no-ops in
+// a kernel launched the ordinary way and on older architectures.
 //
 // One exception: the tensor-core attention over a published selection (`attn_*_tc_pub`, after
 // a pick_rows that publishes its rows). It signals first and never waits for pick_rows; each

@@ -1111,15 +1111,15 @@ __device__ __forceinline__ void pick_body(
             rounds = select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end, dst, lo,
                                                      top, hist, tr);
         }
-        // Every thread has read the keys before the zeroing below.
-        if (zero_keys) __syncthreads();
+        tr.mark(3, 0u);
+        // Once every thread has read the keys, zero them for the next launch where its scoring
+        // merges into them by atomicMax. (Zeroing each key as it is copied measured about 3 µs
+        // slower at B8: kernels/NOTES.md, session 29.)
+        if (zero_keys) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
+        }
     }
-    tr.mark(3, 0u);
-    // Every thread has read the keys: zero them for the next launch where its scoring merges
-    // into them by atomicMax. (Zeroing each key as it is copied measured about 3 µs slower at
-    // B8: kernels/NOTES.md, session 29.)
-    if (pick > 0 && zero_keys)
-        for (int i = threadIdx.x; i < n; i += PICK_THREADS) row_keys[i] = 0;
     tr.mark(4, 0u);
     if (shared && copies > 1) {
         __syncthreads();
