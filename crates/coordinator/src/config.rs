@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use offload::HostLayout;
 use serde::{Deserialize, Serialize};
-use sparse_algo::{AlgoConfig, Caps, Indexer, QuestConfig, SparseAlgorithm};
+use sparse_algo::{AlgoConfig, Caps, Indexer, QuestConfig, SparseAlgorithm, Summary};
 
 use crate::{CoordError, ModelShape};
 
@@ -137,8 +137,9 @@ impl std::fmt::Debug for LayerParams {
 impl Lowered {
     /// Device bytes one sparse-mode request holds on a model of shape `model` with KV
     /// elements of `elem_bytes` bytes: in every sparse layer, the hot buffer and the reserved
-    /// page of KV, plus the representations of `tokens` tokens (f32). Dense layers' KV is not
-    /// counted: it lives wherever the backend keeps dense KV.
+    /// page of KV, plus the representations of `tokens` tokens as the device keeps them
+    /// ([`rep_page_bytes`]). Dense layers' KV is not counted: it lives wherever the backend
+    /// keeps dense KV.
     pub fn sparse_device_bytes(
         &self,
         model: ModelShape,
@@ -152,10 +153,20 @@ impl Lowered {
             .flatten()
             .map(|p| {
                 let kv = slots * 2 * model.kv_heads * model.head_dim * elem_bytes;
-                let reps = p.algo.rep_shape(model.kv_heads, model.head_dim).page_len() * pages * 4;
-                kv + reps
+                kv + rep_page_bytes(p, model, elem_bytes) * pages
             })
             .sum()
+    }
+}
+
+/// Device bytes of one page of a layer's representations: an element of the KV's type per
+/// value (the device pool's `T`), or, for Quest's [`Summary::E4m3`], a byte per value and a
+/// scale byte per vector (sparse_algo's `DeviceRepPool`).
+fn rep_page_bytes(p: &LayerParams, model: ModelShape, elem_bytes: usize) -> usize {
+    let shape = p.algo.rep_shape(model.kv_heads, model.head_dim);
+    match &p.config {
+        AlgoConfig::Quest(q) if q.summary == Summary::E4m3 => shape.page_len() + shape.heads,
+        _ => shape.page_len() * elem_bytes,
     }
 }
 

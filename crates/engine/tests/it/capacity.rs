@@ -1,11 +1,13 @@
 //! The capacity accounting on a Llama-3-8B-class shape (bf16 KV, blocks of 16: 2 MiB a
 //! block), against bytes computed by hand. The hot buffers hold twice the pages one step can
 //! select (Quest, pages of 16: `budget / 16 + 2`), plus the reserved page; the
-//! representations are f32 min and max per (page, KV head, channel): 8 KiB a page and layer.
+//! representations are max and min per (page, KV head, channel) as the device keeps them: in
+//! bf16, 4 KiB a page and layer, or in FP8 E4M3 with a scale byte per KV head, 2056 bytes.
 
 use coordinator::SparseConfig;
 use engine::capacity::{BlockGeometry, footprint};
 use engine::synthetic::LLAMA3_8B;
+use sparse_algo::{AlgoConfig, Summary};
 
 const MIB: u64 = 1 << 20;
 const BUDGET: u64 = 64 << 30;
@@ -55,13 +57,23 @@ fn quest(budget: usize, dense: Vec<usize>, min_prompt: usize) -> SparseConfig {
     }
 }
 
+/// `config` with Quest's bounds stored in FP8 E4M3.
+fn e4m3(mut config: SparseConfig) -> SparseConfig {
+    if let AlgoConfig::Quest(q) = &mut config.algo {
+        q.summary = Summary::E4m3;
+    }
+    config
+}
+
 #[test]
 fn footprints_of_an_8b_shape_equal_hand_computed_bytes() {
     // Quest 2048: 260 hot pages + 1 = 4176 tokens of 4 KiB per layer; 2048 pages of
     // representations per layer at 32K.
-    let quest_2048 = 32 * 4096 * 4176 + 32 * 8192 * 2048;
+    let quest_2048 = 32 * 4096 * 4176 + 32 * 4096 * 2048;
+    // The same with E4M3 representations.
+    let quest_2048_e4m3 = 32 * 4096 * 4176 + 32 * 2056 * 2048;
     // Quest 1024 on 30 layers: 132 + 1 pages = 2128 tokens.
-    let quest_1024_30 = 30 * 4096 * 2128 + 30 * 8192 * 2048;
+    let quest_1024_30 = 30 * 4096 * 2128 + 30 * 4096 * 2048;
     for c in [
         Case {
             name: "dense 32K",
@@ -81,7 +93,17 @@ fn footprints_of_an_8b_shape_equal_hand_computed_bytes() {
             total: 32768,
             reserve: quest_2048 + 2032 * 2 * MIB,
             decode_reserve: quest_2048,
-            max: 59,
+            max: 79,
+        },
+        Case {
+            name: "quest-2048 with E4M3 representations: a quarter of a byte per f32 of the CPU",
+            config: Some(e4m3(quest(2048, Vec::new(), 1))),
+            sparse: true,
+            prompt: 32512,
+            total: 32768,
+            reserve: quest_2048_e4m3 + 2032 * 2 * MIB,
+            decode_reserve: quest_2048_e4m3,
+            max: 94,
         },
         Case {
             name: "quest-1024 with layers 0 and 1 dense: the blocks of every layer stay",
@@ -91,7 +113,7 @@ fn footprints_of_an_8b_shape_equal_hand_computed_bytes() {
             total: 32768,
             reserve: quest_1024_30 + 4096 * MIB,
             decode_reserve: quest_1024_30 + 4096 * MIB,
-            max: 13,
+            max: 14,
         },
         Case {
             name: "a prompt below min_prompt_tokens runs dense",
