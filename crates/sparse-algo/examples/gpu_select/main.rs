@@ -11,7 +11,7 @@
 //!   top-k, bit for bit; the same with Quest's bounds in FP8 E4M3 (`Summary::E4m3`: the device
 //!   pool's codes and scales against the CPU pool bit for bit, the tensor-core selection up to
 //!   near ties); exits 1 on any mismatch.
-//! - `gpu_select bench [--json FILE] [--only B1|B8]`: bf16, 32 query / 8 KV heads, D 128, pages
+//! - `gpu_select bench [--json FILE] [--only B1|B8] [--min-chunk KEYS] [--waves N]`: bf16, 32 query / 8 KV heads, D 128, pages
 //!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
 //!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
 //!   programmatic dependent launches, captured in a CUDA graph, and with the rows published to
@@ -21,7 +21,8 @@
 //!   attention kernel's registers, and a trace of one step per shape (per-CTA timestamps of
 //!   the scoring, `pick_rows` and the attention on one time axis; plain and published, alone
 //!   and behind another step). `--only` keeps the shapes whose tag starts with its value (for
-//!   profiling one shape).
+//!   profiling one shape); `--min-chunk` and `--waves` set the attention's split planner (a
+//!   split's fewest keys, the waves of CTAs it aims for) for sweeps.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -65,6 +66,22 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
         "check" => check(&gpu, &mut sk),
         "bench" => {
             let only = report::flag_value(args, "--only");
+            // The split planner's knobs, for sweeps (attn_op::cuda::Gpu::set_min_chunk and
+            // set_waves): every attention launch of the bench takes them.
+            for (flag, set) in [
+                ("--min-chunk", Gpu::set_min_chunk as fn(&mut Gpu, usize)),
+                ("--waves", Gpu::set_waves),
+            ] {
+                if let Some(v) = report::flag_value(args, flag) {
+                    match v.parse() {
+                        Ok(n) => set(&mut gpu, n),
+                        Err(_) => {
+                            eprintln!("{flag} takes a count, not {v}");
+                            return Ok(2);
+                        }
+                    }
+                }
+            }
             bench(&mut gpu, &mut sk, report::json_arg(args), only)?;
             Ok(0)
         }
