@@ -11,7 +11,8 @@
 //!   top-k, bit for bit; the same with Quest's bounds in FP8 E4M3 (`Summary::E4m3`: the device
 //!   pool's codes and scales against the CPU pool bit for bit, the tensor-core selection up to
 //!   near ties); exits 1 on any mismatch.
-//! - `gpu_select bench [--json FILE] [--only B1|B8] [--min-chunk KEYS] [--waves N]`: bf16, 32 query / 8 KV heads, D 128, pages
+//! - `gpu_select bench [--json FILE] [--only B1|B8] [--min-chunk KEYS] [--waves N] [--variant
+//!   NAME]`: bf16, 32 query / 8 KV heads, D 128, pages
 //!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
 //!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
 //!   programmatic dependent launches, captured in a CUDA graph, and with the rows published to
@@ -22,7 +23,8 @@
 //!   the scoring, `pick_rows` and the attention on one time axis; plain and published, alone
 //!   and behind another step). `--only` keeps the shapes whose tag starts with its value (for
 //!   profiling one shape); `--min-chunk` and `--waves` set the attention's split planner (a
-//!   split's fewest keys, the waves of CTAs it aims for) for sweeps.
+//!   split's fewest keys, the waves of CTAs it aims for) and `--variant` its kernel
+//!   (`Gpu::set_variant`) for sweeps.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -81,6 +83,10 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
                         }
                     }
                 }
+            }
+            if let Some(v) = report::flag_value(args, "--variant") {
+                // The tool runs once per process: its one variant name may live as long.
+                gpu.set_variant(Some(Box::leak(v.to_owned().into_boxed_str())))?;
             }
             bench(&mut gpu, &mut sk, report::json_arg(args), only)?;
             Ok(0)

@@ -106,12 +106,13 @@ pub(crate) fn trace_step(
             step(gpu, sk, s)?;
         }
         sk.set_trace(true);
+        let variant = gpu.variant();
         gpu.set_variant(Some("tct"))?;
         a.record(gpu.stream()).map_err(AttnError::from)?;
         let traced = step(gpu, sk, s);
         b.record(gpu.stream()).map_err(AttnError::from)?;
         sk.set_trace(false);
-        gpu.set_variant(None)?;
+        gpu.set_variant(variant)?;
         traced?;
         b.synchronize().map_err(AttnError::from)?;
         let ms = f64::from(a.elapsed_ms(&b).map_err(AttnError::from)?);
