@@ -137,8 +137,9 @@ impl std::fmt::Debug for LayerParams {
 impl Lowered {
     /// Device bytes one sparse-mode request holds on a model of shape `model` with KV
     /// elements of `elem_bytes` bytes: in every sparse layer, the hot buffer and the reserved
-    /// page of KV, plus the representations of `tokens` tokens as the device keeps them
-    /// ([`rep_page_bytes`]). Dense layers' KV is not counted: it lives wherever the backend
+    /// page of KV, plus the representations of `tokens` tokens as the device keeps them: an
+    /// element of the KV's type per value, or a byte per value and a scale byte per vector for
+    /// Quest's E4M3 bounds. Dense layers' KV is not counted: it lives wherever the backend
     /// keeps dense KV.
     pub fn sparse_device_bytes(
         &self,
