@@ -461,12 +461,12 @@ impl Gpu {
 
     /// Picks the attention kernel by the suffix of its name, for benchmarking: `tc` (tensor
     /// cores, the default for f16 and bf16 at head dims 64 and 128), `r4` or `r8` (CUDA cores,
-    /// 4 or 8 rows per CTA), `tc2` (`tc` with two tiles a warp in flight, 2 CTAs per
-    /// multiprocessor, bf16 at head dim 128), or one of the CUDA-core variants built for bf16
-    /// at head dim 128 only: `r4_u4` (four keys per stream and step), `r4_u4p` (the same, pipelined),
-    /// `r4_u1p` (one key, pipelined), `tct` (`tc` writing per-CTA timestamps, read by
-    /// [`Gpu::take_attn_trace`]). `None` restores the defaults. A launch for which the
-    /// picked kernel is not built uses its default; unknown names are rejected.
+    /// 4 or 8 rows per CTA), or one of the variants built for bf16 at head dim 128 only: `tc2`
+    /// (`tc` with two tiles a warp in flight, 2 CTAs per multiprocessor), `r4_u4` (four keys
+    /// per stream and step), `r4_u4p` (the same, pipelined), `r4_u1p` (one key, pipelined),
+    /// `tct` (`tc` writing per-CTA timestamps, read by [`Gpu::take_attn_trace`]). `None`
+    /// restores the defaults. A launch for which the picked kernel is not built uses its
+    /// default; unknown names are rejected.
     pub fn set_variant(&mut self, variant: Option<&'static str>) -> Result<(), AttnError> {
         if let Some(v) = variant
             && !ATTN_SPECS.iter().any(|s| s.suffix == v)

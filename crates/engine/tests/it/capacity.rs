@@ -96,7 +96,7 @@ fn footprints_of_an_8b_shape_equal_hand_computed_bytes() {
             max: 79,
         },
         Case {
-            name: "quest-2048 with E4M3 representations: a quarter of a byte per f32 of the CPU",
+            name: "quest-2048 with E4M3 representations: a byte a value, a scale byte a KV head",
             config: Some(e4m3(quest(2048, Vec::new(), 1))),
             sparse: true,
             prompt: 32512,

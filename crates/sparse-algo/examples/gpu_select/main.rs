@@ -12,19 +12,18 @@
 //!   pool's codes and scales against the CPU pool bit for bit, the tensor-core selection up to
 //!   near ties); exits 1 on any mismatch.
 //! - `gpu_select bench [--json FILE] [--only B1|B8] [--min-chunk KEYS] [--waves N] [--variant
-//!   NAME]`: bf16, 32 query / 8 KV heads, D 128, pages
-//!   of 16, a 2K budget: min/max construction, the fused estimate + top-k, and the estimate,
-//!   top-k and sparse attention together at B8 L32K and B1 L128K (with and without
-//!   programmatic dependent launches, captured in a CUDA graph, and with the rows published to
-//!   an attention that starts early), the same over E4M3 bounds (with how many ids it shares
-//!   with the bf16 bounds' selection), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer
-//!   (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token attention. Then the
-//!   attention kernel's registers, and a trace of one step per shape (per-CTA timestamps of
-//!   the scoring, `pick_rows` and the attention on one time axis; plain and published, alone
-//!   and behind another step). `--only` keeps the shapes whose tag starts with its value (for
-//!   profiling one shape); `--min-chunk` and `--waves` set the attention's split planner (a
-//!   split's fewest keys, the waves of CTAs it aims for) and `--variant` its kernel
-//!   (`Gpu::set_variant`) for sweeps.
+//!   NAME]`: bf16, 32 query / 8 KV heads, D 128, pages of 16, a 2K budget: min/max construction,
+//!   the fused estimate + top-k, and the estimate, top-k and sparse attention together at B8 L32K
+//!   and B1 L128K (with and without programmatic dependent launches, captured in a CUDA graph, and
+//!   with the rows published to an attention that starts early), the same over E4M3 bounds (with
+//!   how many ids it shares with the bf16 bounds' selection), with our dense decode in the same
+//!   run; StreamingLLM's rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) +
+//!   top-2048 + token attention. Then the attention kernel's registers, and a trace of one step per
+//!   shape (per-CTA timestamps of the scoring, `pick_rows` and the attention on one time axis;
+//!   plain and published, alone and behind another step). `--only` keeps the shapes whose tag
+//!   starts with its value (for profiling one shape); `--min-chunk` and `--waves` set the
+//!   attention's split planner (a split's fewest keys, the waves of CTAs it aims for) and
+//!   `--variant` its kernel (`Gpu::set_variant`) for sweeps.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
