@@ -467,13 +467,17 @@ impl Gpu {
     /// `tct` (`tc` writing per-CTA timestamps, read by [`Gpu::take_attn_trace`]). `None`
     /// restores the defaults. A launch for which the picked kernel is not built uses its
     /// default; unknown names are rejected.
-    pub fn set_variant(&mut self, variant: Option<&'static str>) -> Result<(), AttnError> {
-        if let Some(v) = variant
-            && !ATTN_SPECS.iter().any(|s| s.suffix == v)
-        {
-            return Err(AttnError::Invalid(format!("no attention kernel {v:?}")));
-        }
-        self.variant = variant;
+    pub fn set_variant(&mut self, variant: Option<&str>) -> Result<(), AttnError> {
+        self.variant = match variant {
+            None => None,
+            Some(v) => Some(
+                ATTN_SPECS
+                    .iter()
+                    .find(|s| s.suffix == v)
+                    .ok_or_else(|| AttnError::Invalid(format!("no attention kernel {v:?}")))?
+                    .suffix,
+            ),
+        };
         Ok(())
     }
 

@@ -84,8 +84,7 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
                 }
             }
             if let Some(v) = report::flag_value(args, "--variant") {
-                // The tool runs once per process: its one variant name may live as long.
-                gpu.set_variant(Some(Box::leak(v.to_owned().into_boxed_str())))?;
+                gpu.set_variant(Some(v))?;
             }
             bench(&mut gpu, &mut sk, report::json_arg(args), only)?;
             Ok(0)
