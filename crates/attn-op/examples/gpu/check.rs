@@ -102,6 +102,20 @@ const SHAPES: &[Shape] = &[
         q_scale: 1.0,
     },
     Shape {
+        // One unit and 8000 keys: the planner makes 63 splits, so the last split's merge
+        // takes the partials in several batches, rescaling between them (merge_dims).
+        name: "many splits MQA 8/1 D128",
+        head_dim: 128,
+        q_heads: 8,
+        kv_heads: 1,
+        block_size: 16,
+        seqs: &[(1, 8000)],
+        window: None,
+        sink_tokens: 0,
+        sink_logits: true,
+        q_scale: 1.0,
+    },
+    Shape {
         name: "long decode 32/8 D128",
         head_dim: 128,
         q_heads: 32,
