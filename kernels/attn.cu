@@ -21,6 +21,17 @@ typedef unsigned long long u64;
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
+// 2^x by the multi-function unit alone, subnormal results flushed to zero. exp2f and __expf
+// without fast math add a range fix around the same instruction (about four more, on a
+// dependent chain) so that results below 2^-126 keep their bits; every exponent here is a
+// softmax weight against its row's maximum, where such weights are far below f32's
+// resolution of the sums they join (kernels/NOTES.md, session 39).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element loads: 8 consecutive elements into f32 registers (one or two 16-byte loads).
 
@@ -227,11 +238,11 @@ __device__ __forceinline__ void merge_elem(const float* parts_out, const float* 
         for (int p = 0; p < n_parts; p++) {
             const float lp = __ldcg(parts_lse + (size_t)p * rows + r);
             if (lp == NEG_INF) continue;
-            const float w = __expf(lp - m2);
+            const float w = exp2_ftz((lp - m2) * LOG2E);
             L += w;
             A += w * __ldcg(parts_out + ((size_t)p * rows + r) * D + d);
         }
-        if (has_sink) L += __expf(sink - m2);
+        if (has_sink) L += exp2_ftz((sink - m2) * LOG2E);
     }
     out[(size_t)r * D + d] = L > 0.f ? A / L : 0.f;
     if (d == 0 && lse != nullptr) lse[r] = L > 0.f ? m2 + logf(L) : NEG_INF;
@@ -265,13 +276,13 @@ __device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool ha
 #pragma unroll
         for (int j = 0; j < BATCH; j++) mb = fmaxf(mb, lp[j]);
         if (mb == NEG_INF) continue;
-        const float c = M == NEG_INF ? 0.f : __expf(M - mb);
+        const float c = M == NEG_INF ? 0.f : exp2_ftz((M - mb) * LOG2E);
         M = mb;
         L *= c;
         a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
 #pragma unroll
         for (int j = 0; j < BATCH; j++) {
-            const float w = lp[j] == NEG_INF ? 0.f : __expf(lp[j] - M);
+            const float w = exp2_ftz((lp[j] - M) * LOG2E);  // 0 for an empty partial: M is finite
             L += w;
             a.x += w * v[j].x;
             a.y += w * v[j].y;
@@ -281,8 +292,8 @@ __device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool ha
     }
     if (has_sink) {
         const float m2 = fmaxf(M, sink);
-        const float c = M == NEG_INF ? 0.f : __expf(M - m2);
-        L = L * c + __expf(sink - m2);
+        const float c = M == NEG_INF ? 0.f : exp2_ftz((M - m2) * LOG2E);
+        L = L * c + exp2_ftz((sink - m2) * LOG2E);
         a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
         M = m2;
     }
@@ -347,7 +358,7 @@ __device__ __forceinline__ bool finish_rows(const float* __restrict__ smem, cons
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int st = 0; st < NSTREAMS; st++) {
-            const float w = M == NEG_INF ? 0.f : exp2f(s_m[st * ROWS + r] - M);
+            const float w = M == NEG_INF ? 0.f : exp2_ftz(s_m[st * ROWS + r] - M);
             L += w * s_l[st * ROWS + r];
             const float4 x = reinterpret_cast<const float4*>(s_acc + (st * ROWS + r) * D)[d4];
             a.x += w * x.x;
@@ -368,8 +379,8 @@ __device__ __forceinline__ bool finish_rows(const float* __restrict__ smem, cons
             if (has_sinks) {
                 const float sk = sink_logits[orw % q_heads];
                 const float m2 = fmaxf(Mn, sk);
-                scale_acc = Mn == NEG_INF ? 0.f : __expf(Mn - m2);
-                L = L * scale_acc + __expf(sk - m2);
+                scale_acc = Mn == NEG_INF ? 0.f : exp2_ftz((Mn - m2) * LOG2E);
+                L = L * scale_acc + exp2_ftz((sk - m2) * LOG2E);
                 Mn = m2;
             }
             f = L > 0.f ? scale_acc / L : 0.f;
@@ -483,7 +494,7 @@ __device__ __forceinline__ void attn_core(
             if (mt == NEG_INF) continue;
             // Rescale only when the running max grows, which after the first keys is rare.
             if (mt > m[r]) {
-                const float alpha = exp2f(m[r] - mt);
+                const float alpha = exp2_ftz(m[r] - mt);
                 m[r] = mt;
                 l[r] *= alpha;
 #pragma unroll
@@ -492,7 +503,7 @@ __device__ __forceinline__ void attn_core(
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 // A masked key weighs exp2(-inf) = 0 and its V was zeroed by the fetch.
-                const float pr = exp2f(s[u][r] - mt);
+                const float pr = exp2_ftz(s[u][r] - mt);
                 float vf[8];
                 unpack(vc, vr[u], vf);
                 l[r] += pr;
@@ -642,7 +653,7 @@ struct WarpRows {
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const float mn = fmaxf(m[r], mx[r]);
-                alpha[r] = m[r] == NEG_INF ? 0.f : exp2f(m[r] - mn);
+                alpha[r] = m[r] == NEG_INF ? 0.f : exp2_ftz(m[r] - mn);
                 m[r] = mn;
                 l[r] *= alpha[r];
             }
@@ -656,7 +667,7 @@ struct WarpRows {
         }
         float p[4];
 #pragma unroll
-        for (int e = 0; e < 4; e++) p[e] = m[e % 2] == NEG_INF ? 0.f : exp2f(s[e] - m[e % 2]);
+        for (int e = 0; e < 4; e++) p[e] = m[e % 2] == NEG_INF ? 0.f : exp2_ftz(s[e] - m[e % 2]);
         l[0] += p[0] + p[2];
         l[1] += p[1] + p[3];
         const u32 b0 = transpose8x8(Mma<T>::pack(p[0], p[1]));
