@@ -32,6 +32,9 @@ __device__ __forceinline__ float exp2_ftz(float x) {
     return y;
 }
 
+// e^x the same way, for the natural-log LSEs of the merges and the sink logits.
+__device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * LOG2E); }
+
 // ---------------------------------------------------------------------------------------------
 // Element loads: 8 consecutive elements into f32 registers (one or two 16-byte loads).
 
@@ -238,11 +241,11 @@ __device__ __forceinline__ void merge_elem(const float* parts_out, const float* 
         for (int p = 0; p < n_parts; p++) {
             const float lp = __ldcg(parts_lse + (size_t)p * rows + r);
             if (lp == NEG_INF) continue;
-            const float w = exp2_ftz((lp - m2) * LOG2E);
+            const float w = exp_ftz(lp - m2);
             L += w;
             A += w * __ldcg(parts_out + ((size_t)p * rows + r) * D + d);
         }
-        if (has_sink) L += exp2_ftz((sink - m2) * LOG2E);
+        if (has_sink) L += exp_ftz(sink - m2);
     }
     out[(size_t)r * D + d] = L > 0.f ? A / L : 0.f;
     if (d == 0 && lse != nullptr) lse[r] = L > 0.f ? m2 + logf(L) : NEG_INF;
@@ -276,13 +279,13 @@ __device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool ha
 #pragma unroll
         for (int j = 0; j < BATCH; j++) mb = fmaxf(mb, lp[j]);
         if (mb == NEG_INF) continue;
-        const float c = M == NEG_INF ? 0.f : exp2_ftz((M - mb) * LOG2E);
+        const float c = M == NEG_INF ? 0.f : exp_ftz(M - mb);
         M = mb;
         L *= c;
         a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
 #pragma unroll
         for (int j = 0; j < BATCH; j++) {
-            const float w = exp2_ftz((lp[j] - M) * LOG2E);  // 0 for an empty partial: M is finite
+            const float w = exp_ftz(lp[j] - M);  // 0 for an empty partial: M is finite
             L += w;
             a.x += w * v[j].x;
             a.y += w * v[j].y;
@@ -292,8 +295,8 @@ __device__ __forceinline__ void merge_dims(int n, Load load, float sink, bool ha
     }
     if (has_sink) {
         const float m2 = fmaxf(M, sink);
-        const float c = M == NEG_INF ? 0.f : exp2_ftz((M - m2) * LOG2E);
-        L = L * c + exp2_ftz((sink - m2) * LOG2E);
+        const float c = M == NEG_INF ? 0.f : exp_ftz(M - m2);
+        L = L * c + exp_ftz(sink - m2);
         a = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
         M = m2;
     }
@@ -379,8 +382,8 @@ __device__ __forceinline__ bool finish_rows(const float* __restrict__ smem, cons
             if (has_sinks) {
                 const float sk = sink_logits[orw % q_heads];
                 const float m2 = fmaxf(Mn, sk);
-                scale_acc = Mn == NEG_INF ? 0.f : exp2_ftz((Mn - m2) * LOG2E);
-                L = L * scale_acc + exp2_ftz((sk - m2) * LOG2E);
+                scale_acc = Mn == NEG_INF ? 0.f : exp_ftz(Mn - m2);
+                L = L * scale_acc + exp_ftz(sk - m2);
                 Mn = m2;
             }
             f = L > 0.f ? scale_acc / L : 0.f;
