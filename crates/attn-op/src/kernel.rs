@@ -280,6 +280,33 @@ fn attend_body<T: Element, const ISA: u8>(
             } else {
                 (simd::Ahead::NONE, simd::Ahead::NONE)
             };
+            // The bf16 build takes a full chunk that every row sees in one pass, its scores in
+            // registers.
+            #[cfg(target_arch = "x86_64")]
+            if ISA == simd::AVX512_BF16 && all_visible && len == C {
+                let keys: &[*const u8; C] = keys
+                    .try_into()
+                    .expect("invariant: a full chunk has a key row per token");
+                let state = (
+                    &mut part.m[b..b + group],
+                    &mut part.l[b..b + group],
+                    &mut part.acc[b * d..(b + group) * d],
+                );
+                // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
+                // (`attend`), on a CPU with its features; the rows hold `group` rows of `d`,
+                // the state `group` rows, and each of the 16 keys and values `d` elements.
+                let done = unsafe {
+                    simd::avx512bf16::chunk_step(
+                        (bf16_rows.as_ptr().add(b * d), d, group),
+                        (keys, vals_at),
+                        state,
+                        (&ahead_k, &ahead_v),
+                    )
+                };
+                if done {
+                    continue;
+                }
+            }
             #[cfg(target_arch = "x86_64")]
             if chunk_dots {
                 // Every token's dot products at once, as `dot_rows` makes them; masked ones
@@ -339,7 +366,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         scores[g * C + t] = simd::dot(&qb[g * d..(g + 1) * d], &kbuf[o..o + d]);
                     }
                 } else {
-                    ahead_k.part(t, C);
+                    ahead_k.part(t, 1);
                     simd::dot_rows::<T, ISA>(qb, d, kv.k_at(slot, h), &mut wbuf);
                     (0..group).for_each(|g| scores[g * C + t] = wbuf[g]);
                 }

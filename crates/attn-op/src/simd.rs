@@ -63,6 +63,12 @@ pub(crate) struct Ahead<'a> {
 }
 
 impl<'a> Ahead<'a> {
+    /// The tokens a step asks for when a kernel walks its work in `steps` steps.
+    #[inline(always)]
+    pub(crate) fn per_step(steps: usize) -> usize {
+        16usize.div_ceil(steps.max(1))
+    }
+
     /// Asks for nothing.
     pub(crate) const NONE: Ahead<'static> = Ahead {
         rows: &[],
@@ -81,11 +87,12 @@ impl<'a> Ahead<'a> {
         if first_row == 0 { self } else { &Ahead::NONE }
     }
 
-    /// Asks for the rows of part `k` of `parts` equal parts of the chunk's 16 tokens: a
-    /// kernel that walks its work in `parts` steps calls this once a step.
+    /// Asks for the rows of tokens `k * per .. (k + 1) * per` of the chunk's 16: a kernel
+    /// that walks its work in `steps` steps calls this once a step, with `per` from
+    /// [`Ahead::per_step`] (taken once: a division in every step cost more than the rest).
     #[inline(always)]
-    pub(crate) fn part(&self, k: usize, parts: usize) {
-        for t in k * 16 / parts..((k + 1) * 16 / parts).min(16) {
+    pub(crate) fn part(&self, k: usize, per: usize) {
+        for t in k * per..((k + 1) * per).min(16) {
             if let Some(&p) = self.rows.get(t) {
                 fetch_lines(p, self.bytes);
             }
@@ -397,13 +404,13 @@ macro_rules! chunk_axpy {
             ahead: &super::Ahead<'_>,
         ) {
             let dtype = T::DTYPE;
-            let steps = n / (2 * $w);
+            let per = super::Ahead::per_step(n / (2 * $w));
             // Two vectors of each row at a time, summed over the tokens in registers.
             let mut i = 0;
             while i + 2 * $w <= n {
                 let mut a0 = [$zero(); R];
                 let mut a1 = [$zero(); R];
-                ahead.part(i / (2 * $w), steps);
+                ahead.part(i / (2 * $w), per);
                 for &(t, v) in vs {
                     let vp = v.as_ptr().cast::<u8>();
                     // SAFETY: `i + 2 * $w <= n` elements of `v`; weight `r * stride + t` is
@@ -664,7 +671,7 @@ pub(crate) mod avx512 {
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn exp16(x: __m512) -> __m512 {
+    pub(super) fn exp16(x: __m512) -> __m512 {
         let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_CLAMP));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
@@ -901,7 +908,7 @@ pub(crate) mod avx512 {
         // `B = 16 / R`, so each row has `R` blocks.
         let mut blocks = [[_mm512_setzero_ps(); R]; R];
         for (b, block) in keys.chunks_exact(B).enumerate() {
-            ahead.part(b, R);
+            ahead.part(b, B);
             let mut acc = [[_mm512_setzero_ps(); B]; R];
             let mut i = 0;
             while i < n {
@@ -1030,11 +1037,7 @@ pub(crate) mod avx512bf16 {
         });
     }
 
-    /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators):
-    /// each key slice is loaded once for the `R` rows. A block's `B` lane-sum vectors go
-    /// through the first levels of the [`super::fold`] tree at once (the tree pairs
-    /// neighbours, so a block of `B` aligned tokens is a subtree), and the blocks' results
-    /// through the rest: the same operations in the same order as one fold of the 16 vectors.
+    /// [`qk_chunk`] for `R` rows: [`qk_sums`], the lanes past the chunk's keys zeroed.
     ///
     /// # Safety
     /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
@@ -1047,40 +1050,189 @@ pub(crate) mod avx512bf16 {
         (scores, stride): (*mut f32, usize),
         (live, ahead): (__mmask16, &super::Ahead<'_>),
     ) {
+        // SAFETY: the caller's contract is `qk_sums`'.
+        let sums = unsafe { qk_sums::<R, B>(q, n, keys, ahead) };
+        for (r, row) in sums.iter().enumerate() {
+            // SAFETY: row `r`'s 16 scores are within the caller's bound.
+            unsafe { _mm512_storeu_ps(scores.add(r * stride), _mm512_maskz_mov_ps(live, *row)) };
+        }
+    }
+
+    /// The dot products of `R` rows of `q` with 16 keys, one vector a row (lane `t` for key
+    /// `t`), the keys taken `B` at a time (`R * B = 16` accumulators, in [`qk_block`]). A
+    /// block's `B` lane-sum vectors go through the first levels of the [`super::fold`] tree
+    /// at once (the tree pairs neighbours, so a block of `B` aligned tokens is a subtree), and
+    /// the blocks' results through the rest: the same operations in the same order as one fold
+    /// of the 16 vectors.
+    ///
+    /// # Safety
+    /// As [`qk_chunk`], for `R` rows of `q` and 16 keys.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn qk_sums<const R: usize, const B: usize>(
+        q: *const u16,
+        n: usize,
+        keys: &[*const u8; TOKENS],
+        ahead: &super::Ahead<'_>,
+    ) -> [__m512; R] {
         let split = B.trailing_zeros() as usize;
-        let level = |k, u, w| sum_level(k, u, w);
         // `B = 16 / R`, so each row has `R` blocks.
         let mut blocks = [[_mm512_setzero_ps(); R]; R];
         for (b, block) in keys.chunks_exact(B).enumerate() {
-            ahead.part(b, R);
-            let mut acc = [[_mm512_setzero_ps(); B]; R];
-            let mut i = 0;
-            while i < n {
-                // SAFETY: `i + 32 <= n`: within each of the `R` rows of `q` and every key.
-                unsafe {
-                    let qv: [__m512bh; R] = std::array::from_fn(|r| {
-                        std::mem::transmute(_mm512_loadu_si512(q.add(r * n + i).cast::<__m512i>()))
-                    });
-                    for (t, &key) in block.iter().enumerate() {
-                        let kv: __m512bh = std::mem::transmute(_mm512_loadu_si512(
-                            key.cast::<u16>().add(i).cast::<__m512i>(),
-                        ));
-                        for r in 0..R {
-                            acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qv[r], kv);
-                        }
+            ahead.part(b, B);
+            // SAFETY: the caller's contract, for `B` of the keys.
+            let sums = unsafe { qk_block::<R, B>(q, n, block) };
+            for r in 0..R {
+                blocks[r][b] = sums[r];
+            }
+        }
+        let level = |k, u, w| sum_level(k, u, w);
+        let mut sums = [_mm512_setzero_ps(); R];
+        for (sum, row) in sums.iter_mut().zip(&mut blocks) {
+            *sum = super::fold(row, split..4, level);
+        }
+        sums
+    }
+
+    /// The dot products of `R` rows of `q` with the `B` keys of `block`, their lane sums
+    /// folded by the first `log2 B` levels of the tree: one vector a row. Kept out of line:
+    /// inlined, the compiler unrolled every block of a chunk into one body and spilled the
+    /// accumulators (from level 1, 24 cycles a token and KV head against 21.6 out of line).
+    ///
+    /// # Safety
+    /// As [`qk_chunk`], for `R` rows of `q` and `B` keys.
+    #[inline(never)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn qk_block<const R: usize, const B: usize>(
+        q: *const u16,
+        n: usize,
+        block: &[*const u8],
+    ) -> [__m512; R] {
+        let split = B.trailing_zeros() as usize;
+        let mut acc = [[_mm512_setzero_ps(); B]; R];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: `i + 32 <= n`: within each of the `R` rows of `q` and every key.
+            unsafe {
+                let qv: [__m512bh; R] = std::array::from_fn(|r| {
+                    std::mem::transmute(_mm512_loadu_si512(q.add(r * n + i).cast::<__m512i>()))
+                });
+                for (t, &key) in block.iter().enumerate() {
+                    let kv: __m512bh = std::mem::transmute(_mm512_loadu_si512(
+                        key.cast::<u16>().add(i).cast::<__m512i>(),
+                    ));
+                    for r in 0..R {
+                        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], qv[r], kv);
                     }
                 }
-                i += 32;
             }
-            for r in 0..R {
-                blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
+            i += 32;
+        }
+        let level = |k, u, w| sum_level(k, u, w);
+        let mut sums = [_mm512_setzero_ps(); R];
+        for (sum, row) in sums.iter_mut().zip(&mut acc) {
+            *sum = super::fold(row, 0..split, level);
+        }
+        sums
+    }
+
+    /// A block of `rows` rows (1, 2, 4 or 8: `false` for others, with nothing done) over one
+    /// full chunk of 16 keys and values that every row sees, in one pass that keeps the scores
+    /// in registers: the dot products as [`qk_chunk`] makes them; the online-softmax update as
+    /// the kernel makes it from them (each row's maximum `m`, the rescale of its sums `l` and
+    /// `acc` where the maximum grew, the weights and their sum); then the weighted values as
+    /// [`pv_chunk`] adds them. Bit for bit those steps in turn.
+    ///
+    /// # Safety
+    /// As [`qk_chunk`] and [`pv_chunk`]: the CPU's features and `n` a multiple of 32; `q`
+    /// holds `rows * n` bf16 bits, `m` and `l` `rows` floats, `acc` `rows * n`, and `keys`
+    /// and `vals` 16 rows of `n` bf16 each.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(crate) unsafe fn chunk_step(
+        (q, n, rows): (*const u16, usize, usize),
+        (keys, vals): (&[*const u8; TOKENS], &[*const u8]),
+        (m, l, acc): (&mut [f32], &mut [f32], &mut [f32]),
+        (ahead_k, ahead_v): (&super::Ahead<'_>, &super::Ahead<'_>),
+    ) -> bool {
+        debug_assert!(vals.len() == TOKENS && n.is_multiple_of(32));
+        debug_assert!(m.len() == rows && l.len() == rows && acc.len() == rows * n);
+        let state = (m, l, acc);
+        // SAFETY: the caller's contract, for each block size.
+        unsafe {
+            match rows {
+                8 => step_rows::<8, 2>(q, n, (keys, vals), state, (ahead_k, ahead_v)),
+                4 => step_rows::<4, 4>(q, n, (keys, vals), state, (ahead_k, ahead_v)),
+                2 => step_rows::<2, 8>(q, n, (keys, vals), state, (ahead_k, ahead_v)),
+                1 => step_rows::<1, 16>(q, n, (keys, vals), state, (ahead_k, ahead_v)),
+                _ => return false,
             }
         }
-        for (r, row) in blocks.iter_mut().enumerate() {
-            let sums = _mm512_maskz_mov_ps(live, super::fold(row, split..4, level));
-            // SAFETY: row `r`'s 16 scores are within the caller's bound.
-            unsafe { _mm512_storeu_ps(scores.add(r * stride), sums) };
+        true
+    }
+
+    /// [`chunk_step`] for `R` rows, the keys taken `B` at a time.
+    ///
+    /// # Safety
+    /// As [`chunk_step`], for `R` rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn step_rows<const R: usize, const B: usize>(
+        q: *const u16,
+        n: usize,
+        (keys, vals): (&[*const u8; TOKENS], &[*const u8]),
+        (m, l, acc): (&mut [f32], &mut [f32], &mut [f32]),
+        (ahead_k, ahead_v): (&super::Ahead<'_>, &super::Ahead<'_>),
+    ) {
+        // SAFETY: the caller's contract is `qk_sums`'.
+        let sums = unsafe { qk_sums::<R, B>(q, n, keys, ahead_k) };
+        let (ninf, zero) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_setzero_ps());
+        let mut live: __mmask16 = 0;
+        let mut packed = [[0u32; TOKENS / 2]; 8];
+        let mut weights = [zero; R];
+        for r in 0..R {
+            // As `row_max`, `exp_weights` and the kernel's update between them.
+            let mx = _mm512_reduce_max_ps(_mm512_max_ps(sums[r], ninf));
+            let m_new = m[r].max(mx);
+            if m[r] != m_new {
+                let alpha = (m[r] - m_new).exp();
+                acc[r * n..(r + 1) * n].iter_mut().for_each(|a| *a *= alpha);
+                l[r] *= alpha;
+            }
+            let keep = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(sums[r], ninf);
+            let e = super::avx512::exp16(_mm512_sub_ps(sums[r], _mm512_set1_ps(m_new)));
+            weights[r] = _mm512_maskz_mov_ps(keep, e);
+            l[r] += _mm512_reduce_add_ps(weights[r]);
+            m[r] = m_new;
+            live |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(weights[r], zero);
         }
+        for (row, w) in packed.iter_mut().zip(weights) {
+            let w = if live == u16::MAX {
+                w
+            } else {
+                _mm512_maskz_compress_ps(live, w)
+            };
+            let bits = _mm512_cvtneps_pbh(w);
+            // SAFETY: `row` holds 16 bf16 (32 bytes, as `bits`); both are plain bits.
+            unsafe {
+                let bits: __m256i = std::mem::transmute(bits);
+                _mm256_storeu_si256(row.as_mut_ptr().cast::<__m256i>(), bits);
+            }
+        }
+        let mut order = [std::ptr::null::<u8>(); TOKENS];
+        let vals = if live == u16::MAX {
+            vals
+        } else {
+            let mut count = 0;
+            let mut bits = live;
+            while bits != 0 {
+                order[count] = vals[bits.trailing_zeros() as usize];
+                count += 1;
+                bits &= bits - 1;
+            }
+            &order[..count]
+        };
+        // SAFETY: the caller's contract: `acc` holds `R` rows of `n`, each live value `n`.
+        unsafe { pv_rows::<R>(acc.as_mut_ptr(), n, &packed, (vals, ahead_v)) };
     }
 
     /// `acc_r[0..n) += sum over live tokens t of w[r * stride + t] * vals[t]` for the `rows`
@@ -1158,9 +1310,10 @@ pub(crate) mod avx512bf16 {
         let first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         let second =
             _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        let per = super::Ahead::per_step(n / 32);
         let mut i = 0;
         while i < n {
-            ahead.part(i / 32, n / 32);
+            ahead.part(i / 32, per);
             let mut lo = [_mm512_setzero_ps(); R];
             let mut hi = [_mm512_setzero_ps(); R];
             for (p, pair) in vals.chunks(2).enumerate() {
