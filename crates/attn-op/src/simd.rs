@@ -1206,31 +1206,10 @@ pub(crate) mod avx512bf16 {
             live |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(weights[r], zero);
         }
         for (row, w) in packed.iter_mut().zip(weights) {
-            let w = if live == u16::MAX {
-                w
-            } else {
-                _mm512_maskz_compress_ps(live, w)
-            };
-            let bits = _mm512_cvtneps_pbh(w);
-            // SAFETY: `row` holds 16 bf16 (32 bytes, as `bits`); both are plain bits.
-            unsafe {
-                let bits: __m256i = std::mem::transmute(bits);
-                _mm256_storeu_si256(row.as_mut_ptr().cast::<__m256i>(), bits);
-            }
+            pack_weights(live, w, row);
         }
         let mut order = [std::ptr::null::<u8>(); TOKENS];
-        let vals = if live == u16::MAX {
-            vals
-        } else {
-            let mut count = 0;
-            let mut bits = live;
-            while bits != 0 {
-                order[count] = vals[bits.trailing_zeros() as usize];
-                count += 1;
-                bits &= bits - 1;
-            }
-            &order[..count]
-        };
+        let vals = live_values(live, vals, &mut order);
         // SAFETY: the caller's contract: `acc` holds `R` rows of `n`, each live value `n`.
         unsafe { pv_rows::<R>(acc.as_mut_ptr(), n, &packed, (vals, ahead_v)) };
     }
@@ -1257,14 +1236,7 @@ pub(crate) mod avx512bf16 {
         debug_assert!(vals.len() <= TOKENS && n.is_multiple_of(32));
         debug_assert!(stride >= TOKENS && (16 - live.leading_zeros()) as usize <= vals.len());
         let mut order = [std::ptr::null::<u8>(); TOKENS];
-        let mut count = 0;
-        let mut bits = live;
-        while bits != 0 {
-            order[count] = vals[bits.trailing_zeros() as usize];
-            count += 1;
-            bits &= bits - 1;
-        }
-        let vals = &order[..count];
+        let vals = live_values(live, vals, &mut order);
         super::row_blocks(rows, |r0, block| {
             let ahead = ahead.for_rows_from(r0);
             // Each row's weights of `vals`' tokens, in order, rounded to bf16 and read as
@@ -1272,13 +1244,12 @@ pub(crate) mod avx512bf16 {
             // the last token.
             let mut packed = [[0u32; TOKENS / 2]; 8];
             for (r, row) in packed.iter_mut().enumerate().take(block) {
-                // SAFETY: row `r0 + r` holds `stride >= 16` weights; `row` holds 16 bf16.
-                unsafe {
-                    let ws =
-                        _mm512_maskz_compress_ps(live, _mm512_loadu_ps(w.add((r0 + r) * stride)));
-                    let bits: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(ws));
-                    _mm256_storeu_si256(row.as_mut_ptr().cast::<__m256i>(), bits);
-                }
+                // SAFETY: row `r0 + r` holds `stride >= 16` weights.
+                pack_weights(
+                    live,
+                    unsafe { _mm512_loadu_ps(w.add((r0 + r) * stride)) },
+                    row,
+                );
             }
             // SAFETY: rows `r0..r0 + block` are within the caller's `rows`.
             unsafe {
@@ -1291,6 +1262,46 @@ pub(crate) mod avx512bf16 {
                 }
             }
         });
+    }
+
+    /// The live tokens' weights of a row (`w`, a lane a token), in order, rounded to bf16 and
+    /// stored as pairs into `row`: the pair's first token in the low half of a 32-bit lane, and
+    /// 0 after the last live token.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    fn pack_weights(live: __mmask16, w: __m512, row: &mut [u32; TOKENS / 2]) {
+        let w = if live == u16::MAX {
+            w
+        } else {
+            _mm512_maskz_compress_ps(live, w)
+        };
+        let bits = _mm512_cvtneps_pbh(w);
+        // SAFETY: `row` holds 16 bf16 (32 bytes, as `bits`); both are plain bits.
+        unsafe {
+            let bits: __m256i = std::mem::transmute(bits);
+            _mm256_storeu_si256(row.as_mut_ptr().cast::<__m256i>(), bits);
+        }
+    }
+
+    /// The values of the live tokens (the set bits of `live`), in order: `vals` itself when
+    /// every token of a full chunk is live, else gathered into `order`.
+    #[inline]
+    fn live_values<'a>(
+        live: u16,
+        vals: &'a [*const u8],
+        order: &'a mut [*const u8; TOKENS],
+    ) -> &'a [*const u8] {
+        if live == u16::MAX && vals.len() == TOKENS {
+            return vals;
+        }
+        let mut count = 0;
+        let mut bits = live;
+        while bits != 0 {
+            order[count] = vals[bits.trailing_zeros() as usize];
+            count += 1;
+            bits &= bits - 1;
+        }
+        &order[..count]
     }
 
     /// [`pv_chunk`] for `R` rows with their packed weight pairs.
