@@ -1239,9 +1239,7 @@ pub(crate) mod avx512bf16 {
         let vals = live_values(live, vals, &mut order);
         super::row_blocks(rows, |r0, block| {
             let ahead = ahead.for_rows_from(r0);
-            // Each row's weights of `vals`' tokens, in order, rounded to bf16 and read as
-            // pairs: the pair's first token in the low half of a 32-bit lane, and 0 after
-            // the last token.
+            // Each row's live weights as bf16 pairs (`pack_weights`).
             let mut packed = [[0u32; TOKENS / 2]; 8];
             for (r, row) in packed.iter_mut().enumerate().take(block) {
                 // SAFETY: row `r0 + r` holds `stride >= 16` weights.
