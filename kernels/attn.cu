@@ -742,8 +742,8 @@ __device__ __forceinline__ void load_q_rows(const Unit& u, const T* __restrict__
 // Starts copying the sequence's block-table row (`n` entries) into `dst` in shared memory, 4
 // bytes a copy without registers (cp.async), while the CTA waits for its row's flag: the host
 // wrote the table before the step began. Returns `dst`, or null where the row does not fit
-// PUB_TABLE (the walk then reads the table in global memory). staged_keys ends the copies and
-// has the walk read the table there, not from L2, once the page ids arrive.
+// PUB_TABLE (the walk then reads the table in global memory). published_keys ends the copies
+// and has the walk read the table there, not from L2, once the page ids arrive.
 __device__ __forceinline__ const i32* pub_table_start(i32* dst, const i32* row, int n) {
     if (n > PUB_TABLE) return nullptr;
 #if __CUDA_ARCH__ >= 800
@@ -758,26 +758,51 @@ __device__ __forceinline__ const i32* pub_table_start(i32* dst, const i32* row, 
     return dst;
 }
 
-// A published selection's keys: the split's page ids, written while this kernel ran, are
-// read past L1 once (other rows' reads may have left stale lines of this row there) into
-// shared memory, which the walk then reads instead of the list; the block table, where
-// pub_table_start staged it (`table` not null), is read there once its copies end. The Rust
-// side ensures the ids fit; ids past PUB_IDS would be read as missing.
+// A published selection's keys (always pages: Gpu::sparse_page_attention_published): the
+// split's page ids, written while this kernel ran, are read past L1 once (other rows' reads
+// may have left stale lines of this row there) into shared memory, which the walk then reads
+// instead of the list; the block table, where pub_table_start staged it (`table` not null),
+// is read there once its copies end. The ids are loaded for the split's whole chunk, issued
+// before the row's length (sel_lens, read in Unit::keys), so that the two loads share one
+// round trip instead of the ids waiting for the length (0.4-0.6 µs of the published step,
+// kernels/NOTES.md, session 42); entries past the length are never used (slot_of stops at
+// t1). The Rust side ensures the ids fit; ids past PUB_IDS would be read as missing.
 template <typename T, int D>
-__device__ __forceinline__ Keys<T, D> staged_keys(Keys<T, D> k, const i32* table) {
+__device__ __forceinline__ Keys<T, D> published_keys(const Unit& u, int rows, int group,
+                                                     const T* kc, const T* vc,
+                                                     const i32* block_table, int max_blocks,
+                                                     int num_blocks, const i32* sel_ids,
+                                                     const i32* sel_lens, int sel_max,
+                                                     int kv_heads, int bs, int chunk,
+                                                     const i32* table) {
+    constexpr int PER = PUB_IDS / 128;  // ids a thread stages (CTAs of 128 threads)
     __shared__ i32 staged[PUB_IDS];
+    const int p0 = u.split * chunk / bs;
+    const int np = min(min((u.split * chunk + chunk + bs - 1) / bs, sel_max), p0 + PUB_IDS) - p0;
+    const i32* row = sel_ids + (size_t)u.sh * sel_max + p0;
+    int id[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = j * 128 + (int)threadIdx.x;
+        id[j] = i < np ? __ldcg(row + i) : -1;
+    }
+    Keys<T, D> k = u.template keys<T, D>(rows, group, kc, vc, block_table, max_blocks,
+                                         num_blocks, 1, sel_ids, sel_lens, sel_max, kv_heads,
+                                         bs, chunk, 0, true);
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = j * 128 + (int)threadIdx.x;
+        if (i < np) staged[i] = id[j];
+    }
     if (table != nullptr) {
 #if __CUDA_ARCH__ >= 800
         asm volatile("cp.async.wait_all;\n" ::);
 #endif
         k.table = table;
     }
-    const int p0 = k.t0 / k.bs;
-    const int p1 = min(k.t1 > k.t0 ? (k.t1 - 1) / k.bs + 1 : p0, p0 + PUB_IDS);
-    for (int i = threadIdx.x; i < p1 - p0; i += blockDim.x) staged[i] = __ldcg(k.sel + p0 + i);
     __syncthreads();
     k.sel = staged - p0;
-    k.sel_cap = min(k.sel_cap, p1 * k.bs);
+    k.sel_cap = min(k.sel_cap, (p0 + max(np, 0)) * bs);
     return k;
 }
 
@@ -822,11 +847,8 @@ __device__ __forceinline__ void attn_mma_core(
         wait_flag(ready + u.sh / ready_div, __ldcg(epoch));
     }
     const Keys<T, D> keys =
-        PUB ? staged_keys<T, D>(u.template keys<T, D>(ROWS, group, kc, vc, block_table,
-                                                      max_blocks, num_blocks, mode, sel_ids,
-                                                      sel_lens, sel_max, kv_heads, bs, chunk, 0,
-                                                      true),
-                                staged_table)
+        PUB ? published_keys<T, D>(u, ROWS, group, kc, vc, block_table, max_blocks, num_blocks,
+                                   sel_ids, sel_lens, sel_max, kv_heads, bs, chunk, staged_table)
             : u.template keys<T, D>(ROWS, group, kc, vc, block_table, max_blocks, num_blocks,
                                     mode, sel_ids, sel_lens, sel_max, kv_heads, bs, chunk, 0);
 
