@@ -81,7 +81,9 @@ def main():
         for (tag, goal), how in [(g, h) for g in goals.items()
                                  for h in ["", " tc", " tc graph", " tc published",
                                            " tc graph published", " e4m3", " tc graph e4m3",
-                                           " tc published e4m3", " tc graph published e4m3"]]:
+                                           " tc published e4m3", " tc graph published e4m3",
+                                           " tc graph published e4m3 1 of 8 layers",
+                                           " tc graph published e4m3 8 layers"]]:
             o = sel.get(f"quest+sparse attn 2K{how} {tag}")
             if not o:
                 continue

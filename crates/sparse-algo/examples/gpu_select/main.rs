@@ -16,8 +16,9 @@
 //!   the fused estimate + top-k, and the estimate, top-k and sparse attention together at B8 L32K
 //!   and B1 L128K (with and without programmatic dependent launches, captured in a CUDA graph, and
 //!   with the rows published to an attention that starts early), the same over E4M3 bounds (with
-//!   how many ids it shares with the bf16 bounds' selection), with our dense decode in the same
-//!   run; StreamingLLM's rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) +
+//!   how many ids it shares with the bf16 bounds' selection), and that step published from a
+//!   graph rotating over 8 layers' pools and pages, as a decode runs it (none of its bytes left in
+//!   L2 by the run before), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) +
 //!   top-2048 + token attention. Then the attention kernel's registers, and a trace of one step per
 //!   shape (per-CTA timestamps of the scoring, `pick_rows` and the attention on one time axis;
 //!   plain and published, alone and behind another step). `--only` keeps the shapes whose tag
@@ -37,11 +38,12 @@ mod report;
 #[path = "../../../attn-op/examples/gpu/rng.rs"]
 mod rng;
 
+mod cold;
 mod steptrace;
 
 use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu, Timing};
-use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
 use std::sync::Arc;
 
 use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv};
@@ -1322,6 +1324,7 @@ fn bench(
                         decode: &decode,
                         slots: &slots,
                         pool: &pool,
+                        layer: 0,
                         top: &mut top,
                         out: &mut out_attn,
                         tag: &step_tag,
@@ -1358,6 +1361,32 @@ fn bench(
             (b, ctx),
             &tag,
             bw,
+            &mut traces,
+        )?);
+        let quest = Quest::new(QuestConfig {
+            page_size: PS,
+            budget_tokens: 2048,
+            summary: Summary::E4m3,
+            ..Default::default()
+        })?;
+        let shape = cold::Shape {
+            kv: &kv,
+            layout: &layout,
+            q: &q,
+            slots: &slots,
+            b,
+            ctx,
+            tag: &tag,
+        };
+        // Its own generator, so that the shapes after it keep their tables.
+        let mut cold_rng = Rng::new(29 + b as u64);
+        rows.extend(cold::bench_cold(
+            gpu,
+            sk,
+            &quest,
+            &shape,
+            &mut out_attn,
+            &mut cold_rng,
             &mut traces,
         )?);
         let t = gpu.time(RUNS, || {
@@ -1477,6 +1506,7 @@ fn bench_e4m3(
         decode,
         slots,
         pool: &pool,
+        layer: 0,
         top: &mut top,
         out,
         tag: &step_tag,
@@ -1598,17 +1628,7 @@ fn bench_graph(
     // is synchronized before tracking is turned back on.
     unsafe { ctx.disable_event_tracking() };
     let timed = (|| {
-        let stream = lane.stream();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(AttnError::from)?;
-        let enqueued = s.run(&lane, &sk);
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(AttnError::from)?;
-        enqueued?;
-        let graph = graph.ok_or_else(|| AlgoError::Invalid("the capture made no graph".into()))?;
-        graph.upload().map_err(AttnError::from)?;
+        let graph = capture(&lane, &sk, s)?;
         let t = lane.time(RUNS, || {
             graph
                 .launch()
@@ -1637,6 +1657,28 @@ fn bench_graph(
             "the {how} step captured in a CUDA graph, replayed; ids and outputs as plain"
         ),
     })
+}
+
+/// `s`'s step on `lane`, where `sk` launches too, captured into a CUDA graph and uploaded. The
+/// caller has turned the context's event tracking off, and the step has run on `lane` once
+/// uncaptured (so that the lane's attention scratch exists).
+fn capture(
+    lane: &Gpu,
+    sk: &SelectKernels,
+    s: &mut steptrace::Step<'_>,
+) -> Result<CudaGraph, AlgoError> {
+    let stream = lane.stream();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(AttnError::from)?;
+    let enqueued = s.run(lane, sk);
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(AttnError::from)?;
+    enqueued?;
+    let graph = graph.ok_or_else(|| AlgoError::Invalid("the capture made no graph".into()))?;
+    graph.upload().map_err(AttnError::from)?;
+    Ok(graph)
 }
 
 /// How many of `got`'s selected ids (rows of `width`, -1 padded, ascending) `want`'s row

@@ -51,6 +51,8 @@ pub(crate) struct Step<'a> {
     pub decode: &'a DeviceBatch,
     pub slots: &'a CudaSlice<i32>,
     pub pool: &'a DeviceRepPool<bf16>,
+    /// The pool's layer the step scores.
+    pub layer: usize,
     pub top: &'a mut DeviceTopK,
     pub out: &'a mut CudaSlice<f32>,
     pub tag: &'a str,
@@ -64,7 +66,7 @@ impl Step<'_> {
         let params = AttnParams::new(Q_HEADS, D);
         let (q, kv, decode) = (self.q, self.kv, self.decode);
         sk.quest_topk(
-            self.quest, q, Q_HEADS, decode, 0, self.slots, self.pool, self.top,
+            self.quest, q, Q_HEADS, decode, self.layer, self.slots, self.pool, self.top,
         )?;
         let sel = &self.top.sel;
         match self.top.published() {
@@ -91,39 +93,13 @@ pub(crate) fn trace_step(
     let mut reports = Vec::new();
     for (publish, behind) in [(false, false), (false, true), (true, false), (true, true)] {
         sk.set_publish(publish);
-        let step = |gpu: &Gpu, sk: &SelectKernels, s: &mut Step<'_>| s.run(gpu, sk);
-        step(gpu, sk, s)?;
+        s.run(gpu, sk)?;
         gpu.synchronize()?;
         sk.take_trace()?;
         gpu.take_attn_trace()?;
-        let event = || {
-            gpu.context()
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| AlgoError::from(AttnError::from(e)))
-        };
-        let (a, b) = (event()?, event()?);
         if behind {
-            step(gpu, sk, s)?;
+            s.run(gpu, sk)?;
         }
-        sk.set_trace(true);
-        let variant = gpu.variant();
-        gpu.set_variant(Some("tct"))?;
-        a.record(gpu.stream()).map_err(AttnError::from)?;
-        let traced = step(gpu, sk, s);
-        b.record(gpu.stream()).map_err(AttnError::from)?;
-        sk.set_trace(false);
-        gpu.set_variant(variant)?;
-        traced?;
-        b.synchronize().map_err(AttnError::from)?;
-        let ms = f64::from(a.elapsed_ms(&b).map_err(AttnError::from)?);
-        let sel = sk.take_trace()?;
-        let attn = gpu.take_attn_trace()?;
-        let words = PICK_TRACE_FIRST * TRACE_WORDS;
-        let kernels = [
-            ("scoring", &sel[..words], SCORE_MARKS),
-            ("pick_rows", &sel[words..], PICK_MARKS),
-            ("attention", &attn[..], ATTN_MARKS),
-        ];
         let name = format!(
             "{}{}{}",
             s.tag.trim(),
@@ -134,11 +110,48 @@ pub(crate) fn trace_step(
                 ", alone"
             }
         );
-        reports.push(report(&name, ms, &kernels));
+        reports.push(trace_next(gpu, sk, s, &name)?);
     }
     sk.set_publish(false);
     sk.set_quest_scoring(QuestScoring::Exact);
     Ok(reports)
+}
+
+/// Traces `s`'s step, enqueued right behind whatever `gpu`'s stream holds (`sk` publishing or
+/// not as set), and answers its report under `name`. The trace records hold nothing yet: none
+/// was written since the last [`SelectKernels::take_trace`] and [`Gpu::take_attn_trace`].
+pub(crate) fn trace_next(
+    gpu: &mut Gpu,
+    sk: &mut SelectKernels,
+    s: &mut Step<'_>,
+    name: &str,
+) -> Result<String, AlgoError> {
+    let event = || {
+        gpu.context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| AlgoError::from(AttnError::from(e)))
+    };
+    let (a, b) = (event()?, event()?);
+    sk.set_trace(true);
+    let variant = gpu.variant();
+    gpu.set_variant(Some("tct"))?;
+    a.record(gpu.stream()).map_err(AttnError::from)?;
+    let traced = s.run(gpu, sk);
+    b.record(gpu.stream()).map_err(AttnError::from)?;
+    sk.set_trace(false);
+    gpu.set_variant(variant)?;
+    traced?;
+    b.synchronize().map_err(AttnError::from)?;
+    let ms = f64::from(a.elapsed_ms(&b).map_err(AttnError::from)?);
+    let sel = sk.take_trace()?;
+    let attn = gpu.take_attn_trace()?;
+    let words = PICK_TRACE_FIRST * TRACE_WORDS;
+    let kernels = [
+        ("scoring", &sel[..words], SCORE_MARKS),
+        ("pick_rows", &sel[words..], PICK_MARKS),
+        ("attention", &attn[..], ATTN_MARKS),
+    ];
+    Ok(report(name, ms, &kernels))
 }
 
 /// The marks of every kernel's CTAs, as min / median / max µs after the first CTA's start.

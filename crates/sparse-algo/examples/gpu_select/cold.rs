@@ -1,0 +1,196 @@
+//! The E4M3 Quest step as an engine meets it: a decode runs one step a layer, and each layer's
+//! step reads its own summaries and its own pages. The bench's other step rows repeat one
+//! layer's step, so at B1 L128K the 24 MiB it reads (16 MiB of summaries, 8 MiB of pages) can
+//! stay in the device's 50 MiB L2 from one run to the next. Here the steps rotate over
+//! [`COLD_LAYERS`] layers, each with its own pool layer and its own block table (a fresh
+//! permutation of the KV pool's blocks), so that between two steps of one layer the others read
+//! seven times as many bytes, and L2 holds none of them.
+
+use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, Timing};
+use attn_op::{AttnError, KvLayout};
+use cudarc::driver::{CudaGraph, CudaSlice};
+use half::bf16;
+use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
+use sparse_algo::{AlgoError, Quest, SparseAlgorithm};
+
+use super::report::Row;
+use super::rng::Rng;
+use super::steptrace::{self, Step};
+use super::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, meta_for};
+
+/// The layers a rotation runs over.
+pub(crate) const COLD_LAYERS: usize = 8;
+
+/// One shape's inputs: the KV pool (every layer's pages are blocks of it), its layout, the
+/// queries, the sequences' pool slots, the attention's output, `b` sequences of `ctx` tokens,
+/// and the shape's tag.
+pub(crate) struct Shape<'a> {
+    pub kv: &'a DevicePagedKv<bf16>,
+    pub layout: &'a KvLayout,
+    pub q: &'a CudaSlice<bf16>,
+    pub slots: &'a CudaSlice<i32>,
+    pub b: usize,
+    pub ctx: usize,
+    pub tag: &'a str,
+}
+
+/// Times `quest`'s step (E4M3 bounds), published and replayed from a CUDA graph, on one layer
+/// over and over and rotating over [`COLD_LAYERS`] layers, in one call, and checks that every
+/// layer's graph selects and attends as its serialized eager step does. Answers the two rows,
+/// and pushes onto `traces` the trace of a step behind the other layers' steps.
+pub(crate) fn bench_cold(
+    gpu: &mut Gpu,
+    sk: &mut SelectKernels,
+    quest: &Quest,
+    sh: &Shape<'_>,
+    out: &mut CudaSlice<f32>,
+    rng: &mut Rng,
+    traces: &mut Vec<String>,
+) -> Result<Vec<Row>, AlgoError> {
+    let (b, ctx) = (sh.b, sh.ctx);
+    let blocks = ctx / PS;
+    let lens = vec![ctx; b];
+    let shape = quest.rep_shape(KV_HEADS, D);
+    let summary = quest.config().summary;
+    let mut pool = DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, summary)?;
+    let mut decodes: Vec<DeviceBatch> = Vec::with_capacity(COLD_LAYERS);
+    for layer in 0..COLD_LAYERS {
+        let perm = rng.permutation(POOL_BLOCKS);
+        let table: Vec<i32> = perm[..b * blocks].iter().map(|&p| p as i32).collect();
+        let prefill = meta_for(gpu, sh.layout, &lens, &lens, &table, blocks)?;
+        sk.update_minmax(quest, sh.kv, &prefill, layer, sh.slots, &mut pool)?;
+        decodes.push(meta_for(
+            gpu,
+            sh.layout,
+            &lens,
+            &vec![1; b],
+            &table,
+            blocks,
+        )?);
+    }
+    let mut top = DeviceTopK::new(gpu, quest, b, KV_HEADS, ctx, false)?;
+    let step_tag = format!(" e4m3 {}", sh.tag);
+    let mut step = Step {
+        quest,
+        q: sh.q,
+        kv: sh.kv,
+        decode: &decodes[0],
+        slots: sh.slots,
+        pool: &pool,
+        layer: 0,
+        top: &mut top,
+        out,
+        tag: &step_tag,
+    };
+    // What each layer's graph must reproduce: its step serialized, eager.
+    sk.set_publish(false);
+    let mut wants = Vec::with_capacity(COLD_LAYERS);
+    for (layer, decode) in decodes.iter().enumerate() {
+        step.layer = layer;
+        step.decode = decode;
+        step.run(gpu, sk)?;
+        wants.push(Want::take(gpu, step.top, step.out)?);
+    }
+    // A stream of its own: the context's default stream cannot be captured.
+    let lane = gpu.fork()?;
+    let mut lane_sk = sk.on_stream(lane.stream().clone());
+    lane_sk.set_publish(true);
+    // Each layer once uncaptured, so that the lane's attention scratch exists.
+    gpu.synchronize()?;
+    for (layer, decode) in decodes.iter().enumerate() {
+        step.layer = layer;
+        step.decode = decode;
+        step.run(&lane, &lane_sk)?;
+    }
+    lane.synchronize()?;
+    let context = gpu.context().clone();
+    let tracking = context.is_event_tracking();
+    // SAFETY: all work so far is finished, and the captured work runs on the lane alone, which
+    // is synchronized before tracking is turned back on.
+    unsafe { context.disable_event_tracking() };
+    let timed = (|| {
+        let mut graphs = Vec::with_capacity(COLD_LAYERS);
+        for (layer, decode) in decodes.iter().enumerate() {
+            step.layer = layer;
+            step.decode = decode;
+            graphs.push(capture(&lane, &lane_sk, &mut step)?);
+        }
+        let launch = |g: &CudaGraph| g.launch().map_err(|e| AlgoError::from(AttnError::from(e)));
+        let one = lane.time(RUNS, || launch(&graphs[0]))?;
+        let mut next = 0;
+        let rotating = lane.time(RUNS, || {
+            let g = &graphs[next % COLD_LAYERS];
+            next += 1;
+            launch(g)
+        })?;
+        lane.synchronize()?;
+        Ok::<(Vec<CudaGraph>, Timing, Timing), AlgoError>((graphs, one, rotating))
+    })();
+    lane.synchronize()?;
+    if tracking {
+        // SAFETY: all work is finished (synchronized just above).
+        unsafe { context.enable_event_tracking() };
+    }
+    let (graphs, one, rotating) = timed?;
+    for (layer, (graph, want)) in graphs.iter().zip(&wants).enumerate() {
+        graph.launch().map_err(AttnError::from)?;
+        lane.synchronize()?;
+        let what = format!("the graph of layer {layer}'s step{step_tag}");
+        want.check(gpu, step.top, step.out, &what)?;
+    }
+    drop(graphs);
+    // A published step behind the other layers' steps, traced. Event tracking is off while they
+    // are enqueued: with it, each eager launch costs the host more than the device takes to run
+    // it, and the traced step would wait for its own launches.
+    sk.set_publish(true);
+    gpu.synchronize()?;
+    sk.take_trace()?;
+    gpu.take_attn_trace()?;
+    // SAFETY: all work so far is finished; the work enqueued while tracking is off runs on
+    // `gpu`'s stream alone, which is synchronized before tracking is turned back on.
+    unsafe { context.disable_event_tracking() };
+    let traced = (|| {
+        for (layer, decode) in decodes.iter().enumerate().rev() {
+            step.layer = layer;
+            step.decode = decode;
+            if layer > 0 {
+                step.run(gpu, sk)?;
+            }
+        }
+        let name = format!(
+            "e4m3 {} published, behind {} other layers' steps",
+            sh.tag,
+            COLD_LAYERS - 1
+        );
+        steptrace::trace_next(gpu, sk, &mut step, &name)
+    })();
+    let synced = gpu.synchronize();
+    if tracking {
+        // SAFETY: all work is finished (synchronized just above).
+        unsafe { context.enable_event_tracking() };
+    }
+    sk.set_publish(false);
+    synced?;
+    traces.push(traced?);
+    let row = |t: Timing, layers: String, note: &str| Row {
+        name: format!(
+            "quest+sparse attn 2K tc graph published e4m3 {layers} {}",
+            sh.tag
+        ),
+        t,
+        bytes: 0.0,
+        note: note.to_owned(),
+    };
+    Ok(vec![
+        row(
+            one,
+            format!("1 of {COLD_LAYERS} layers"),
+            "layer 0's step over and over (its bytes may stay in L2)",
+        ),
+        row(
+            rotating,
+            format!("{COLD_LAYERS} layers"),
+            "the layers' steps in turn, as a decode runs them (none of a step's bytes in L2)",
+        ),
+    ])
+}
