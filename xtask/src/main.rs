@@ -342,7 +342,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Usage: bash run.sh OUTDIR. Writes check.log, bench.log/json, io.log/json, select.log/json,
 # step.json, synth.json, engine.json, fidelity.json, passkey.json, peers.log/json, tools.log
 # (sanitizers, ncu), table.txt (the step's and the synthetic model's tables last), and the GPU
-# report: report.md with gpu_speedup.png.
+# report: report.md with gpu_speedup.png. SANITIZE=0 leaves out the compute-sanitizer runs and
+# NCU=0 the ncu sections (together they take most of the run, past a 10-minute call).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 # cuBLAS (the engine's GEMMs): the CUDA toolkit's, else the one PyTorch's wheels bring.
@@ -383,7 +384,9 @@ fi
 "$here/bin/gpu_select" bench --json "$out/select.json" 2>&1 | tee "$out/select.log"
 python3 "$here/torch_gpu_attn.py" --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "torch peer failed (see peers.log)"
 : > "$out/tools.log"
-if command -v compute-sanitizer > /dev/null; then
+if [ "${SANITIZE:-1}" != 1 ]; then
+  echo "compute-sanitizer runs left out (SANITIZE=0)" | tee -a "$out/tools.log"
+elif command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool gpu check --small" >> "$out/tools.log"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$here/bin/gpu" check --small >> "$out/tools.log" 2>&1
