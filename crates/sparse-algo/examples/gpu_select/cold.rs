@@ -16,7 +16,7 @@ use sparse_algo::{AlgoError, Quest, SparseAlgorithm};
 use super::report::Row;
 use super::rng::Rng;
 use super::steptrace::{self, Step};
-use super::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, meta_for};
+use super::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, meta_for, untracked};
 
 /// The layers a rotation runs over.
 pub(crate) const COLD_LAYERS: usize = 8;
@@ -103,12 +103,7 @@ pub(crate) fn bench_cold(
         step.run(&lane, &lane_sk)?;
     }
     lane.synchronize()?;
-    let context = gpu.context().clone();
-    let tracking = context.is_event_tracking();
-    // SAFETY: all work so far is finished, and the captured work runs on the lane alone, which
-    // is synchronized before tracking is turned back on.
-    unsafe { context.disable_event_tracking() };
-    let timed = (|| {
+    let (graphs, one, rotating) = untracked(gpu.context(), lane.stream(), || {
         let mut graphs = Vec::with_capacity(COLD_LAYERS);
         for (layer, decode) in decodes.iter().enumerate() {
             step.layer = layer;
@@ -123,15 +118,8 @@ pub(crate) fn bench_cold(
             next += 1;
             launch(g)
         })?;
-        lane.synchronize()?;
-        Ok::<(Vec<CudaGraph>, Timing, Timing), AlgoError>((graphs, one, rotating))
-    })();
-    lane.synchronize()?;
-    if tracking {
-        // SAFETY: all work is finished (synchronized just above).
-        unsafe { context.enable_event_tracking() };
-    }
-    let (graphs, one, rotating) = timed?;
+        Ok((graphs, one, rotating))
+    })?;
     for (layer, (graph, want)) in graphs.iter().zip(&wants).enumerate() {
         graph.launch().map_err(AttnError::from)?;
         lane.synchronize()?;
@@ -139,17 +127,15 @@ pub(crate) fn bench_cold(
         want.check(gpu, step.top, step.out, &what)?;
     }
     drop(graphs);
-    // A published step behind the other layers' steps, traced. Event tracking is off while they
-    // are enqueued: with it, each eager launch costs the host more than the device takes to run
-    // it, and the traced step would wait for its own launches.
+    // A published step behind the other layers' steps, traced, with event tracking off while
+    // they are enqueued: with it, each eager launch costs the host more than the device takes
+    // to run it, and the traced step would wait for its own launches.
     sk.set_publish(true);
     gpu.synchronize()?;
     sk.take_trace()?;
     gpu.take_attn_trace()?;
-    // SAFETY: all work so far is finished; the work enqueued while tracking is off runs on
-    // `gpu`'s stream alone, which is synchronized before tracking is turned back on.
-    unsafe { context.disable_event_tracking() };
-    let traced = (|| {
+    let (context, stream) = (gpu.context().clone(), gpu.stream().clone());
+    let traced = untracked(&context, &stream, || {
         for (layer, decode) in decodes.iter().enumerate().rev() {
             step.layer = layer;
             step.decode = decode;
@@ -163,14 +149,8 @@ pub(crate) fn bench_cold(
             COLD_LAYERS - 1
         );
         steptrace::trace_next(gpu, sk, &mut step, &name)
-    })();
-    let synced = gpu.synchronize();
-    if tracking {
-        // SAFETY: all work is finished (synchronized just above).
-        unsafe { context.enable_event_tracking() };
-    }
+    });
     sk.set_publish(false);
-    synced?;
     traces.push(traced?);
     let row = |t: Timing, layers: String, note: &str| Row {
         name: format!(

@@ -43,7 +43,7 @@ mod steptrace;
 
 use attn_op::cuda::{CudaElement, DeviceBatch, DevicePagedKv, Gpu, Timing};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice};
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 use attn_op::{AttnError, AttnParams, BatchMeta, Element, KvCache, KvLayout, PagedKv};
@@ -1622,27 +1622,14 @@ fn bench_graph(
     gpu.synchronize()?;
     s.run(&lane, &sk)?;
     lane.synchronize()?;
-    let ctx = gpu.context().clone();
-    let tracking = ctx.is_event_tracking();
-    // SAFETY: all work so far is finished, and the captured work runs on the lane alone, which
-    // is synchronized before tracking is turned back on.
-    unsafe { ctx.disable_event_tracking() };
-    let timed = (|| {
+    let t = untracked(gpu.context(), lane.stream(), || {
         let graph = capture(&lane, &sk, s)?;
-        let t = lane.time(RUNS, || {
+        lane.time(RUNS, || {
             graph
                 .launch()
                 .map_err(|e| AlgoError::from(AttnError::from(e)))
-        })?;
-        lane.synchronize()?;
-        Ok::<Timing, AlgoError>(t)
-    })();
-    lane.synchronize()?;
-    if tracking {
-        // SAFETY: all work is finished (synchronized just above).
-        unsafe { ctx.enable_event_tracking() };
-    }
-    let t = timed?;
+        })
+    })?;
     let tag = s.tag;
     want.check(gpu, s.top, s.out, &format!("the graph's step{tag}"))?;
     let how = if publish { "published" } else { "plain" };
@@ -1657,6 +1644,31 @@ fn bench_graph(
             "the {how} step captured in a CUDA graph, replayed; ids and outputs as plain"
         ),
     })
+}
+
+/// Runs `f`, which enqueues work on `stream` alone, with the context `ctx`'s event tracking off
+/// (CUDA graph capture needs it off; eager launches cost the host less without it), and
+/// synchronizes `stream` before turning tracking back on. Every other stream of the context
+/// must be idle when it is called.
+fn untracked<R>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    f: impl FnOnce() -> Result<R, AlgoError>,
+) -> Result<R, AlgoError> {
+    stream.synchronize().map_err(AttnError::from)?;
+    let tracking = ctx.is_event_tracking();
+    // SAFETY: all work so far is finished (the other streams are idle, this one is
+    // synchronized), and the work enqueued while tracking is off runs on `stream` alone, which
+    // is synchronized before tracking is turned back on.
+    unsafe { ctx.disable_event_tracking() };
+    let out = f();
+    let synced = stream.synchronize();
+    if tracking {
+        // SAFETY: all work is finished (synchronized just above).
+        unsafe { ctx.enable_event_tracking() };
+    }
+    synced.map_err(AttnError::from)?;
+    out
 }
 
 /// `s`'s step on `lane`, where `sk` launches too, captured into a CUDA graph and uploaded. The
