@@ -11,12 +11,12 @@ use attn_op::{AttnError, KvLayout};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
-use sparse_algo::{AlgoError, Quest, SparseAlgorithm};
+use sparse_algo::{AlgoError, SparseAlgorithm, Summary};
 
 use super::report::Row;
 use super::rng::Rng;
 use super::steptrace::{self, Step};
-use super::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, meta_for, untracked};
+use super::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, meta_for, quest_2k, untracked};
 
 /// The layers a rotation runs over.
 pub(crate) const COLD_LAYERS: usize = 8;
@@ -34,25 +34,25 @@ pub(crate) struct Shape<'a> {
     pub tag: &'a str,
 }
 
-/// Times `quest`'s step (E4M3 bounds), published and replayed from a CUDA graph, on one layer
+/// Times the E4M3 Quest step ([`quest_2k`]), published and replayed from a CUDA graph, on one layer
 /// over and over and rotating over [`COLD_LAYERS`] layers, in one call, and checks that every
 /// layer's graph selects and attends as its serialized eager step does. Answers the two rows,
 /// and pushes onto `traces` the trace of a step behind the other layers' steps.
 pub(crate) fn bench_cold(
     gpu: &mut Gpu,
     sk: &mut SelectKernels,
-    quest: &Quest,
     sh: &Shape<'_>,
     out: &mut CudaSlice<f32>,
     rng: &mut Rng,
     traces: &mut Vec<String>,
 ) -> Result<Vec<Row>, AlgoError> {
+    let quest = &quest_2k(Summary::E4m3)?;
     let (b, ctx) = (sh.b, sh.ctx);
     let blocks = ctx / PS;
     let lens = vec![ctx; b];
     let shape = quest.rep_shape(KV_HEADS, D);
-    let summary = quest.config().summary;
-    let mut pool = DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, summary)?;
+    let mut pool =
+        DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, Summary::E4m3)?;
     let mut decodes: Vec<DeviceBatch> = Vec::with_capacity(COLD_LAYERS);
     for layer in 0..COLD_LAYERS {
         let perm = rng.permutation(POOL_BLOCKS);
@@ -86,8 +86,7 @@ pub(crate) fn bench_cold(
     sk.set_publish(false);
     let mut wants = Vec::with_capacity(COLD_LAYERS);
     for (layer, decode) in decodes.iter().enumerate() {
-        step.layer = layer;
-        step.decode = decode;
+        step.set_layer(layer, decode);
         step.run(gpu, sk)?;
         wants.push(Want::take(gpu, step.top, step.out)?);
     }
@@ -98,16 +97,14 @@ pub(crate) fn bench_cold(
     // Each layer once uncaptured, so that the lane's attention scratch exists.
     gpu.synchronize()?;
     for (layer, decode) in decodes.iter().enumerate() {
-        step.layer = layer;
-        step.decode = decode;
+        step.set_layer(layer, decode);
         step.run(&lane, &lane_sk)?;
     }
     lane.synchronize()?;
     let (graphs, one, rotating) = untracked(gpu.context(), lane.stream(), || {
         let mut graphs = Vec::with_capacity(COLD_LAYERS);
         for (layer, decode) in decodes.iter().enumerate() {
-            step.layer = layer;
-            step.decode = decode;
+            step.set_layer(layer, decode);
             graphs.push(capture(&lane, &lane_sk, &mut step)?);
         }
         let launch = |g: &CudaGraph| g.launch().map_err(|e| AlgoError::from(AttnError::from(e)));
@@ -136,13 +133,11 @@ pub(crate) fn bench_cold(
     gpu.take_attn_trace()?;
     let (context, stream) = (gpu.context().clone(), gpu.stream().clone());
     let traced = untracked(&context, &stream, || {
-        for (layer, decode) in decodes.iter().enumerate().rev() {
-            step.layer = layer;
-            step.decode = decode;
-            if layer > 0 {
-                step.run(gpu, sk)?;
-            }
+        for layer in (1..COLD_LAYERS).rev() {
+            step.set_layer(layer, &decodes[layer]);
+            step.run(gpu, sk)?;
         }
+        step.set_layer(0, &decodes[0]);
         let name = format!(
             "e4m3 {} published, behind {} other layers' steps",
             sh.tag,

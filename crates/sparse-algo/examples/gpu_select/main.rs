@@ -17,11 +17,12 @@
 //!   and B1 L128K (with and without programmatic dependent launches, captured in a CUDA graph, and
 //!   with the rows published to an attention that starts early), the same over E4M3 bounds (with
 //!   how many ids it shares with the bf16 bounds' selection), and that step published from a
-//!   graph rotating over 8 layers' pools and pages, as a decode runs it (none of its bytes left in
-//!   L2 by the run before), with our dense decode in the same run; StreamingLLM's rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) +
-//!   top-2048 + token attention. Then the attention kernel's registers, and a trace of one step per
-//!   shape (per-CTA timestamps of the scoring, `pick_rows` and the attention on one time axis;
-//!   plain and published, alone and behind another step). `--only` keeps the shapes whose tag
+//!   graph rotating over 8 layers' pools and pages, as a decode runs it (none of its bytes left
+//!   in L2 by the run before), with our dense decode in the same run; StreamingLLM's rows, and
+//!   the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token attention.
+//!   Then the attention kernel's registers, and a trace of one step per shape (per-CTA
+//!   timestamps of the scoring, `pick_rows` and the attention on one time axis; plain and
+//!   published, alone, behind another step and behind the other layers' steps). `--only` keeps the shapes whose tag
 //!   starts with its value (for profiling one shape); `--min-chunk` and `--waves` set the
 //!   attention's split planner (a split's fewest keys, the waves of CTAs it aims for) and
 //!   `--variant` its kernel (`Gpu::set_variant`) for sweeps.
@@ -1363,12 +1364,6 @@ fn bench(
             bw,
             &mut traces,
         )?);
-        let quest = Quest::new(QuestConfig {
-            page_size: PS,
-            budget_tokens: 2048,
-            summary: Summary::E4m3,
-            ..Default::default()
-        })?;
         let shape = cold::Shape {
             kv: &kv,
             layout: &layout,
@@ -1383,7 +1378,6 @@ fn bench(
         rows.extend(cold::bench_cold(
             gpu,
             sk,
-            &quest,
             &shape,
             &mut out_attn,
             &mut cold_rng,
@@ -1444,15 +1438,8 @@ fn bench_e4m3(
     bw: f64,
     traces: &mut Vec<String>,
 ) -> Result<Vec<Row>, AlgoError> {
-    let bf16_quest = Quest::new(QuestConfig {
-        page_size: PS,
-        budget_tokens: 2048,
-        ..Default::default()
-    })?;
-    let quest = Quest::new(QuestConfig {
-        summary: Summary::E4m3,
-        ..bf16_quest.config()
-    })?;
+    let bf16_quest = quest_2k(Summary::Exact)?;
+    let quest = quest_2k(Summary::E4m3)?;
     let shape = quest.rep_shape(KV_HEADS, D);
     let mut top = DeviceTopK::new(gpu, &quest, b, KV_HEADS, ctx, false)?;
     // The bf16 summaries' tensor-core ids, to count the E4M3 ones against.
@@ -1517,6 +1504,17 @@ fn bench_e4m3(
     rows.push(bench_published(gpu, sk, &mut step)?);
     traces.extend(steptrace::trace_step(gpu, sk, &mut step)?);
     Ok(rows)
+}
+
+/// Quest over pages of 16 with a 2K-token budget and bounds kept as `summary`: the E4M3 step's
+/// configuration, and the bf16 one it is counted against.
+fn quest_2k(summary: Summary) -> Result<Quest, AlgoError> {
+    Quest::new(QuestConfig {
+        page_size: PS,
+        budget_tokens: 2048,
+        summary,
+        ..Default::default()
+    })
 }
 
 /// A row that reads `bytes` in `t`, noted as its fractions of the copy bandwidth `bw` (synced

@@ -58,7 +58,13 @@ pub(crate) struct Step<'a> {
     pub tag: &'a str,
 }
 
-impl Step<'_> {
+impl<'a> Step<'a> {
+    /// Points the step at `layer` of the pool, with that layer's decode metadata.
+    pub(crate) fn set_layer(&mut self, layer: usize, decode: &'a DeviceBatch) {
+        self.layer = layer;
+        self.decode = decode;
+    }
+
     /// Enqueues the step on `gpu`'s stream (where `sk` launches too): `sk`'s top-k, then
     /// attention over its selection, starting early over the published rows where the top-k
     /// published them ([`SelectKernels::set_publish`]).
