@@ -83,7 +83,8 @@ def main():
                                            " tc graph published", " e4m3", " tc graph e4m3",
                                            " tc published e4m3", " tc graph published e4m3",
                                            " tc graph published e4m3 1 of 8 layers",
-                                           " tc graph published e4m3 8 layers"]]:
+                                           " tc graph published e4m3 8 layers",
+                                           " tc graph published e4m3 8 layers one graph"]]:
             o = sel.get(f"quest+sparse attn 2K{how} {tag}")
             if not o:
                 continue

@@ -965,9 +965,11 @@ __device__ __forceinline__ void row_floor(u32& lo, u32& top, int pick,
 // PICK_THREADS + t (id id0 plus that), into `c` in id order: the (key j, warp) ballots are
 // counted, and each warp places its lanes after the keys of every smaller j and of the warps
 // before it in its own j. Returns how many there are, the same in every thread, or -1 where
-// more than PICK_CANDIDATES reach `lo` (nothing is written then). Two barriers.
+// more than PICK_CANDIDATES reach `lo` (nothing is written then). Two barriers; traced, marks 7
+// (the ballots counted) and 8 (the places found).
+template <bool TRACE>
 __device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n, u32 lo, int id0,
-                                               Candidates& c) {
+                                               Candidates& c, Trace<TRACE>& tr) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     u32 hit[PICK_KEYS];
@@ -981,6 +983,7 @@ __device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n,
         }
     }
     __syncthreads();
+    tr.mark(7, 0u);
     int total = 0, at[PICK_KEYS];
 #pragma unroll
     for (int j = 0; j < PICK_KEYS; j++) {
@@ -991,6 +994,7 @@ __device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n,
             total += __reduce_add_sync(0xffffffffu, w);
         }
     }
+    tr.mark(8, (u32)total);
     if (total > PICK_CANDIDATES) return -1;
     const u32 below = (1u << lane) - 1u;
 #pragma unroll
@@ -1014,8 +1018,8 @@ __device__ __forceinline__ void pick_body(
     u32* __restrict__ ready, const u32* __restrict__ epoch) {
     // Traced (`pick_rows_traced`): entry, after the wait, the keys read and the first
     // histogram's range found, the threshold found and the chosen ids written, the row's
-    // other entries written; the candidates gathered (5) and the threshold found (6); the
-    // end, with select_top's rounds.
+    // other entries written; the candidates gathered (5; 7 and 8 within) and the threshold
+    // found (6); the end, with select_top's rounds.
     Trace<TRACE> tr(PICK_TRACE_FIRST);
     tr.mark(0, 0u);
     // Dynamic shared memory: select_top's two histograms, then (keys_smem) the row's keys.
@@ -1099,7 +1103,7 @@ __device__ __forceinline__ void pick_body(
         row_floor(lo, top, pick, red);
         tr.mark(2, lo);
         i32* dst = out + plan.head_end;
-        const int found = in_regs ? pick_candidates(k, n, lo, plan.head_end, cand) : -1;
+        const int found = in_regs ? pick_candidates(k, n, lo, plan.head_end, cand, tr) : -1;
         tr.mark(5, (u32)found);
         if (found >= 0) {
             rounds = select_top<PICK_THREADS, true>(cand.keys, found, pick, 0, dst, lo, top, hist,

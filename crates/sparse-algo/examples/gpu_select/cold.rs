@@ -34,10 +34,11 @@ pub(crate) struct Shape<'a> {
     pub tag: &'a str,
 }
 
-/// Times the E4M3 Quest step ([`quest_2k`]), published and replayed from a CUDA graph, on one layer
-/// over and over and rotating over [`COLD_LAYERS`] layers, in one call, and checks that every
-/// layer's graph selects and attends as its serialized eager step does. Answers the two rows,
-/// and pushes onto `traces` the trace of a step behind the other layers' steps.
+/// Times the E4M3 Quest step ([`quest_2k`]), published and replayed from CUDA graphs, on one layer
+/// over and over, rotating over [`COLD_LAYERS`] layers (a graph each), and every layer's step in
+/// one graph, in one call, and checks that each graph selects and attends as the serialized
+/// eager steps do. Answers the three rows, and pushes onto `traces` the trace of a step behind
+/// the other layers' steps.
 pub(crate) fn bench_cold(
     gpu: &mut Gpu,
     sk: &mut SelectKernels,
@@ -101,12 +102,22 @@ pub(crate) fn bench_cold(
         step.run(&lane, &lane_sk)?;
     }
     lane.synchronize()?;
-    let (graphs, one, rotating) = untracked(gpu.context(), lane.stream(), || {
+    let (graphs, whole, one, rotating, all) = untracked(gpu.context(), lane.stream(), || {
         let mut graphs = Vec::with_capacity(COLD_LAYERS);
         for (layer, decode) in decodes.iter().enumerate() {
             step.set_layer(layer, decode);
-            graphs.push(capture(&lane, &lane_sk, &mut step)?);
+            graphs.push(capture(&lane, || step.run(&lane, &lane_sk))?);
         }
+        // Every layer's step in one graph, as an engine captures a whole decode step: each
+        // scoring launch depends programmatically on the attention before it, as in the
+        // eager steps, instead of waiting for a graph launch.
+        let whole = capture(&lane, || {
+            for (layer, decode) in decodes.iter().enumerate() {
+                step.set_layer(layer, decode);
+                step.run(&lane, &lane_sk)?;
+            }
+            Ok(())
+        })?;
         let launch = |g: &CudaGraph| g.launch().map_err(|e| AlgoError::from(AttnError::from(e)));
         let one = lane.time(RUNS, || launch(&graphs[0]))?;
         let mut next = 0;
@@ -115,7 +126,8 @@ pub(crate) fn bench_cold(
             next += 1;
             launch(g)
         })?;
-        Ok((graphs, one, rotating))
+        let all = lane.time(RUNS, || launch(&whole))?;
+        Ok((graphs, whole, one, rotating, all))
     })?;
     for (layer, (graph, want)) in graphs.iter().zip(&wants).enumerate() {
         graph.launch().map_err(AttnError::from)?;
@@ -123,7 +135,12 @@ pub(crate) fn bench_cold(
         let what = format!("the graph of layer {layer}'s step{step_tag}");
         want.check(gpu, step.top, step.out, &what)?;
     }
-    drop(graphs);
+    // The one graph leaves the last layer's ids and output behind.
+    whole.launch().map_err(AttnError::from)?;
+    lane.synchronize()?;
+    let what = format!("the last layer's step of the one graph{step_tag}");
+    wants[COLD_LAYERS - 1].check(gpu, step.top, step.out, &what)?;
+    drop((graphs, whole));
     // A published step behind the other layers' steps, traced, with event tracking off while
     // they are enqueued: with it, each eager launch costs the host more than the device takes
     // to run it, and the traced step would wait for its own launches.
@@ -166,6 +183,14 @@ pub(crate) fn bench_cold(
             rotating,
             format!("{COLD_LAYERS} layers"),
             "the layers' steps in turn, as a decode runs them (none of a step's bytes in L2)",
+        ),
+        row(
+            Timing {
+                synced: all.synced / COLD_LAYERS as f64,
+                queued: all.queued / COLD_LAYERS as f64,
+            },
+            format!("{COLD_LAYERS} layers one graph"),
+            "the same steps captured in one graph, as an engine captures a decode; per step",
         ),
     ])
 }

@@ -1621,7 +1621,7 @@ fn bench_graph(
     s.run(&lane, &sk)?;
     lane.synchronize()?;
     let t = untracked(gpu.context(), lane.stream(), || {
-        let graph = capture(&lane, &sk, s)?;
+        let graph = capture(&lane, || s.run(&lane, &sk))?;
         lane.time(RUNS, || {
             graph
                 .launch()
@@ -1669,19 +1669,18 @@ fn untracked<R>(
     out
 }
 
-/// `s`'s step on `lane`, where `sk` launches too, captured into a CUDA graph and uploaded. The
-/// caller has turned the context's event tracking off, and the step has run on `lane` once
-/// uncaptured (so that the lane's attention scratch exists).
+/// What `enqueue` enqueues on `lane`'s stream (steps of `steptrace::Step::run`), captured into
+/// a CUDA graph and uploaded. The caller has turned the context's event tracking off, and each
+/// step has run on `lane` once uncaptured (so that the lane's attention scratch exists).
 fn capture(
     lane: &Gpu,
-    sk: &SelectKernels,
-    s: &mut steptrace::Step<'_>,
+    enqueue: impl FnOnce() -> Result<(), AlgoError>,
 ) -> Result<CudaGraph, AlgoError> {
     let stream = lane.stream();
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(AttnError::from)?;
-    let enqueued = s.run(lane, sk);
+    let enqueued = enqueue();
     let graph = stream
         .end_capture(CUgraphInstantiate_flags(0))
         .map_err(AttnError::from)?;

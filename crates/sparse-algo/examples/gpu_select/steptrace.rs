@@ -25,6 +25,8 @@ const PICK_MARKS: &[(usize, &str)] = &[
     (0, "start"),
     (1, "wait over"),
     (2, "keys read, floor"),
+    (7, "ballots counted"),
+    (8, "places found"),
     (5, "candidates"),
     (6, "threshold"),
     (3, "ids"),
