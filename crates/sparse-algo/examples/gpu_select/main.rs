@@ -16,16 +16,17 @@
 //!   the fused estimate + top-k, and the estimate, top-k and sparse attention together at B8 L32K
 //!   and B1 L128K (with and without programmatic dependent launches, captured in a CUDA graph, and
 //!   with the rows published to an attention that starts early), the same over E4M3 bounds (with
-//!   how many ids it shares with the bf16 bounds' selection), and that step published from a
-//!   graph rotating over 8 layers' pools and pages, as a decode runs it (none of its bytes left
-//!   in L2 by the run before), with our dense decode in the same run; StreamingLLM's rows, and
-//!   the DSA indexer (64 heads of 128, DeepSeek V3.2's shape) + top-2048 + token attention.
-//!   Then the attention kernel's registers, and a trace of one step per shape (per-CTA
-//!   timestamps of the scoring, `pick_rows` and the attention on one time axis; plain and
-//!   published, alone, behind another step and behind the other layers' steps). `--only` keeps the shapes whose tag
-//!   starts with its value (for profiling one shape); `--min-chunk` and `--waves` set the
-//!   attention's split planner (a split's fewest keys, the waves of CTAs it aims for) and
-//!   `--variant` its kernel (`Gpu::set_variant`) for sweeps.
+//!   how many ids it shares with the bf16 bounds' selection), and that step published from
+//!   graphs rotating over 8 layers' pools and pages, as a decode runs it (none of its bytes left
+//!   in L2 by the run before; a graph a layer, and all 8 in one graph), with our dense decode in
+//!   the same run; StreamingLLM's rows, and the DSA indexer (64 heads of 128, DeepSeek V3.2's
+//!   shape) + top-2048 + token attention. Then the attention kernel's registers, and a trace of
+//!   one step per shape (per-CTA timestamps of the scoring, `pick_rows` and the attention on
+//!   one time axis; plain and published, alone, behind another step and behind the other
+//!   layers' steps). `--only` keeps the shapes whose tag starts with its value (for profiling
+//!   one shape); `--min-chunk` and `--waves` set the attention's split planner (a split's
+//!   fewest keys, the waves of CTAs it aims for) and `--variant` its kernel
+//!   (`Gpu::set_variant`) for sweeps.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
