@@ -70,6 +70,10 @@ pub(crate) fn bench_cold(
         )?);
     }
     let mut top = DeviceTopK::new(gpu, quest, b, KV_HEADS, ctx, false)?;
+    // The one graph's attention outputs, a buffer a layer, so that every layer's is checked.
+    let mut outs = (0..COLD_LAYERS)
+        .map(|_| gpu.zeros::<f32>(out.len()))
+        .collect::<Result<Vec<_>, _>>()?;
     let step_tag = format!(" e4m3 {}", sh.tag);
     let mut step = Step {
         quest,
@@ -110,11 +114,23 @@ pub(crate) fn bench_cold(
         }
         // Every layer's step in one graph, as an engine captures a whole decode step: each
         // scoring launch depends programmatically on the attention before it, as in the
-        // eager steps, instead of waiting for a graph launch.
+        // eager steps, instead of waiting for a graph launch. Each layer attends into its own
+        // output; the rows go to the one top-k, as the steps before use it.
         let whole = capture(&lane, || {
-            for (layer, decode) in decodes.iter().enumerate() {
-                step.set_layer(layer, decode);
-                step.run(&lane, &lane_sk)?;
+            for ((layer, decode), out) in decodes.iter().enumerate().zip(&mut outs) {
+                Step {
+                    quest: step.quest,
+                    q: step.q,
+                    kv: step.kv,
+                    decode,
+                    slots: step.slots,
+                    pool: step.pool,
+                    layer,
+                    top: &mut *step.top,
+                    out,
+                    tag: step.tag,
+                }
+                .run(&lane, &lane_sk)?;
             }
             Ok(())
         })?;
@@ -135,11 +151,15 @@ pub(crate) fn bench_cold(
         let what = format!("the graph of layer {layer}'s step{step_tag}");
         want.check(gpu, step.top, step.out, &what)?;
     }
-    // The one graph leaves the last layer's ids and output behind.
+    // The one graph leaves every layer's output, and the last layer's ids, behind.
     whole.launch().map_err(AttnError::from)?;
     lane.synchronize()?;
-    let what = format!("the last layer's step of the one graph{step_tag}");
-    wants[COLD_LAYERS - 1].check(gpu, step.top, step.out, &what)?;
+    for (layer, (out, want)) in outs.iter().zip(&wants).enumerate() {
+        let what = format!("layer {layer}'s step in the one graph{step_tag}");
+        want.check_out(gpu, out, &what)?;
+    }
+    let what = format!("the last layer's ids in the one graph{step_tag}");
+    wants[COLD_LAYERS - 1].check(gpu, step.top, &outs[COLD_LAYERS - 1], &what)?;
     drop((graphs, whole));
     // A published step behind the other layers' steps, traced, with event tracking off while
     // they are enqueued: with it, each eager launch costs the host more than the device takes

@@ -1556,13 +1556,8 @@ impl Want {
         out: &CudaSlice<f32>,
         what: &str,
     ) -> Result<(), AlgoError> {
-        let now = Want::take(gpu, top, out)?;
-        let same_ids = now.ids == self.ids;
-        let same_out = now
-            .out
-            .iter()
-            .zip(&self.out)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let same_ids = gpu.download(&top.sel.ids)? == self.ids;
+        let same_out = self.same_out(gpu, out)?;
         if same_ids && same_out {
             Ok(())
         } else {
@@ -1570,6 +1565,26 @@ impl Want {
                 "{what}: ids equal {same_ids}, outputs equal {same_out}"
             )))
         }
+    }
+
+    /// Fails, naming `what`, unless `out` now holds these outputs, bit for bit (the ids are not
+    /// compared).
+    fn check_out(&self, gpu: &Gpu, out: &CudaSlice<f32>, what: &str) -> Result<(), AlgoError> {
+        if self.same_out(gpu, out)? {
+            Ok(())
+        } else {
+            Err(AlgoError::Invalid(format!("{what}: outputs differ")))
+        }
+    }
+
+    /// Whether `out` now holds these outputs, bit for bit.
+    fn same_out(&self, gpu: &Gpu, out: &CudaSlice<f32>) -> Result<bool, AlgoError> {
+        let now: Vec<f32> = gpu.download(out)?;
+        Ok(now.len() == self.out.len()
+            && now
+                .iter()
+                .zip(&self.out)
+                .all(|(a, b)| a.to_bits() == b.to_bits()))
     }
 }
 
