@@ -462,19 +462,21 @@ struct ScoreArgs {
 };
 
 // A (selection row, head) of the scoring kernels, numbered rh = row * heads + head: its
-// selection row, sequence, KV head, scored mid pages (0: none; at most score_stride) and the
-// first element of its first mid page's min/max row.
+// selection row, sequence, KV head, the sequence's decode query row (cu_q[s + 1] - 1), scored
+// mid pages (0: none; at most score_stride) and the first element of its first mid page's
+// min/max row. It reads only the batch's metadata, which the host writes.
 struct RowFacts {
-    int row, s, h, npg;
+    int row, s, h, q_row, npg;
     size_t rep0;
-    __device__ RowFacts(int rh, const ScoreArgs& a, const i32* __restrict__ seq_lens,
-                        const i32* __restrict__ slots) {
+    __device__ RowFacts(int rh, const ScoreArgs& a, const i32* __restrict__ cu_q,
+                        const i32* __restrict__ seq_lens, const i32* __restrict__ slots) {
         const int heads = a.shared ? a.kvh : 1;
         row = rh / heads;
         s = a.shared ? row : row / a.kvh;
         h = a.shared ? rh % heads : row % a.kvh;
         npg = 0;
         rep0 = 0;
+        q_row = cu_q[s + 1] - 1;
         const int len = seq_lens[s];
         const int slot = slots[s];
         if (len <= 0 || slot < 0 || slot >= a.num_slots) return;
@@ -518,7 +520,7 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
     const int step_r = SCORE_THREADS / vr, step_c = SCORE_THREADS % vr;
 
     auto locate = [&](int it) {
-        const RowFacts f(it / a.tiles, a, seq_lens, slots);
+        const RowFacts f(it / a.tiles, a, cu_q, seq_lens, slots);
         Item m;
         m.row = f.row;
         m.s = f.s;
@@ -760,12 +762,13 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
     int q_exp = 0;  // E8: the queries' scale exponent
     int have = -1;
     // The (row, head)'s sequence facts, set with its queries. The first item's come from the
-    // batch's lengths and slots, which only the host writes: read before waiting for the
-    // kernel before this one (kernels/pdl.cuh), so their loads overlap its end.
+    // batch's metadata (query offsets, lengths, slots), which only the host writes: read before
+    // waiting for the kernel before this one (kernels/pdl.cuh), so that their loads overlap its
+    // end and the queries' loads need not wait for the query offsets.
     int row = 0, npg_all = 0;
     size_t rep_row0 = 0;
     if (first >= last) return;
-    RowFacts f((int)(first / a.tiles), a, seq_lens, slots);
+    RowFacts f((int)(first / a.tiles), a, cu_q, seq_lens, slots);
     pdl_enter();
     advance_epoch(epoch);
     tr.mark(1, 0u);
@@ -773,14 +776,13 @@ __device__ void score_tc_body(const T* __restrict__ q, const i32* __restrict__ c
         const int tile = (int)(it % a.tiles);
         const int rh = (int)(it / a.tiles);
         if (rh != have) {
-            if (have >= 0) f = RowFacts(rh, a, seq_lens, slots);
+            if (have >= 0) f = RowFacts(rh, a, cu_q, seq_lens, slots);
             have = rh;
             row = f.row;
             npg_all = f.npg;
             rep_row0 = f.rep0;
             if (npg_all > 0) {
-                const T* qrow =
-                    q + ((size_t)(cu_q[f.s + 1] - 1) * a.q_heads + (size_t)f.h * g + gl) * D;
+                const T* qrow = q + ((size_t)f.q_row * a.q_heads + (size_t)f.h * g + gl) * D;
                 if (E8) {
                     // The group's elements (NaN read as 0), their largest magnitude, eq.
                     float x[HALF][8];
