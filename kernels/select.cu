@@ -488,10 +488,11 @@ struct RowFacts {
     }
 };
 
-// A scoring item's coordinates: selection row, KV head, sequence, the tile's first mid page and
-// page count (0: nothing to score), and the first element of its min/max rows.
+// A scoring item's coordinates: selection row, KV head, sequence, its decode query row, the
+// tile's first mid page and page count (0: nothing to score), and the first element of its
+// min/max rows.
 struct Item {
-    int row, h, s, i0, npg;
+    int row, h, s, q_row, i0, npg;
     size_t rep0;
 };
 
@@ -524,6 +525,7 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
         Item m;
         m.row = f.row;
         m.s = f.s;
+        m.q_row = f.q_row;
         m.h = f.h;
         m.i0 = (it % a.tiles) * tile_pages;
         m.npg = max(0, min(tile_pages, f.npg - m.i0));
@@ -566,7 +568,7 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
         const int rh = it / a.tiles;
         if (rh != have_q) {
             // The previous item's math finished at its closing barrier.
-            const T* qrow = q + ((size_t)(cu_q[m.s + 1] - 1) * a.q_heads + (size_t)m.h * g) * a.d;
+            const T* qrow = q + ((size_t)m.q_row * a.q_heads + (size_t)m.h * g) * a.d;
             for (int i = threadIdx.x * V::N; i < g * a.d; i += SCORE_THREADS * V::N) {
                 float x[V::N];
                 V::widen(__ldg(reinterpret_cast<const uint4*>(qrow + i)), x);
