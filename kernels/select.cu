@@ -462,17 +462,17 @@ struct ScoreArgs {
 };
 
 // A (selection row, head) of the scoring kernels, numbered rh = row * heads + head: its
-// selection row, sequence, KV head, the sequence's decode query row (cu_q[s + 1] - 1), scored
-// mid pages (0: none; at most score_stride) and the first element of its first mid page's
-// min/max row. It reads only the batch's metadata, which the host writes.
+// selection row, KV head, its sequence's decode query row (cu_q[s + 1] - 1), scored mid pages
+// (0: none; at most score_stride) and the first element of its first mid page's min/max row.
+// It reads only the batch's metadata, which the host writes.
 struct RowFacts {
-    int row, s, h, q_row, npg;
+    int row, h, q_row, npg;
     size_t rep0;
     __device__ RowFacts(int rh, const ScoreArgs& a, const i32* __restrict__ cu_q,
                         const i32* __restrict__ seq_lens, const i32* __restrict__ slots) {
         const int heads = a.shared ? a.kvh : 1;
         row = rh / heads;
-        s = a.shared ? row : row / a.kvh;
+        const int s = a.shared ? row : row / a.kvh;
         h = a.shared ? rh % heads : row % a.kvh;
         npg = 0;
         rep0 = 0;
@@ -488,11 +488,11 @@ struct RowFacts {
     }
 };
 
-// A scoring item's coordinates: selection row, KV head, sequence, its decode query row, the
+// A scoring item's coordinates: selection row, KV head, its sequence's decode query row, the
 // tile's first mid page and page count (0: nothing to score), and the first element of its
 // min/max rows.
 struct Item {
-    int row, h, s, q_row, i0, npg;
+    int row, h, q_row, i0, npg;
     size_t rep0;
 };
 
@@ -524,7 +524,6 @@ __device__ void score_body(const T* __restrict__ q, const i32* __restrict__ cu_q
         const RowFacts f(it / a.tiles, a, cu_q, seq_lens, slots);
         Item m;
         m.row = f.row;
-        m.s = f.s;
         m.q_row = f.q_row;
         m.h = f.h;
         m.i0 = (it % a.tiles) * tile_pages;
