@@ -118,19 +118,7 @@ pub(crate) fn bench_cold(
         // output; the rows go to the one top-k, as the steps before use it.
         let whole = capture(&lane, || {
             for ((layer, decode), out) in decodes.iter().enumerate().zip(&mut outs) {
-                Step {
-                    quest: step.quest,
-                    q: step.q,
-                    kv: step.kv,
-                    decode,
-                    slots: step.slots,
-                    pool: step.pool,
-                    layer,
-                    top: &mut *step.top,
-                    out,
-                    tag: step.tag,
-                }
-                .run(&lane, &lane_sk)?;
+                step.for_layer(layer, decode, out).run(&lane, &lane_sk)?;
             }
             Ok(())
         })?;

@@ -67,6 +67,23 @@ impl<'a> Step<'a> {
         self.decode = decode;
     }
 
+    /// The same step at `layer` of the pool, with that layer's decode metadata, attending into
+    /// `out` (the top-k borrowed from this one).
+    pub(crate) fn for_layer<'b>(
+        &'b mut self,
+        layer: usize,
+        decode: &'b DeviceBatch,
+        out: &'b mut CudaSlice<f32>,
+    ) -> Step<'b> {
+        Step {
+            decode,
+            layer,
+            top: &mut *self.top,
+            out,
+            ..*self
+        }
+    }
+
     /// Enqueues the step on `gpu`'s stream (where `sk` launches too): `sk`'s top-k, then
     /// attention over its selection, starting early over the published rows where the top-k
     /// published them ([`SelectKernels::set_publish`]).
