@@ -987,15 +987,19 @@ __device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n,
     }
     __syncthreads();
     tr.mark(7, 0u);
+    // Two keys' counts a reduction, 16 bits each (a count is at most PICK_THREADS).
+    static_assert(PICK_KEYS % 2 == 0 && PICK_THREADS < 65536, "two counts fit a word");
     int total = 0, at[PICK_KEYS];
 #pragma unroll
-    for (int j = 0; j < PICK_KEYS; j++) {
-        at[j] = total;
-        if (j * PICK_THREADS < n) {
-            const int w = c.counts[j][lane];
-            at[j] += __reduce_add_sync(0xffffffffu, lane < warp ? w : 0);
-            total += __reduce_add_sync(0xffffffffu, w);
-        }
+    for (int j = 0; j < PICK_KEYS; j += 2) {
+        const u32 w = (j * PICK_THREADS < n ? (u32)c.counts[j][lane] : 0u) |
+                      ((j + 1) * PICK_THREADS < n ? (u32)c.counts[j + 1][lane] << 16 : 0u);
+        const u32 before = __reduce_add_sync(0xffffffffu, lane < warp ? w : 0u);
+        const u32 sum = __reduce_add_sync(0xffffffffu, w);
+        at[j] = total + (int)(before & 0xffffu);
+        total += (int)(sum & 0xffffu);
+        at[j + 1] = total + (int)(before >> 16);
+        total += (int)(sum >> 16);
     }
     tr.mark(8, (u32)total);
     if (total > PICK_CANDIDATES) return -1;
