@@ -992,11 +992,13 @@ __device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n,
     int total = 0, at[PICK_KEYS];
 #pragma unroll
     for (int j = 0; j < PICK_KEYS; j += 2) {
-        const u32 w = (j * PICK_THREADS < n ? (u32)c.counts[j][lane] : 0u) |
+        at[j] = at[j + 1] = total;
+        if (j * PICK_THREADS >= n) continue;  // uniform: no thread holds key j
+        const u32 w = (u32)c.counts[j][lane] |
                       ((j + 1) * PICK_THREADS < n ? (u32)c.counts[j + 1][lane] << 16 : 0u);
         const u32 before = __reduce_add_sync(0xffffffffu, lane < warp ? w : 0u);
         const u32 sum = __reduce_add_sync(0xffffffffu, w);
-        at[j] = total + (int)(before & 0xffffu);
+        at[j] += (int)(before & 0xffffu);
         total += (int)(sum & 0xffffu);
         at[j + 1] = total + (int)(before >> 16);
         total += (int)(sum >> 16);
