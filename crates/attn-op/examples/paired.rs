@@ -1,0 +1,131 @@
+//! Decode attention as a fraction of this machine's read bandwidth, measured in pairs: each
+//! decode is timed right after a stream read of 1 GiB, so that both see the same neighbours.
+//! On a shared box the read bandwidth drifts by a quarter between runs, and a fraction taken
+//! from a read minutes away (criterion's `stream_read` and `decode` groups) drifts with it.
+//!
+//! `cargo run --release -p attn-op --example paired` times the bench's B8 L32K bf16 decode (32
+//! query / 8 KV heads, head dim 128, pages of 32 tokens, 1 GiB of KV) with bf16 dot products
+//! where the CPU has them (`Simd::Avx512Bf16`), and prints each pair and the median fraction.
+//! `PAIRS`, `B` and `L` in the environment change the pair count, the batch and the context;
+//! `SIMD=auto` takes the default build. A hash of the outputs and LSEs shows that two builds
+//! computed the same bits.
+#![allow(
+    clippy::print_stdout,
+    reason = "an example that prints what it measured"
+)]
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use attn_op::{AttnOut, AttnParams, BatchMeta, KvLayout, PagedKv, Simd, paged_attention};
+use half::bf16;
+use rayon::prelude::*;
+
+const Q_HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const D: usize = 128;
+const BS: usize = 32;
+
+fn main() -> Result<(), attn_op::AttnError> {
+    let var = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (pairs, batch, ctx) = (var("PAIRS", 8).max(1), var("B", 8), var("L", 32768));
+    let blocks = ctx / BS;
+    let layout = KvLayout {
+        num_blocks: batch * blocks,
+        block_size: BS,
+        kv_heads: KV_HEADS,
+        head_dim: D,
+    };
+    // The decode bench's pool: a random pattern tiled over K and V, each sequence owning every
+    // batch-th block (benches/decode.rs).
+    let mut x = 0x2545_f491u32;
+    let pattern: Vec<bf16> = (0..1 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            bf16::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
+        })
+        .collect();
+    let mut kv = PagedKv::<bf16>::new(layout)?;
+    let (k, v) = kv.tensors_mut();
+    for (i, e) in k.iter_mut().enumerate() {
+        *e = pattern[i % pattern.len()];
+    }
+    for (i, e) in v.iter_mut().enumerate() {
+        *e = pattern[(i + 7) % pattern.len()];
+    }
+    let table: Vec<i32> = (0..batch)
+        .flat_map(|s| (0..blocks).map(move |b| (b * batch + s) as i32))
+        .collect();
+    let q: Vec<bf16> = (0..batch * Q_HEADS * D)
+        .map(|i| pattern[(i + 3) % pattern.len()])
+        .collect();
+    let cu: Vec<i32> = (0..=batch as i32).collect();
+    let lens = vec![ctx as i32; batch];
+    let meta = BatchMeta {
+        cu_seqlens_q: &cu,
+        seq_lens_kv: &lens,
+        block_table: &table,
+        max_blocks: blocks,
+    };
+    let mut params = AttnParams::new(Q_HEADS, D);
+    params.simd = match std::env::var("SIMD").as_deref() {
+        Ok("auto") => Simd::Auto,
+        _ => Simd::Avx512Bf16,
+    };
+    let mut out = vec![0.0f32; batch * Q_HEADS * D];
+    let mut lse = vec![0.0f32; batch * Q_HEADS];
+    // The stream read of benches/decode.rs: a wrapping sum over 1 GiB, bound by memory.
+    let data: Vec<u64> = (0..(1u64 << 27))
+        .map(|i| i.wrapping_mul(0x9e37_79b9))
+        .collect();
+    let read_bytes = (data.len() * size_of::<u64>()) as f64;
+    let kv_bytes = (2 * layout.len() * size_of::<bf16>()) as f64;
+    println!("pair | stream read (ms) | decode (ms) | fraction of the read");
+    let mut fractions = Vec::with_capacity(pairs);
+    for pair in 0..pairs {
+        let t = Instant::now();
+        let sum = data
+            .par_chunks(1 << 15)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .reduce(|| 0, u64::wrapping_add);
+        black_box(sum);
+        let read = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        paged_attention(
+            &q,
+            &kv,
+            &meta,
+            &params,
+            AttnOut {
+                out: &mut out,
+                lse: Some(&mut lse),
+            },
+        )?;
+        let decode = t.elapsed().as_secs_f64();
+        let fraction = (kv_bytes / decode) / (read_bytes / read);
+        println!(
+            "{pair} | {:.1} | {:.1} | {fraction:.3}",
+            read * 1e3,
+            decode * 1e3
+        );
+        fractions.push(fraction);
+    }
+    fractions.sort_by(f64::total_cmp);
+    let hash = out.iter().chain(&lse).fold(0u64, |h, x| {
+        h.wrapping_mul(31).wrapping_add(u64::from(x.to_bits()))
+    });
+    println!(
+        "median fraction {:.3} (range {:.3} to {:.3}); outputs hash {hash:016x}",
+        fractions[fractions.len() / 2],
+        fractions[0],
+        fractions[fractions.len() - 1]
+    );
+    Ok(())
+}
