@@ -18,59 +18,17 @@
 use std::hint::black_box;
 
 use attn_op::{
-    AttnOut, AttnParams, BatchMeta, Element, KvLayout, PagedKv, Selection, Simd,
-    gather_page_offsets, paged_attention, sparse_page_attention,
+    AttnOut, AttnParams, BatchMeta, Element, Selection, Simd, gather_page_offsets, paged_attention,
+    sparse_page_attention,
 };
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
-const Q_HEADS: usize = 32;
-const KV_HEADS: usize = 8;
-const D: usize = 128;
-const BS: usize = 32;
+#[path = "shared/pool.rs"]
+mod pool;
+use pool::{BS, D, KV_HEADS, Q_HEADS, kv_bytes, setup, stream_data, stream_sum};
+
 const BUDGET: usize = 2048;
-
-/// A KV pool for `batch` sequences of `ctx` tokens, filled by tiling a random pattern (the
-/// values do not matter for speed, only that they are not zeros).
-fn setup<T: Element>(batch: usize, ctx: usize) -> (PagedKv<T>, Vec<i32>, Vec<T>) {
-    let blocks_per_seq = ctx / BS;
-    let layout = KvLayout {
-        num_blocks: batch * blocks_per_seq,
-        block_size: BS,
-        kv_heads: KV_HEADS,
-        head_dim: D,
-    };
-    let mut x = 0x2545_f491u32;
-    let pattern: Vec<T> = (0..1 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
-        })
-        .collect();
-    let tile = |n: usize, shift: usize| -> Vec<T> {
-        (0..n)
-            .map(|i| pattern[(i + shift) % pattern.len()])
-            .collect()
-    };
-    // A pool made as an engine makes one (zeroed, then written), so it gets the same pages.
-    let mut kv = PagedKv::new(layout).expect("consistent bench layout");
-    let (k, v) = kv.tensors_mut();
-    k.copy_from_slice(&tile(layout.len(), 0));
-    v.copy_from_slice(&tile(layout.len(), 7));
-    // Sequence s owns a strided set of blocks, as a real allocator would interleave them.
-    let table: Vec<i32> = (0..batch)
-        .flat_map(|s| (0..blocks_per_seq).map(move |b| (b * batch + s) as i32))
-        .collect();
-    let q = tile(batch * Q_HEADS * D, 3);
-    (kv, table, q)
-}
-
-fn kv_bytes<T: Element>(batch: usize, ctx: usize) -> u64 {
-    (2 * batch * ctx * KV_HEADS * D * T::DTYPE.size()) as u64
-}
 
 fn stream_read(c: &mut Criterion) {
     stream_read_as(c, "sum_1GiB");
@@ -83,22 +41,12 @@ fn stream_read_after(c: &mut Criterion) {
 }
 
 fn stream_read_as(c: &mut Criterion, id: &str) {
-    // A wrapping integer sum is associative, so it vectorizes and is bound by memory, not by an
-    // add-latency chain (a plain f32 sum would understate the bandwidth).
-    let data: Vec<u64> = (0..(1u64 << 27))
-        .map(|i| i.wrapping_mul(0x9e37_79b9))
-        .collect();
+    let data = stream_data();
     let mut g = c.benchmark_group("stream_read");
     g.throughput(Throughput::Bytes((data.len() * 8) as u64));
     g.sample_size(10);
     g.bench_function(id, |b| {
-        b.iter(|| {
-            let s = data
-                .par_chunks(1 << 15)
-                .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-                .reduce(|| 0, u64::wrapping_add);
-            black_box(s)
-        });
+        b.iter(|| black_box(stream_sum(&data)));
     });
     g.finish();
 }

@@ -17,14 +17,12 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use attn_op::{AttnOut, AttnParams, BatchMeta, KvLayout, PagedKv, Simd, paged_attention};
+use attn_op::{AttnOut, AttnParams, BatchMeta, Simd, paged_attention};
 use half::bf16;
-use rayon::prelude::*;
 
-const Q_HEADS: usize = 32;
-const KV_HEADS: usize = 8;
-const D: usize = 128;
-const BS: usize = 32;
+#[path = "../benches/shared/pool.rs"]
+mod pool;
+use pool::{BS, D, Q_HEADS, kv_bytes, setup, stream_data, stream_sum};
 
 fn main() -> Result<(), attn_op::AttnError> {
     let var = |name: &str, default: usize| {
@@ -34,38 +32,9 @@ fn main() -> Result<(), attn_op::AttnError> {
             .unwrap_or(default)
     };
     let (pairs, batch, ctx) = (var("PAIRS", 8).max(1), var("B", 8), var("L", 32768));
+    // The decode bench's pool, table and queries (benches/shared/pool.rs).
+    let (kv, table, q) = setup::<bf16>(batch, ctx);
     let blocks = ctx / BS;
-    let layout = KvLayout {
-        num_blocks: batch * blocks,
-        block_size: BS,
-        kv_heads: KV_HEADS,
-        head_dim: D,
-    };
-    // The decode bench's pool: a random pattern tiled over K and V, each sequence owning every
-    // batch-th block (benches/decode.rs).
-    let mut x = 0x2545_f491u32;
-    let pattern: Vec<bf16> = (0..1 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            bf16::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
-        })
-        .collect();
-    let mut kv = PagedKv::<bf16>::new(layout)?;
-    let (k, v) = kv.tensors_mut();
-    for (i, e) in k.iter_mut().enumerate() {
-        *e = pattern[i % pattern.len()];
-    }
-    for (i, e) in v.iter_mut().enumerate() {
-        *e = pattern[(i + 7) % pattern.len()];
-    }
-    let table: Vec<i32> = (0..batch)
-        .flat_map(|s| (0..blocks).map(move |b| (b * batch + s) as i32))
-        .collect();
-    let q: Vec<bf16> = (0..batch * Q_HEADS * D)
-        .map(|i| pattern[(i + 3) % pattern.len()])
-        .collect();
     let cu: Vec<i32> = (0..=batch as i32).collect();
     let lens = vec![ctx as i32; batch];
     let meta = BatchMeta {
@@ -81,21 +50,15 @@ fn main() -> Result<(), attn_op::AttnError> {
     };
     let mut out = vec![0.0f32; batch * Q_HEADS * D];
     let mut lse = vec![0.0f32; batch * Q_HEADS];
-    // The stream read of benches/decode.rs: a wrapping sum over 1 GiB, bound by memory.
-    let data: Vec<u64> = (0..(1u64 << 27))
-        .map(|i| i.wrapping_mul(0x9e37_79b9))
-        .collect();
+    // The stream read of benches/decode.rs.
+    let data = stream_data();
     let read_bytes = (data.len() * size_of::<u64>()) as f64;
-    let kv_bytes = (2 * layout.len() * size_of::<bf16>()) as f64;
+    let kv_bytes = kv_bytes::<bf16>(batch, ctx) as f64;
     println!("pair | stream read (ms) | decode (ms) | fraction of the read");
     let mut fractions = Vec::with_capacity(pairs);
     for pair in 0..pairs {
         let t = Instant::now();
-        let sum = data
-            .par_chunks(1 << 15)
-            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-            .reduce(|| 0, u64::wrapping_add);
-        black_box(sum);
+        black_box(stream_sum(&data));
         let read = t.elapsed().as_secs_f64();
         let t = Instant::now();
         paged_attention(

@@ -1,0 +1,72 @@
+//! The decode bench's pool and stream read, shared by `benches/decode.rs` and
+//! `examples/paired.rs` (each includes this file by `#[path]`).
+
+use attn_op::{Element, KvLayout, PagedKv};
+use rayon::prelude::*;
+
+/// Query heads of the bench's shapes.
+pub(crate) const Q_HEADS: usize = 32;
+/// KV heads of the bench's shapes.
+pub(crate) const KV_HEADS: usize = 8;
+/// Head dim of the bench's shapes.
+pub(crate) const D: usize = 128;
+/// Tokens a KV block.
+pub(crate) const BS: usize = 32;
+
+/// A KV pool for `batch` sequences of `ctx` tokens, filled by tiling a random pattern (the
+/// values do not matter for speed, only that they are not zeros).
+pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> (PagedKv<T>, Vec<i32>, Vec<T>) {
+    let blocks_per_seq = ctx / BS;
+    let layout = KvLayout {
+        num_blocks: batch * blocks_per_seq,
+        block_size: BS,
+        kv_heads: KV_HEADS,
+        head_dim: D,
+    };
+    let mut x = 0x2545_f491u32;
+    let pattern: Vec<T> = (0..1 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
+        })
+        .collect();
+    let tile = |n: usize, shift: usize| -> Vec<T> {
+        (0..n)
+            .map(|i| pattern[(i + shift) % pattern.len()])
+            .collect()
+    };
+    // A pool made as an engine makes one (zeroed, then written), so it gets the same pages.
+    let mut kv = PagedKv::new(layout).expect("consistent bench layout");
+    let (k, v) = kv.tensors_mut();
+    k.copy_from_slice(&tile(layout.len(), 0));
+    v.copy_from_slice(&tile(layout.len(), 7));
+    // Sequence s owns a strided set of blocks, as a real allocator would interleave them.
+    let table: Vec<i32> = (0..batch)
+        .flat_map(|s| (0..blocks_per_seq).map(move |b| (b * batch + s) as i32))
+        .collect();
+    let q = tile(batch * Q_HEADS * D, 3);
+    (kv, table, q)
+}
+
+/// The KV bytes a dense decode of `batch` sequences of `ctx` tokens reads.
+pub(crate) fn kv_bytes<T: Element>(batch: usize, ctx: usize) -> u64 {
+    (2 * batch * ctx * KV_HEADS * D * T::DTYPE.size()) as u64
+}
+
+/// The stream read's 1 GiB of data.
+pub(crate) fn stream_data() -> Vec<u64> {
+    (0..(1u64 << 27))
+        .map(|i| i.wrapping_mul(0x9e37_79b9))
+        .collect()
+}
+
+/// The stream read: a parallel wrapping sum of `data`. An integer sum is associative, so it
+/// vectorizes and is bound by memory, not by an add-latency chain (a plain f32 sum would
+/// understate the bandwidth).
+pub(crate) fn stream_sum(data: &[u64]) -> u64 {
+    data.par_chunks(1 << 15)
+        .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+        .reduce(|| 0, u64::wrapping_add)
+}
