@@ -18,7 +18,7 @@
 use std::hint::black_box;
 
 use attn_op::{
-    AttnOut, AttnParams, BatchMeta, Element, Selection, Simd, gather_page_offsets, paged_attention,
+    AttnOut, AttnParams, Element, Selection, Simd, gather_page_offsets, paged_attention,
     sparse_page_attention,
 };
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -62,17 +62,9 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
             &[4096, 32768]
         };
         for &ctx in contexts {
-            let (kv, table, q) = setup::<T>(batch, ctx);
-            let cu: Vec<i32> = (0..=batch as i32).collect();
-            let lens = vec![ctx as i32; batch];
-            let meta = BatchMeta {
-                cu_seqlens_q: &cu,
-                seq_lens_kv: &lens,
-                block_table: &table,
-                max_blocks: ctx / BS,
-            };
-            let mut out = vec![0.0f32; batch * Q_HEADS * D];
-            let mut lse = vec![0.0f32; batch * Q_HEADS];
+            let dec = setup::<T>(batch, ctx);
+            let (kv, q, meta) = (&dec.kv, &dec.q, dec.meta());
+            let (mut out, mut lse) = dec.outputs();
             let mut g = c.benchmark_group(format!("decode/{name}"));
             g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
             g.sample_size(10);
@@ -80,8 +72,8 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
             g.bench_function(id, |b| {
                 b.iter(|| {
                     paged_attention(
-                        &q,
-                        &kv,
+                        q,
+                        kv,
                         &meta,
                         &params,
                         AttnOut {
@@ -109,8 +101,8 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
                     lens: &counts,
                     max_len: pages,
                 };
-                let gathered =
-                    gather_page_offsets(&sel, BS, &lens, BS, KV_HEADS).expect("valid selection");
+                let gathered = gather_page_offsets(&sel, BS, &dec.lens, BS, KV_HEADS)
+                    .expect("valid selection");
                 let mut g = c.benchmark_group(format!("sparse_decode/{name}"));
                 g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
                 g.sample_size(10);
@@ -118,8 +110,8 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
                 g.bench_function(id, |b| {
                     b.iter(|| {
                         sparse_page_attention(
-                            &q,
-                            &kv,
+                            q,
+                            kv,
                             &meta,
                             &gathered.as_selection(),
                             &params,

@@ -17,12 +17,12 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use attn_op::{AttnOut, AttnParams, BatchMeta, Simd, paged_attention};
+use attn_op::{AttnOut, AttnParams, Simd, paged_attention};
 use half::bf16;
 
 #[path = "../benches/shared/pool.rs"]
 mod pool;
-use pool::{BS, D, Q_HEADS, kv_bytes, setup, stream_data, stream_sum};
+use pool::{D, Q_HEADS, kv_bytes, setup, stream_data, stream_sum};
 
 fn main() -> Result<(), attn_op::AttnError> {
     let var = |name: &str, default: usize| {
@@ -32,24 +32,15 @@ fn main() -> Result<(), attn_op::AttnError> {
             .unwrap_or(default)
     };
     let (pairs, batch, ctx) = (var("PAIRS", 8).max(1), var("B", 8), var("L", 32768));
-    // The decode bench's pool, table and queries (benches/shared/pool.rs).
-    let (kv, table, q) = setup::<bf16>(batch, ctx);
-    let blocks = ctx / BS;
-    let cu: Vec<i32> = (0..=batch as i32).collect();
-    let lens = vec![ctx as i32; batch];
-    let meta = BatchMeta {
-        cu_seqlens_q: &cu,
-        seq_lens_kv: &lens,
-        block_table: &table,
-        max_blocks: blocks,
-    };
+    // The decode bench's batch (benches/shared/pool.rs).
+    let dec = setup::<bf16>(batch, ctx);
+    let meta = dec.meta();
     let mut params = AttnParams::new(Q_HEADS, D);
     params.simd = match std::env::var("SIMD").as_deref() {
         Ok("auto") => Simd::Auto,
         _ => Simd::Avx512Bf16,
     };
-    let mut out = vec![0.0f32; batch * Q_HEADS * D];
-    let mut lse = vec![0.0f32; batch * Q_HEADS];
+    let (mut out, mut lse) = dec.outputs();
     // The stream read of benches/decode.rs.
     let data = stream_data();
     let read_bytes = (data.len() * size_of::<u64>()) as f64;
@@ -62,8 +53,8 @@ fn main() -> Result<(), attn_op::AttnError> {
         let read = t.elapsed().as_secs_f64();
         let t = Instant::now();
         paged_attention(
-            &q,
-            &kv,
+            &dec.q,
+            &dec.kv,
             &meta,
             &params,
             AttnOut {

@@ -1,7 +1,7 @@
 //! The decode bench's pool and stream read, shared by `benches/decode.rs` and
 //! `examples/paired.rs` (each includes this file by `#[path]`).
 
-use attn_op::{Element, KvLayout, PagedKv};
+use attn_op::{BatchMeta, Element, KvLayout, PagedKv};
 use rayon::prelude::*;
 
 /// Query heads of the bench's shapes.
@@ -13,9 +13,41 @@ pub(crate) const D: usize = 128;
 /// Tokens a KV block.
 pub(crate) const BS: usize = 32;
 
-/// A KV pool for `batch` sequences of `ctx` tokens, filled by tiling a random pattern (the
-/// values do not matter for speed, only that they are not zeros).
-pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> (PagedKv<T>, Vec<i32>, Vec<T>) {
+/// A decode batch of the bench: its KV pool, block table, queries and metadata.
+pub(crate) struct Decode<T: Element> {
+    /// The pool: `batch` sequences of `ctx` tokens.
+    pub(crate) kv: PagedKv<T>,
+    /// `[batch, ctx / BS]` block table.
+    pub(crate) table: Vec<i32>,
+    /// `[batch, Q_HEADS, D]` queries, one a sequence.
+    pub(crate) q: Vec<T>,
+    /// `cu_seqlens_q`: one query a sequence.
+    pub(crate) cu: Vec<i32>,
+    /// Every sequence's KV length, `ctx`.
+    pub(crate) lens: Vec<i32>,
+}
+
+impl<T: Element> Decode<T> {
+    /// The batch's metadata.
+    pub(crate) fn meta(&self) -> BatchMeta<'_> {
+        BatchMeta {
+            cu_seqlens_q: &self.cu,
+            seq_lens_kv: &self.lens,
+            block_table: &self.table,
+            max_blocks: self.table.len() / self.lens.len().max(1),
+        }
+    }
+
+    /// Output and LSE buffers for the batch's attention.
+    pub(crate) fn outputs(&self) -> (Vec<f32>, Vec<f32>) {
+        let rows = self.lens.len() * Q_HEADS;
+        (vec![0.0; rows * D], vec![0.0; rows])
+    }
+}
+
+/// A decode batch of `batch` sequences of `ctx` tokens, its pool filled by tiling a random
+/// pattern (the values do not matter for speed, only that they are not zeros).
+pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> Decode<T> {
     let blocks_per_seq = ctx / BS;
     let layout = KvLayout {
         num_blocks: batch * blocks_per_seq,
@@ -46,8 +78,13 @@ pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> (PagedKv<T>, Vec<i3
     let table: Vec<i32> = (0..batch)
         .flat_map(|s| (0..blocks_per_seq).map(move |b| (b * batch + s) as i32))
         .collect();
-    let q = tile(batch * Q_HEADS * D, 3);
-    (kv, table, q)
+    Decode {
+        kv,
+        table,
+        q: tile(batch * Q_HEADS * D, 3),
+        cu: (0..=batch as i32).collect(),
+        lens: vec![ctx as i32; batch],
+    }
 }
 
 /// The KV bytes a dense decode of `batch` sequences of `ctx` tokens reads.
