@@ -29,6 +29,20 @@ pub(crate) struct Run {
     pub(crate) chunk: u32,
 }
 
+/// What one unit of work walks: its runs (cut and numbered by [`at_chunks`]), and the first
+/// chunk's runs of the unit the same thread walks next with that unit's KV heads `h0..h1`
+/// (no runs where there is none), which the last chunk asks the cache for as any chunk asks
+/// for the next.
+#[derive(Clone, Copy, Debug)]
+struct Walk<'a> {
+    runs: &'a [Run],
+    after: (&'a [Run], (usize, usize)),
+}
+
+/// Tasks per thread that [`execute`] cuts its units into: each task walks its units in order on
+/// one thread, so that only a task's first unit starts with nothing asked for ahead.
+const TASKS_PER_THREAD: usize = 4;
+
 /// Tokens per online-softmax step: chunk `c` of a list holds its tokens `c * CHUNK .. (c + 1) *
 /// CHUNK`, counted in list order.
 const CHUNK: u32 = 16;
@@ -110,7 +124,7 @@ fn attend<T: Element>(
     q: &[f32],
     pos: &[i64],
     params: &AttnParams,
-    runs: &[Run],
+    walk: Walk<'_>,
 ) -> Partial {
     #[cfg(target_arch = "x86_64")]
     match isa {
@@ -120,17 +134,17 @@ fn attend<T: Element>(
             // SAFETY: `resolve` caps `isa` by the features the CPU has, which are the ones
             // each function is compiled for; this build reads the cache as bf16 in rows of
             // 32, which the guard checks.
-            return unsafe { attend_avx512bf16(kv, heads, group, q, pos, params, runs) };
+            return unsafe { attend_avx512bf16(kv, heads, group, q, pos, params, walk) };
         }
         simd::AVX512 | simd::AVX512_BF16 => {
             // SAFETY: as above (a CPU with the bf16 build has AVX-512F).
-            return unsafe { attend_avx512(kv, heads, group, q, pos, params, runs) };
+            return unsafe { attend_avx512(kv, heads, group, q, pos, params, walk) };
         }
         // SAFETY: as above.
-        simd::AVX2 => return unsafe { attend_avx2(kv, heads, group, q, pos, params, runs) },
+        simd::AVX2 => return unsafe { attend_avx2(kv, heads, group, q, pos, params, walk) },
         _ => {}
     }
-    attend_body::<T, { simd::PORTABLE }>(kv, heads, group, q, pos, params, runs)
+    attend_body::<T, { simd::PORTABLE }>(kv, heads, group, q, pos, params, walk)
 }
 
 /// Defines `$name`: [`attend_body`] compiled for `$features` with build `$isa`.
@@ -147,9 +161,9 @@ macro_rules! attend_with {
             q: &[f32],
             pos: &[i64],
             params: &AttnParams,
-            runs: &[Run],
+            walk: Walk<'_>,
         ) -> Partial {
-            attend_body::<T, { $isa }>(kv, heads, group, q, pos, params, runs)
+            attend_body::<T, { $isa }>(kv, heads, group, q, pos, params, walk)
         }
     };
 }
@@ -175,7 +189,10 @@ fn attend_body<T: Element, const ISA: u8>(
     q: &[f32],
     pos: &[i64],
     params: &AttnParams,
-    runs: &[Run],
+    Walk {
+        runs,
+        after: (after, (a0, a1)),
+    }: Walk<'_>,
 ) -> Partial {
     const C: usize = CHUNK as usize;
     let layout = kv.layout_ref();
@@ -224,8 +241,10 @@ fn attend_body<T: Element, const ISA: u8>(
             } else {
                 this.fill(kv, chunk, (h0, nh), d);
             }
-            match chunks.get(ci + 1) {
-                Some(after) => next.fill(kv, after, (h0, nh), d),
+            // The last chunk asks for the first chunk of the unit this thread walks next.
+            match chunks.get(ci + 1).copied() {
+                Some(runs) => next.fill(kv, runs, (h0, nh), d),
+                None if !after.is_empty() => next.fill(kv, after, (a0, a1 - a0), d),
                 None => next.clear(),
             }
             next_of = Some(ci + 1);
@@ -471,22 +490,36 @@ pub(crate) fn execute<T: Element>(
         .par_iter()
         .map(|job| job_rows(q, &seqs[job.seq], job, group, hq, d, params.scale))
         .collect();
+    // Consecutive units in tasks, each walked in order by one thread, so that a unit's last
+    // chunk can ask for the next unit's first (a unit started cold waits on its first chunk's
+    // misses). Which thread walks a unit changes no result.
+    let per_task = units
+        .len()
+        .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+        .max(1);
     let partials: Vec<Partial> = units
-        .par_iter()
-        .map(|&(j, lo, hi)| {
-            let job = jobs[j];
-            let (rows_q, pos) = &job_qs[j];
-            attend(
-                isa,
-                kv,
-                (job.h0, job.h1),
-                group,
-                rows_q,
-                pos,
-                params,
-                &lists[job.list][lo..hi],
-            )
+        .par_chunks(per_task)
+        .map(|task| {
+            task.iter()
+                .enumerate()
+                .map(|(i, &(j, lo, hi))| {
+                    let job = jobs[j];
+                    let after = task.get(i + 1).map_or((&[][..], (0, 0)), |&(k, lo, hi)| {
+                        let next = jobs[k];
+                        (first_chunk(&lists[next.list][lo..hi]), (next.h0, next.h1))
+                    });
+                    let (rows_q, pos) = &job_qs[j];
+                    let walk = Walk {
+                        runs: &lists[job.list][lo..hi],
+                        after,
+                    };
+                    attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk)
+                })
+                .collect::<Vec<_>>()
         })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .flatten()
         .collect();
     // Units are in job order, so each job's partials are consecutive; merge them in order.
     let mut parts = units.iter().map(|u| u.0).zip(partials).peekable();
@@ -686,6 +719,14 @@ fn at_chunks(runs: &[Run]) -> Vec<Run> {
         }
     }
     out
+}
+
+/// The runs of a chunked run list's first chunk (none for an empty list).
+fn first_chunk(runs: &[Run]) -> &[Run] {
+    let n = runs.first().map_or(0, |first| {
+        runs.iter().take_while(|r| r.chunk == first.chunk).count()
+    });
+    &runs[..n]
 }
 
 /// Where a chunked run list splits into units of [`SPLIT_CHUNKS`] chunks: ascending run

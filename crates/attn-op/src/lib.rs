@@ -12,7 +12,7 @@
 //! - [`token_sparse_attention`]: attention over selected tokens.
 //! - [`compact_kv`]: in-place KV compaction after prefill.
 //!
-//! With the `cuda` feature, [`cuda`] runs the same operations on a CUDA device.
+//! With the `cuda` feature, the `cuda` module runs the same operations on a CUDA device.
 //!
 //! This CPU implementation is the specification: a CUDA kernel is correct when it matches it.
 //! Work is spread with rayon over (sequence, KV head, query tile, KV split); results do not

@@ -342,8 +342,8 @@ fn generate(
     Ok(())
 }
 
-/// [`engine::gpu_request::generate_gpu`] with the model's weights uploaded to the first
-/// CUDA device in f16; refused without the `cuda` feature.
+/// `engine::gpu_request::generate_gpu` with the model's weights uploaded to the first CUDA
+/// device in f16; refused without the `cuda` feature.
 fn generate_gpu(
     model: &Model,
     tok: &Tokenizer,
