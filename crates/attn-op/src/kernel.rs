@@ -29,14 +29,17 @@ pub(crate) struct Run {
     pub(crate) chunk: u32,
 }
 
-/// What one unit of work walks: its runs (cut and numbered by [`at_chunks`]), and the first
-/// chunk's runs of the unit the same thread walks next with that unit's KV heads `h0..h1`
-/// (no runs where there is none), which the last chunk asks the cache for as any chunk asks
-/// for the next.
+/// What one unit of work walks, and what its last chunk asks the cache for, as any chunk
+/// asks for the next.
 #[derive(Clone, Copy, Debug)]
 struct Walk<'a> {
+    /// The unit's runs, cut and numbered by [`at_chunks`].
     runs: &'a [Run],
-    after: (&'a [Run], (usize, usize)),
+    /// The first chunk's runs of the unit the same thread walks next (none where there is
+    /// none).
+    after: &'a [Run],
+    /// That unit's KV heads `h0..h1`.
+    after_heads: (usize, usize),
 }
 
 /// Tasks per thread that [`execute`] cuts its units into: each task walks its units in order on
@@ -191,7 +194,8 @@ fn attend_body<T: Element, const ISA: u8>(
     params: &AttnParams,
     Walk {
         runs,
-        after: (after, (a0, a1)),
+        after,
+        after_heads: (a0, a1),
     }: Walk<'_>,
 ) -> Partial {
     const C: usize = CHUNK as usize;
@@ -497,29 +501,26 @@ pub(crate) fn execute<T: Element>(
         .len()
         .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
         .max(1);
+    // (`collect` keeps the units' order.)
     let partials: Vec<Partial> = units
         .par_chunks(per_task)
-        .map(|task| {
-            task.iter()
-                .enumerate()
-                .map(|(i, &(j, lo, hi))| {
-                    let job = jobs[j];
-                    let after = task.get(i + 1).map_or((&[][..], (0, 0)), |&(k, lo, hi)| {
+        .flat_map_iter(|task| {
+            task.iter().enumerate().map(|(i, &(j, lo, hi))| {
+                let job = jobs[j];
+                let (after, after_heads) =
+                    task.get(i + 1).map_or((&[][..], (0, 0)), |&(k, lo, hi)| {
                         let next = jobs[k];
                         (first_chunk(&lists[next.list][lo..hi]), (next.h0, next.h1))
                     });
-                    let (rows_q, pos) = &job_qs[j];
-                    let walk = Walk {
-                        runs: &lists[job.list][lo..hi],
-                        after,
-                    };
-                    attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk)
-                })
-                .collect::<Vec<_>>()
+                let walk = Walk {
+                    runs: &lists[job.list][lo..hi],
+                    after,
+                    after_heads,
+                };
+                let (rows_q, pos) = &job_qs[j];
+                attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk)
+            })
         })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .flatten()
         .collect();
     // Units are in job order, so each job's partials are consecutive; merge them in order.
     let mut parts = units.iter().map(|u| u.0).zip(partials).peekable();
