@@ -1,0 +1,491 @@
+//! The inner loops of attention in four builds: portable Rust, AVX2 + FMA + F16C, AVX-512F,
+//! and AVX-512 BF16 dot products for bf16 caches. `ISA` selects one at compile time; the
+//! kernel instantiates the SIMD builds only inside functions compiled for those features and
+//! entered after `detect` found them, which is the invariant every `unsafe` call in this module
+//! and its three builds relies on.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512bf16;
+
+use crate::{DType, Element};
+
+/// Plain Rust (the compiler's baseline vectorization).
+pub(crate) const PORTABLE: u8 = 0;
+/// AVX2, FMA and F16C.
+pub(crate) const AVX2: u8 = 1;
+/// AVX-512F on top of AVX2, FMA and F16C.
+pub(crate) const AVX512: u8 = 2;
+/// AVX-512 with the BF16 dot product (`vdpbf16ps`) for bf16 caches, queries and weights
+/// rounded to bf16; other caches run [`AVX512`].
+pub(crate) const AVX512_BF16: u8 = 3;
+
+/// The build to run for a requested level: the request, capped by what this CPU runs.
+pub(crate) fn resolve(requested: crate::Simd) -> u8 {
+    let want = match requested {
+        crate::Simd::Portable => PORTABLE,
+        crate::Simd::Avx2 => AVX2,
+        crate::Simd::Avx512 | crate::Simd::Auto => AVX512,
+        crate::Simd::Avx512Bf16 => AVX512_BF16,
+    };
+    want.min(detect())
+}
+
+/// The widest build this CPU runs.
+fn detect() -> u8 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            if !has!("avx512f") {
+                return AVX2;
+            }
+            return if has!("avx512bw") && has!("avx512bf16") {
+                AVX512_BF16
+            } else {
+                AVX512
+            };
+        }
+    }
+    PORTABLE
+}
+
+/// The rows a chunk kernel asks the level-2 cache for while it computes, spread over its work:
+/// with the work on token `t` of a chunk, `rows[t]` (a row of a later chunk); null or missing
+/// entries ask for nothing. A prefetch is a hint that never faults, so any address is sound.
+///
+/// Measured on the dev box's EPYC (dense bf16 decode B8 L32K): the next chunk asked for head
+/// block by head block, in bursts, against nothing: 66 against 103 ms. One row per token of
+/// work instead overlaps the loads with the math better (BENCHMARKS.md, session 32). Asking
+/// level 1 for the next head's rows as well cost more than it saved (session 33).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ahead<'a> {
+    /// Rows of a later chunk, by token of the current chunk.
+    rows: &'a [*const u8],
+    /// Bytes of each row.
+    bytes: usize,
+}
+
+impl<'a> Ahead<'a> {
+    /// The tokens a step asks for when a kernel walks its work in `steps` steps.
+    #[inline(always)]
+    pub(crate) fn per_step(steps: usize) -> usize {
+        16usize.div_ceil(steps.max(1))
+    }
+
+    /// Asks for nothing.
+    pub(crate) const NONE: Ahead<'static> = Ahead {
+        rows: &[],
+        bytes: 0,
+    };
+
+    /// Asks for `rows[t]` (`bytes` from each) with the work on token `t`.
+    pub(crate) fn new(rows: &'a [*const u8], bytes: usize) -> Self {
+        Ahead { rows, bytes }
+    }
+
+    /// What the block of rows from `first_row` asks for: the first block of a chunk kernel's
+    /// rows asks for everything, the others for nothing (once a chunk is enough).
+    #[inline(always)]
+    pub(crate) fn for_rows_from(&self, first_row: usize) -> &Ahead<'a> {
+        if first_row == 0 { self } else { &Ahead::NONE }
+    }
+
+    /// Asks for the rows of tokens `k * per .. (k + 1) * per` of the chunk's 16: a kernel
+    /// that walks its work in `steps` steps calls this once a step, with `per` from
+    /// [`Ahead::per_step`] (taken once: a division in every step cost more than the rest).
+    #[inline(always)]
+    pub(crate) fn part(&self, k: usize, per: usize) {
+        for t in k * per..((k + 1) * per).min(16) {
+            if let Some(&p) = self.rows.get(t) {
+                fetch_lines(p, self.bytes);
+            }
+        }
+    }
+}
+
+/// Asks the CPU to bring the `bytes` bytes from `p` (each 64-byte line) into its level-2
+/// cache; nothing for a null `p`.
+#[inline(always)]
+fn fetch_lines(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if !p.is_null() {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        for o in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch reads nothing architecturally and never faults, whatever the
+            // address (`wrapping_add` keeps the pointer arithmetic defined).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast::<i8>()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+}
+
+/// `a · b` (portable build).
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// `acc += w * v` (portable build).
+#[inline(always)]
+pub(crate) fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
+    for (a, x) in acc.iter_mut().zip(v) {
+        *a += w * x;
+    }
+}
+
+/// Replaces each score `s` by `exp(s - m)` (a masked score, -inf, by exactly 0) and returns
+/// their sum.
+#[inline(always)]
+pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    match ISA {
+        // SAFETY: see the module doc.
+        AVX512 | AVX512_BF16 => return unsafe { avx512::exp_weights(scores, m) },
+        // SAFETY: see the module doc.
+        AVX2 => return unsafe { avx2::exp_weights(scores, m) },
+        _ => {}
+    }
+    exp_tail(scores, m)
+}
+
+/// The mask of the first `len` of 16 lanes (`len <= 16`).
+#[inline(always)]
+pub(crate) fn first_lanes(len: usize) -> u16 {
+    debug_assert!(len <= 16);
+    if len >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << len) - 1
+    }
+}
+
+/// The largest of `row`, NaN ignored (as `f32::max` folds), -inf when empty.
+#[inline(always)]
+pub(crate) fn row_max<const ISA: u8>(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if ISA >= AVX512 {
+        // SAFETY: see the module doc.
+        return unsafe { avx512::row_max(row) };
+    }
+    row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// The tokens `t < len` of a chunk whose weight is not 0 (NaN counts) in any of the `rows`
+/// rows of `w` (`stride >= 16` apart), as a lane mask: the tokens whose values a weighted sum
+/// must read.
+#[inline(always)]
+pub(crate) fn live_tokens<const ISA: u8>(w: &[f32], stride: usize, rows: usize, len: usize) -> u16 {
+    debug_assert!(stride >= 16 && len <= 16 && w.len() >= (rows - 1) * stride + 16);
+    #[cfg(target_arch = "x86_64")]
+    if ISA >= AVX512 {
+        // SAFETY: see the module doc; `w` holds `rows` rows of 16 weights (asserted above).
+        return unsafe { avx512::live_tokens(w.as_ptr(), stride, rows, len) };
+    }
+    (0..len)
+        .filter(|&t| (0..rows).any(|r| w[r * stride + t] != 0.0))
+        .fold(0, |m, t| m | 1 << t)
+}
+
+/// `out[g] = q_g · k` for the `out.len()` rows of `q` (row-major, `n` per row), widening each
+/// chunk of `k` once for all rows (SIMD builds only).
+#[inline(always)]
+pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], out: &mut [f32]) {
+    let rows = out.len();
+    assert!(
+        q.len() >= rows * n && k.len() >= n,
+        "invariant: callers pass whole rows"
+    );
+    let kp = k.as_ptr().cast::<u8>();
+    #[cfg(target_arch = "x86_64")]
+    if ISA != PORTABLE {
+        let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+        // SAFETY: the assert above bounds every access; the module doc covers ISA.
+        unsafe {
+            if ISA >= AVX512 {
+                avx512::dot_rows(qp, n, kp, T::DTYPE, op, rows);
+            } else {
+                avx2::dot_rows(qp, n, kp, T::DTYPE, op, rows);
+            }
+        }
+        return;
+    }
+    for (g, o) in out.iter_mut().enumerate() {
+        *o = q[g * n..(g + 1) * n]
+            .iter()
+            .zip(k)
+            .map(|(a, b)| a * b.to_f32())
+            .sum();
+    }
+}
+
+/// `acc_g += sum over (t, v) in vs of w[g * stride + t] * v` for the `rows` rows of `acc`
+/// (row-major, `n` per row): one chunk's weighted values, summed in token order in registers
+/// and added to each accumulator once (SIMD builds), or token by token (portable build).
+#[inline(always)]
+pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
+    acc: &mut [f32],
+    n: usize,
+    (w, stride): (&[f32], usize),
+    vs: &[(usize, &[T])],
+    rows: usize,
+    ahead: &Ahead<'_>,
+) {
+    assert!(
+        acc.len() >= rows * n
+            && vs.iter().all(|&(t, v)| v.len() >= n
+                && t < stride
+                && (rows == 0 || w.len() > (rows - 1) * stride + t)),
+        "invariant: callers pass whole rows"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if ISA != PORTABLE {
+        let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+        // SAFETY: the assert above bounds every access; the module doc covers ISA.
+        unsafe {
+            if ISA >= AVX512 {
+                avx512::axpy_rows(ap, n, (wp, stride), vs, rows, ahead);
+            } else {
+                avx2::axpy_rows(ap, n, (wp, stride), vs, rows, ahead);
+            }
+        }
+        return;
+    }
+    for &(t, v) in vs {
+        for (g, a) in acc.chunks_exact_mut(n).take(rows).enumerate() {
+            for (x, y) in a.iter_mut().zip(v) {
+                *x += w[g * stride + t] * y.to_f32();
+            }
+        }
+    }
+}
+
+/// Levels `levels` of a lane-sum tree over `v` (`2^levels.len()` vectors), in place: level
+/// `k` replaces each pair of neighbours by `level(k, u, w)`; returns the one vector left. A
+/// run of `2^k` aligned vectors is a subtree of the first `k` levels, so a chunk's keys can be
+/// folded in aligned blocks and the blocks' results after, in the same order as all at once.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn fold<V: Copy>(
+    v: &mut [V],
+    levels: std::ops::Range<usize>,
+    level: impl Fn(usize, V, V) -> V,
+) -> V {
+    let mut len = v.len();
+    for k in levels {
+        for j in 0..len / 2 {
+            v[j] = level(k, v[2 * j], v[2 * j + 1]);
+        }
+        len /= 2;
+    }
+    v[0]
+}
+
+/// A chunk's (at most 16) keys padded to 16 by repeating the first, so that the chunk kernels
+/// keep 16 accumulators in registers, and the mask of the real ones (the lanes to keep).
+#[cfg(target_arch = "x86_64")]
+fn pad16<P: Copy>(keys: &[P]) -> ([P; 16], u16) {
+    let mut all = [keys[0]; 16];
+    all[..keys.len()].copy_from_slice(keys);
+    (all, first_lanes(keys.len()))
+}
+
+/// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
+/// fused kernels run with a constant row count (accumulators in registers).
+#[inline(always)]
+fn row_blocks(rows: usize, mut f: impl FnMut(usize, usize)) {
+    let mut r = 0;
+    while r < rows {
+        let block = match rows - r {
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        f(r, block);
+        r += block;
+    }
+}
+
+/// Widens element `i` of a buffer of `dtype` (the scalar tail of the mixed loops).
+///
+/// # Safety
+/// `p` must point at more than `i` elements of `dtype`.
+#[inline(always)]
+unsafe fn load_one(p: *const u8, dtype: DType, i: usize) -> f32 {
+    // SAFETY: the caller's contract; the reads are unaligned-safe.
+    unsafe {
+        match dtype {
+            DType::F32 => p.cast::<f32>().add(i).read_unaligned(),
+            DType::F16 => half::f16::from_bits(p.cast::<u16>().add(i).read_unaligned()).to_f32(),
+            DType::BF16 => f32::from_bits(u32::from(p.cast::<u16>().add(i).read_unaligned()) << 16),
+        }
+    }
+}
+
+/// The scalar weights: the portable build, and the tails of the SIMD loops.
+#[inline(always)]
+fn exp_tail(scores: &mut [f32], m: f32) -> f32 {
+    let mut total = 0.0;
+    for s in scores {
+        *s = if *s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (*s - m).exp()
+        };
+        total += *s;
+    }
+    total
+}
+
+/// Cody-Waite reduction by ln 2 and the Cephes degree-5 polynomial for `exp(x)`, `x <= 0`:
+/// about 1 ulp; lanes below -87.3 are clamped there (about 1e-38).
+const EXP_CLAMP: f32 = -87.3;
+const LN2_HI: f32 = -0.693_359_4;
+const LN2_LO: f32 = 2.121_944_4e-4;
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+/// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
+/// `$isa`: their names for the docs; `$w` f32 lanes of vector type `$v`; the build's
+/// intrinsics, its widening load `$load` and the module's `in_order`): `load_pair` widens two
+/// vectors' worth of a value, `axpy_rows_r` keeps two vectors of each of `R` rows in registers
+/// over a chunk's tokens, and `axpy_rows` runs it over row blocks.
+macro_rules! chunk_axpy {
+    ($feat:literal, $isa:literal, $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
+     $ldu:ident, $stu:ident, $add:ident, $load:ident,
+     ($vi:ty, $ldi:ident, $andi:ident, $set1i:ident, $slli:ident, $cast:ident)) => {
+        #[doc = concat!("Elements `i .. i + 2 * ", $w, "` of a buffer of `dtype`, widened to f32")]
+        /// as two vectors: in order, except for bf16, whose even elements come first and odd
+        /// ones second (one load whose 32-bit lanes each hold a pair, split by a shift and a
+        /// mask); `in_order` puts sums of them back in order.
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU must support ", $isa, "; `p` must point at `i + 2 * ", $w, "`")]
+        /// or more elements of `dtype`.
+        #[inline(always)]
+        unsafe fn load_pair(p: *const u8, dtype: DType, i: usize) -> ($v, $v) {
+            // SAFETY: the caller's contract; unaligned loads.
+            unsafe {
+                if dtype == DType::BF16 {
+                    let x = $ldi(p.cast::<u16>().add(i).cast::<$vi>());
+                    let odd = $andi(x, $set1i(0xffff_0000_u32 as i32));
+                    ($cast($slli::<16>(x)), $cast(odd))
+                } else {
+                    ($load(p, dtype, i), $load(p, dtype, i + $w))
+                }
+            }
+        }
+
+        #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
+        #[doc = "`w` rows `R` of `stride` weights with every token index of `vs` below `stride`,"]
+        #[doc = "and each value `n` elements."]
+        #[target_feature(enable = $feat)]
+        unsafe fn axpy_rows_r<T: Element, const R: usize>(
+            acc: *mut f32,
+            n: usize,
+            (w, stride): (*const f32, usize),
+            vs: &[(usize, &[T])],
+            ahead: &super::Ahead<'_>,
+        ) {
+            let dtype = T::DTYPE;
+            let per = super::Ahead::per_step(n / (2 * $w));
+            // Two vectors of each row at a time, summed over the tokens in registers.
+            let mut i = 0;
+            while i + 2 * $w <= n {
+                let mut a0 = [$zero(); R];
+                let mut a1 = [$zero(); R];
+                ahead.part(i / (2 * $w), per);
+                for &(t, v) in vs {
+                    let vp = v.as_ptr().cast::<u8>();
+                    // SAFETY: `i + 2 * $w <= n` elements of `v`; weight `r * stride + t` is
+                    // within the caller's `R` rows of `stride`.
+                    unsafe {
+                        let (v0, v1) = load_pair(vp, dtype, i);
+                        for r in 0..R {
+                            let wr = $set1(*w.add(r * stride + t));
+                            a0[r] = $fma(wr, v0, a0[r]);
+                            a1[r] = $fma(wr, v1, a1[r]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let (x0, x1) = in_order(dtype, a0[r], a1[r]);
+                    // SAFETY: `i + 2 * $w <= n`: within row `r` of `acc`.
+                    unsafe {
+                        let p = acc.add(r * n + i);
+                        $stu(p, $add($ldu(p), x0));
+                        $stu(p.add($w), $add($ldu(p.add($w)), x1));
+                    }
+                }
+                i += 2 * $w;
+            }
+            for j in i..n {
+                for r in 0..R {
+                    let mut x = 0.0f32;
+                    for &(t, v) in vs {
+                        // SAFETY: `j < n`, `r < R`, `t < stride`.
+                        x += unsafe {
+                            *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
+                        };
+                    }
+                    // SAFETY: `j < n`, `r < R`.
+                    unsafe { *acc.add(r * n + j) += x };
+                }
+            }
+        }
+
+        /// # Safety
+        /// As `axpy_rows_r`, for `rows` rows.
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn axpy_rows<T: Element>(
+            acc: *mut f32,
+            n: usize,
+            (w, stride): (*const f32, usize),
+            vs: &[(usize, &[T])],
+            rows: usize,
+            ahead: &super::Ahead<'_>,
+        ) {
+            super::row_blocks(rows, |r, block| {
+                let ahead = ahead.for_rows_from(r);
+                // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's
+                // contract.
+                unsafe {
+                    let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
+                    match block {
+                        8 => axpy_rows_r::<T, 8>(acc, n, w, vs, ahead),
+                        4 => axpy_rows_r::<T, 4>(acc, n, w, vs, ahead),
+                        2 => axpy_rows_r::<T, 2>(acc, n, w, vs, ahead),
+                        _ => axpy_rows_r::<T, 1>(acc, n, w, vs, ahead),
+                    }
+                }
+            });
+        }
+    };
+}
+
+/// The builds expand it by path (`super::chunk_axpy`), so their modules may be declared first.
+#[cfg(target_arch = "x86_64")]
+use chunk_axpy;
