@@ -1,0 +1,684 @@
+//! The CUDA backend of sparse-algo (feature `cuda`): Quest, StreamingLLM and the DSA indexer on
+//! the device, with the same contracts as the CPU implementations.
+//!
+//! [`SelectKernels`] compiles `kernels/select.cu` once for a [`Gpu`] and runs on its stream.
+//! [`DeviceRepPool`] is [`RepPool`](crate::RepPool)'s layout on the device, in the keys' element
+//! type (a page's minimum and maximum are keys, so nothing is rounded).
+//! [`SelectKernels::update_minmax`] maintains it from the paged keys and the batch metadata:
+//! after a prefill it builds every page, after a decode step it recomputes the current page.
+//! [`SelectKernels::quest_topk`] scores pages (one launch) and selects the top-k (a second) into
+//! a [`DeviceTopK`], whose rows feed [`Gpu::sparse_page_attention`] (or, one row per sequence, the
+//! hot-buffer diff) without a round trip to the host. With [`QuestScoring::Exact`] (the default)
+//! scores equal the CPU's bit for bit, so the selections are the CPU's, ties included;
+//! [`QuestScoring::TensorCores`] scores on tensor cores, equal to the CPU's up to the order of
+//! f32 sums (see there). [`SelectKernels::streaming_topk`] writes
+//! StreamingLLM's rows through the same selecting kernel, and [`SelectKernels::dsa_topk`]
+//! scores every token with a trained indexer (keys in a [`DeviceRepPool`]) before it.
+
+mod launch;
+mod step;
+
+use std::sync::Arc;
+
+use attn_op::cuda::{
+    CudaElement, DeviceBatch, DeviceSelection, Gpu, KernelValue, Published, compile_source,
+};
+use attn_op::{AttnError, DType};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+
+use crate::pool::pool_extent;
+use crate::{AlgoError, AlwaysInclude, Dsa, Quest, RepShape, StreamingLlm, Summary};
+
+/// The CUDA C source of sparse-algo's kernels (`kernels/common.cuh`, `kernels/pdl.cuh`,
+/// `kernels/mma.cuh`, `kernels/trace.cuh`, then `kernels/select.cu`), embedded at build time.
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("../../../../kernels/common.cuh"),
+    include_str!("../../../../kernels/pdl.cuh"),
+    include_str!("../../../../kernels/mma.cuh"),
+    include_str!("../../../../kernels/trace.cuh"),
+    include_str!("../../../../kernels/select.cu")
+);
+
+/// Threads of a min/max CTA (`SEL_THREADS` in kernels/select.cu).
+const SEL_THREADS: usize = 256;
+/// Threads of a scoring CTA (`SCORE_THREADS`).
+const SCORE_THREADS: usize = 128;
+/// Threads of a selecting CTA (`PICK_THREADS`).
+const PICK_THREADS: usize = 1024;
+/// Dynamic shared memory of a selecting CTA before its row of keys: `select_top`'s two
+/// histograms of `SEL_BINS` (4096) ints.
+const PICK_HIST_BYTES: usize = 2 * 4096 * size_of::<i32>();
+/// The first record of the traced selecting CTAs in the select module's `attn_trace`
+/// (`PICK_TRACE_FIRST` in kernels/select.cu); the traced scoring CTAs' start at 0.
+pub const PICK_TRACE_FIRST: usize = 2048;
+/// Threads of a DSA scoring CTA, one per token (`DSA_THREADS`).
+const DSA_THREADS: usize = 128;
+/// Bytes of min/max rows in one of a scoring CTA's two tile buffers (`TILE_BYTES`).
+const TILE_BYTES: usize = 32 << 10;
+/// Warps of a tensor-core scoring CTA (`TC_WARPS`).
+const TC_WARPS: usize = 8;
+/// Mid pages of one tensor-core scoring item: the MMA's M.
+const TC_PAGES: usize = 16;
+/// The most query heads per KV head the tensor-core scoring takes: the MMA's N.
+const TC_GROUP: usize = 8;
+
+/// How [`SelectKernels::quest_topk`] computes Quest's page scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuestScoring {
+    /// On CUDA cores, every multiply and add rounded on its own in score.rs's order: each score
+    /// equals the CPU's bit for bit, so every selection equals the CPU's, ties included.
+    #[default]
+    Exact,
+    /// On tensor cores (a bf16 or f16 MMA of each page's `[kmax ‖ kmin]` row with the group's
+    /// `[q+ ; q-]`), for f16 and bf16 keys of head dim 64 or 128 and at most 8 query heads per
+    /// KV head; other shapes and f32 keys take [`Exact`](Self::Exact). Products of two 16-bit
+    /// elements are exact in f32, so a score differs from the CPU's only by the order of its f32
+    /// sums (its last bits), and a selection differs from the CPU's only where pages' scores
+    /// tie within that rounding.
+    TensorCores,
+}
+
+fn device_err(e: impl std::fmt::Debug) -> AlgoError {
+    AlgoError::Attn(AttnError::Device(format!("CUDA driver: {e:?}")))
+}
+
+fn to_i32(x: usize) -> Result<i32, AlgoError> {
+    i32::try_from(x).map_err(|_| AlgoError::Invalid(format!("{x} does not fit an i32")))
+}
+
+fn to_u32(x: usize) -> Result<u32, AlgoError> {
+    u32::try_from(x).map_err(|_| AlgoError::Invalid(format!("{x} does not fit a u32")))
+}
+
+/// sparse-algo's kernels, loaded for one [`Gpu`], launched on its stream (or another stream
+/// of its context, through [`SelectKernels::on_stream`]).
+#[derive(Clone, Debug)]
+pub struct SelectKernels {
+    stream: Arc<CudaStream>,
+    /// `(quest_minmax, quest_score)` for f32, f16 and bf16, in [`type_index`] order.
+    quest: [(CudaFunction, CudaFunction); 3],
+    /// `quest_score_tc_*` for f16 and bf16 (outer), head dim 64 and 128 (inner).
+    quest_tc: [[CudaFunction; 2]; 2],
+    /// `quest_score_tc8_*`, the same over E4M3 summaries.
+    quest_tc8: [[CudaFunction; 2]; 2],
+    /// Warps of `quest_score_tc_*` the device holds at once.
+    tc_resident_warps: usize,
+    /// How `quest_topk` scores.
+    scoring: QuestScoring,
+    /// `dsa_score_*` for f32, f16 and bf16.
+    dsa: [CudaFunction; 3],
+    /// `pick_rows`, the top-k of every algorithm and element type.
+    pick: CudaFunction,
+    /// The most dynamic shared memory a Quest scoring CTA may use (set once at load).
+    score_smem_max: usize,
+    /// The most dynamic shared memory a DSA scoring CTA may use (set once at load).
+    dsa_smem_max: usize,
+    /// The most dynamic shared memory a selecting CTA may use (set once at load).
+    pick_smem_max: usize,
+    /// Streaming multiprocessors of the device.
+    sms: usize,
+    /// Whether the scoring and selecting kernels are programmatic dependent launches
+    /// ([`Gpu::dependent_launches`]).
+    dependent: bool,
+    /// The loaded module (for its `attn_trace` records).
+    module: Arc<CudaModule>,
+    /// `quest_score_tc_bf16_d128_traced`, `pick_rows_traced` and
+    /// `quest_score_tc8_bf16_d128_traced`.
+    traced: (CudaFunction, CudaFunction, CudaFunction),
+    /// Whether [`quest_topk`](Self::quest_topk) launches the traced kernels where they exist.
+    trace: bool,
+    /// Whether [`quest_topk`](Self::quest_topk) publishes its rows (see
+    /// [`Self::set_publish`]).
+    publish: bool,
+}
+
+/// `ScoreArgs` of kernels/select.cu: `quest_score_*`'s integer arguments, in its field order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ScoreArgs {
+    q_heads: i32,
+    layer: i32,
+    num_slots: i32,
+    max_pages: i32,
+    kvh: i32,
+    d: i32,
+    ps: i32,
+    budget: i32,
+    sink_tokens: i32,
+    recent_tokens: i32,
+    shared: i32,
+    tpp: i32,
+    score_stride: i32,
+    tiles: i32,
+}
+
+// SAFETY: `ScoreArgs` is `#[repr(C)]` plain data of i32 fields, laid out as the kernel's
+// struct of the same fields in the same order.
+unsafe impl DeviceRepr for ScoreArgs {}
+
+// SAFETY: as above: the kernel's parameter of this type expects exactly these bytes.
+unsafe impl KernelValue for ScoreArgs {}
+
+/// `DsaArgs` of kernels/select.cu: `dsa_score_*`'s integer arguments, in its field order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct DsaArgs {
+    heads: i32,
+    dim: i32,
+    layer: i32,
+    num_slots: i32,
+    max_tokens: i32,
+    topk: i32,
+    sink_tokens: i32,
+    recent_tokens: i32,
+    score_stride: i32,
+}
+
+// SAFETY: `DsaArgs` is `#[repr(C)]` plain data of i32 fields, laid out as the kernel's struct
+// of the same fields in the same order.
+unsafe impl DeviceRepr for DsaArgs {}
+
+/// How `pick_rows` assembles a row: Quest's plan (select.rs, `Plan`) with these settings.
+#[derive(Clone, Copy, Debug)]
+struct Rule {
+    page_size: usize,
+    budget_pages: usize,
+    always: AlwaysInclude,
+}
+
+/// [`RepPool`](crate::RepPool)'s flat array `[layers, slots, max_pages, heads, width]` on the
+/// device, in element type `T`, or, for Quest's [`Summary::E4m3`], as one E4M3 code per value
+/// plus a scale exponent per (page, head) (`[layers, slots, max_pages, heads]`;
+/// [`crate::summary`] has the format). Token counts are not kept: the batch metadata says which
+/// pages a step touched.
+pub struct DeviceRepPool<T: CudaElement> {
+    shape: RepShape,
+    layers: usize,
+    slots: usize,
+    max_pages: usize,
+    /// The values in `T` (one unused element for an E4M3 pool).
+    data: CudaSlice<T>,
+    /// An E4M3 pool's codes and scale exponents.
+    e4m3: Option<(CudaSlice<u8>, CudaSlice<i8>)>,
+}
+
+impl<T: CudaElement> DeviceRepPool<T> {
+    /// A zeroed pool for `layers` layers and `slots` requests of up to `max_tokens` tokens.
+    pub fn new(
+        gpu: &Gpu,
+        shape: RepShape,
+        layers: usize,
+        slots: usize,
+        max_tokens: usize,
+    ) -> Result<Self, AlgoError> {
+        Self::with_summary(gpu, shape, layers, slots, max_tokens, Summary::Exact)
+    }
+
+    /// A zeroed pool whose values are stored as `summary` says (Quest's
+    /// [`QuestConfig::summary`](crate::QuestConfig::summary)).
+    pub fn with_summary(
+        gpu: &Gpu,
+        shape: RepShape,
+        layers: usize,
+        slots: usize,
+        max_tokens: usize,
+        summary: Summary,
+    ) -> Result<Self, AlgoError> {
+        let (max_pages, len) = pool_extent(shape, layers, slots, max_tokens)?;
+        let (data, e4m3) = match summary {
+            Summary::Exact => (gpu.zeros(len)?, None),
+            Summary::E4m3 => {
+                let rows = len / shape.width.max(1);
+                (gpu.zeros(1)?, Some((gpu.zeros(len)?, gpu.zeros(rows)?)))
+            }
+        };
+        Ok(DeviceRepPool {
+            shape,
+            layers,
+            slots,
+            max_pages,
+            data,
+            e4m3,
+        })
+    }
+
+    /// How the pool stores its values.
+    pub fn summary(&self) -> Summary {
+        if self.e4m3.is_some() {
+            Summary::E4m3
+        } else {
+            Summary::Exact
+        }
+    }
+
+    /// An E4M3 pool's codes `[layers, slots, max_pages, heads, width]` and scale exponents
+    /// `[layers, slots, max_pages, heads]`; `None` for a pool of `T` values.
+    pub fn e4m3(&self) -> Option<(&CudaSlice<u8>, &CudaSlice<i8>)> {
+        self.e4m3.as_ref().map(|(c, e)| (c, e))
+    }
+
+    /// An E4M3 pool's codes and exponents for writers other than this crate's kernels (a
+    /// host-built pool's rows uploaded, [`crate::summary::encode_row`]).
+    pub fn e4m3_mut(&mut self) -> Option<(&mut CudaSlice<u8>, &mut CudaSlice<i8>)> {
+        self.e4m3.as_mut().map(|(c, e)| (c, e))
+    }
+
+    /// The per-page shape.
+    pub fn shape(&self) -> RepShape {
+        self.shape
+    }
+
+    /// The longest sequence a slot can summarize.
+    pub fn max_tokens(&self) -> usize {
+        self.max_pages * self.shape.page_size
+    }
+
+    /// Bytes the pool holds on the device.
+    pub fn bytes(&self) -> usize {
+        match &self.e4m3 {
+            Some((codes, exps)) => codes.len() + exps.len(),
+            None => self.data.len() * size_of::<T>(),
+        }
+    }
+
+    /// The whole array, `[layers, slots, max_pages, heads, width]` (one unused element in an
+    /// E4M3 pool: see [`Self::e4m3`]).
+    pub fn data(&self) -> &CudaSlice<T> {
+        &self.data
+    }
+
+    /// The whole array, for writers other than this crate's kernels: a model writes its DSA
+    /// indexer keys here, token `t` of `(layer, slot)` at row `(layer * slots + slot) *
+    /// max_pages + t` of `width` elements (pages are single tokens).
+    pub fn data_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.data
+    }
+}
+
+/// The output of [`SelectKernels::quest_topk`] and the scratch it reuses, allocated once for a
+/// batch shape and rewritten whole by every launch.
+pub struct DeviceTopK {
+    /// The selected pages per output row, ascending, -1 padded: rows are (sequence, KV head),
+    /// or one per sequence for a head-shared selection made with `per_sequence`.
+    pub sel: DeviceSelection,
+    /// `[rows]` tokens each row's pages cover (the current, partial page counts its valid
+    /// tokens): the KV length of attention over the selected pages gathered in order.
+    pub covered: CudaSlice<i32>,
+    /// Output rows per selection row (a shared selection written once per KV head, or once).
+    copies: usize,
+    /// One selection row per sequence (shared by its KV heads), else one per (sequence, head).
+    shared: bool,
+    /// `[selection rows, score_stride]` ordered score keys, zero between launches unless
+    /// `keys_left`.
+    scores: CudaSlice<u32>,
+    /// The last selection left its keys in `scores` (its scoring kernel stored every key, so
+    /// `pick_rows` did not zero them); a scoring kernel that merges by atomicMax needs them
+    /// zeroed first.
+    keys_left: bool,
+    score_stride: usize,
+    /// Selection rows (sequences, or (sequence, KV head) pairs).
+    sel_rows: usize,
+    /// `[selection rows]` flags `pick_rows` sets to the step's value (`epoch`) as it publishes
+    /// each row (see [`SelectKernels::set_publish`]).
+    ready: CudaSlice<u32>,
+    /// `[1]` the step's value, which each publishing scoring launch advances on the device.
+    epoch: CudaSlice<u32>,
+    /// Whether the last selection was published through `ready` (see [`Self::published`]).
+    published: bool,
+}
+
+impl DeviceTopK {
+    /// Buffers for Quest selections of `num_seqs` sequences of up to `max_tokens` tokens with
+    /// `kv_heads` KV heads. A head-shared Quest ([`QuestConfig::shared_heads`]) writes its
+    /// selection once per sequence when `per_sequence` (the rows a hot-buffer diff takes), else
+    /// once per KV head (the rows attention takes); a per-head Quest needs `per_sequence` false.
+    ///
+    /// [`QuestConfig::shared_heads`]: crate::QuestConfig::shared_heads
+    pub fn new(
+        gpu: &Gpu,
+        quest: &Quest,
+        num_seqs: usize,
+        kv_heads: usize,
+        max_tokens: usize,
+        per_sequence: bool,
+    ) -> Result<Self, AlgoError> {
+        let shared = quest.config().shared_heads;
+        if per_sequence && !shared {
+            return Err(AlgoError::Config(
+                "one row per sequence needs a head-shared Quest".to_owned(),
+            ));
+        }
+        let stride = max_tokens.div_ceil(quest.config().page_size).max(1);
+        let rows = Rows {
+            num_seqs,
+            kv_heads,
+            shared,
+            per_sequence,
+        };
+        Self::alloc(gpu, rows, quest.row_width(), stride)
+    }
+
+    /// Buffers for StreamingLLM's rows of `num_seqs` sequences with `kv_heads` KV heads: once
+    /// per sequence when `per_sequence`, else once per KV head (every head keeps the same
+    /// pages).
+    pub fn streaming(
+        gpu: &Gpu,
+        streaming: &StreamingLlm,
+        num_seqs: usize,
+        kv_heads: usize,
+        per_sequence: bool,
+    ) -> Result<Self, AlgoError> {
+        let rows = Rows::head_shared(num_seqs, kv_heads, per_sequence);
+        // No scores: the rows are forced pages only.
+        Self::alloc(gpu, rows, streaming.row_width(), 0)
+    }
+
+    /// Buffers for DSA token selections of `num_seqs` sequences of up to `max_tokens` tokens
+    /// with `kv_heads` KV heads: once per sequence when `per_sequence`, else once per KV head
+    /// (every head gets the same tokens).
+    pub fn dsa(
+        gpu: &Gpu,
+        dsa: &Dsa,
+        num_seqs: usize,
+        kv_heads: usize,
+        max_tokens: usize,
+        per_sequence: bool,
+    ) -> Result<Self, AlgoError> {
+        let rows = Rows::head_shared(num_seqs, kv_heads, per_sequence);
+        Self::alloc(gpu, rows, dsa.row_width(), max_tokens.max(1))
+    }
+
+    /// Zeroed buffers: `rows`' selection rows of `width` ids and `stride` score keys each.
+    fn alloc(gpu: &Gpu, rows: Rows, width: usize, stride: usize) -> Result<Self, AlgoError> {
+        let sel_rows = if rows.shared {
+            rows.num_seqs
+        } else {
+            rows.num_seqs * rows.kv_heads
+        };
+        let copies = if !rows.shared || rows.per_sequence {
+            1
+        } else {
+            rows.kv_heads
+        };
+        let out_rows = sel_rows * copies;
+        Ok(DeviceTopK {
+            sel: DeviceSelection::from_device(
+                gpu.zeros(out_rows * width)?,
+                gpu.zeros(out_rows)?,
+                width,
+            )?,
+            covered: gpu.zeros(out_rows)?,
+            copies,
+            shared: rows.shared,
+            scores: gpu.zeros((sel_rows * stride).max(1))?,
+            keys_left: false,
+            score_stride: stride,
+            sel_rows,
+            ready: gpu.zeros(sel_rows.max(1))?,
+            epoch: gpu.zeros(1)?,
+            published: false,
+        })
+    }
+
+    /// The flags through which the last [`SelectKernels::quest_topk`] published its rows
+    /// ([`SelectKernels::set_publish`]): what [`Gpu::sparse_page_attention_published`] takes
+    /// to start before the top-k ends. `None` where the last selection was not published.
+    pub fn published(&self) -> Option<Published<'_>> {
+        self.published.then_some(Published {
+            flags: &self.ready,
+            epoch: &self.epoch,
+            rows_per_flag: self.copies,
+        })
+    }
+
+    /// Checks that these buffers were made for `sel_rows` selection rows of `width`, shared or
+    /// not, and, where `scored` is `Some((max_len, ps))`, with room for the score keys of
+    /// sequences of `max_len` tokens in pages of `ps` tokens.
+    fn check(
+        &self,
+        sel_rows: usize,
+        shared: bool,
+        width: usize,
+        scored: Option<(usize, usize)>,
+    ) -> Result<(), AlgoError> {
+        if self.sel_rows != sel_rows
+            || self.shared != shared
+            || self.sel.rows != sel_rows * self.copies
+            || self.sel.max_len != width
+        {
+            return Err(AlgoError::Invalid(format!(
+                "top-k buffers of {} rows of {} for {sel_rows} selection rows of {width}",
+                self.sel.rows, self.sel.max_len
+            )));
+        }
+        if let Some((max_len, ps)) = scored
+            && max_len.div_ceil(ps) > self.score_stride
+        {
+            return Err(AlgoError::Invalid(format!(
+                "sequences of {max_len} tokens; the top-k buffers were made for {}",
+                self.score_stride * ps
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The shape of a [`DeviceTopK`]'s rows.
+#[derive(Clone, Copy, Debug)]
+struct Rows {
+    num_seqs: usize,
+    kv_heads: usize,
+    shared: bool,
+    per_sequence: bool,
+}
+
+impl Rows {
+    /// One selection per sequence, shared by its KV heads.
+    fn head_shared(num_seqs: usize, kv_heads: usize, per_sequence: bool) -> Rows {
+        Rows {
+            num_seqs,
+            kv_heads,
+            shared: true,
+            per_sequence,
+        }
+    }
+}
+
+/// [`SelectKernels::quest_topk`]'s inputs, checked by it, for its two launches.
+struct Inputs<'a, T: CudaElement> {
+    quest: &'a Quest,
+    q: &'a CudaSlice<T>,
+    q_heads: usize,
+    meta: &'a DeviceBatch,
+    layer: usize,
+    slots: &'a CudaSlice<i32>,
+    pool: &'a DeviceRepPool<T>,
+    /// The rows are published: the scoring advances the step's value.
+    publish: bool,
+}
+
+// Derived Clone/Copy would ask T: Copy; every field is a reference or an integer.
+impl<T: CudaElement> Clone for Inputs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: CudaElement> Copy for Inputs<'_, T> {}
+
+/// The index of `T` in [`SelectKernels`]' tables.
+fn type_index<T: CudaElement>() -> usize {
+    match T::DTYPE {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    }
+}
+
+/// A launch's integer arguments, on the stack: the first error if one does not fit an i32.
+fn ints_ok<const N: usize>(ints: [Result<i32, AlgoError>; N]) -> Result<[i32; N], AlgoError> {
+    let mut out = [0; N];
+    for (o, x) in out.iter_mut().zip(ints) {
+        *o = x?;
+    }
+    Ok(out)
+}
+
+impl SelectKernels {
+    /// Compiles and loads `kernels/select.cu` for `gpu`'s device.
+    pub fn new(gpu: &Gpu) -> Result<Self, AlgoError> {
+        let ptx = compile_source("kernels/select.cu", KERNEL_SOURCE, gpu.arch())?;
+        let module = gpu.context().load_module(ptx).map_err(device_err)?;
+        let load = |name: String| {
+            module
+                .load_function(&name)
+                .map_err(|e| AlgoError::Attn(AttnError::Device(format!("kernel {name}: {e:?}"))))
+        };
+        let pair = |t: &str| -> Result<(CudaFunction, CudaFunction), AlgoError> {
+            Ok((
+                load(format!("quest_minmax_{t}"))?,
+                load(format!("quest_score_{t}"))?,
+            ))
+        };
+        let quest = [pair("f32")?, pair("f16")?, pair("bf16")?];
+        let tc = |kind: &str| -> Result<[[CudaFunction; 2]; 2], AlgoError> {
+            Ok([
+                [
+                    load(format!("quest_score_{kind}_f16_d64"))?,
+                    load(format!("quest_score_{kind}_f16_d128"))?,
+                ],
+                [
+                    load(format!("quest_score_{kind}_bf16_d64"))?,
+                    load(format!("quest_score_{kind}_bf16_d128"))?,
+                ],
+            ])
+        };
+        let (quest_tc, quest_tc8) = (tc("tc")?, tc("tc8")?);
+        // The tensor-core kernels use no dynamic shared memory: one occupancy for every call.
+        let mut tc_per_sm = u32::MAX;
+        for f in quest_tc.iter().chain(&quest_tc8).flatten() {
+            let n = f
+                .occupancy_max_active_blocks_per_multiprocessor(to_u32(TC_WARPS * 32)?, 0, None)
+                .map_err(device_err)?;
+            tc_per_sm = tc_per_sm.min(n);
+        }
+        let sms = gpu.multiprocessors();
+        let tc_resident_warps = (sms * tc_per_sm as usize * TC_WARPS).max(TC_WARPS);
+        let dsa = [
+            load("dsa_score_f32".to_owned())?,
+            load("dsa_score_f16".to_owned())?,
+            load("dsa_score_bf16".to_owned())?,
+        ];
+        let pick = load("pick_rows".to_owned())?;
+        let traced = (
+            load("quest_score_tc_bf16_d128_traced".to_owned())?,
+            load("pick_rows_traced".to_owned())?,
+            load("quest_score_tc8_bf16_d128_traced".to_owned())?,
+        );
+        // Scoring CTAs hold the group's queries and two tiles, a selecting CTA a row's keys:
+        // allow them, once, all the device offers beyond the kernels' static arrays.
+        let optin = gpu
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(device_err)?;
+        let allow_all = |f: &CudaFunction| -> Result<usize, AlgoError> {
+            let fixed = f
+                .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                .map_err(device_err)?;
+            let free = usize::try_from(optin - fixed).unwrap_or(0);
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                to_i32(free)?,
+            )
+            .map_err(device_err)?;
+            Ok(free)
+        };
+        let mut score_smem_max = usize::MAX;
+        for (_, f) in &quest {
+            score_smem_max = score_smem_max.min(allow_all(f)?);
+        }
+        let mut dsa_smem_max = usize::MAX;
+        for f in &dsa {
+            dsa_smem_max = dsa_smem_max.min(allow_all(f)?);
+        }
+        let pick_smem_max = allow_all(&pick)?;
+        allow_all(&traced.1)?;
+        Ok(SelectKernels {
+            stream: gpu.stream().clone(),
+            quest,
+            quest_tc,
+            quest_tc8,
+            tc_resident_warps,
+            scoring: QuestScoring::default(),
+            dsa,
+            pick,
+            score_smem_max,
+            dsa_smem_max,
+            pick_smem_max,
+            sms,
+            dependent: gpu.dependent_launches(),
+            module,
+            traced,
+            trace: false,
+            publish: false,
+        })
+    }
+
+    /// Has [`quest_topk`](Self::quest_topk) publish each row of its selection, from now on,
+    /// through a per-row flag that `pick_rows` sets once it has written the row
+    /// ([`DeviceTopK::published`]). Attention launched right after through
+    /// [`Gpu::sparse_page_attention_published`] then starts before the top-k ends: its CTAs
+    /// read their queries and metadata first, and each waits only for its own row (measured
+    /// 0.064 -> 0.061 ms for the Quest step at B8 L32K on an H200, BENCHMARKS.md). The
+    /// selections are the same as without. Only with programmatic dependent launches
+    /// ([`Self::set_dependent_launches`]) do the two launches run at once. The flags' value is
+    /// a counter in device memory that the scoring launch advances, so the step may be
+    /// captured in a CUDA graph and replayed.
+    pub fn set_publish(&mut self, on: bool) {
+        self.publish = on;
+    }
+
+    /// Has [`quest_topk`](Self::quest_topk) launch, from now on, the traced scoring kernel
+    /// (for bf16 keys at head dim 128 on tensor cores) and the traced selecting kernel, which
+    /// write per-CTA timestamps (kernels/trace.cuh) for [`take_trace`](Self::take_trace); `false`
+    /// goes back to the untraced ones.
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace = on;
+    }
+
+    /// The records the traced kernels wrote since the last call, as
+    /// [`Gpu::take_attn_trace`] returns the attention's
+    /// ([`TRACE_WORDS`](attn_op::cuda::TRACE_WORDS) words per CTA): the scoring CTAs' from
+    /// record 0, the selecting CTAs' from record [`PICK_TRACE_FIRST`]. Synchronizes this
+    /// stream, reads the records and zeroes them.
+    pub fn take_trace(&self) -> Result<Vec<u64>, AlgoError> {
+        Ok(attn_op::cuda::take_trace(&self.module, &self.stream)?)
+    }
+
+    /// Turns programmatic dependent launches of the Quest scoring and selecting kernels on or
+    /// off (for the bench's comparison); they start as [`Gpu::dependent_launches`] says, and
+    /// stay off on a device without them.
+    pub fn set_dependent_launches(&mut self, gpu: &Gpu, on: bool) {
+        self.dependent = on && gpu.has_sm90_features();
+    }
+
+    /// The same kernels, and the same scoring, launched on `stream`, a stream of the same
+    /// context: a selection on a copy stream, say, under compute on another. Ordering work
+    /// across the two streams (events) is the caller's.
+    pub fn on_stream(&self, stream: Arc<CudaStream>) -> Self {
+        SelectKernels {
+            stream,
+            ..self.clone()
+        }
+    }
+
+    /// How [`quest_topk`](Self::quest_topk) scores from now on.
+    pub fn set_quest_scoring(&mut self, scoring: QuestScoring) {
+        self.scoring = scoring;
+    }
+
+    /// How [`quest_topk`](Self::quest_topk) scores.
+    pub fn quest_scoring(&self) -> QuestScoring {
+        self.scoring
+    }
+}
