@@ -13,10 +13,11 @@ use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{AlgoError, SparseAlgorithm, Summary};
 
+use super::bench::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, quest_2k, untracked};
+use super::check::meta_for;
 use super::report::Row;
 use super::rng::Rng;
 use super::steptrace::{self, Step};
-use super::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, meta_for, quest_2k, untracked};
 
 /// The layers a rotation runs over.
 pub(crate) const COLD_LAYERS: usize = 8;

@@ -10,7 +10,7 @@ use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, PICK_TRACE_FIRST, QuestScoring, SelectKernels};
 use sparse_algo::{AlgoError, Quest};
 
-use super::{D, Q_HEADS};
+use super::bench::{D, Q_HEADS};
 
 /// A kernel's marks: the mark's index in a trace record and what it stands for.
 type Marks = &'static [(usize, &'static str)];
