@@ -736,16 +736,21 @@ __device__ __forceinline__ void load_q_rows(const Unit& u, const T* __restrict__
 // (`PUBLISHED_IDS` on the Rust side, which uses the flags only where every split fits).
 #define PUB_IDS 256
 
-// The longest block-table row a CTA over a published selection stages in shared memory.
-#define PUB_TABLE 2048
+// The bytes of dynamic shared memory this launch gave its CTAs.
+__device__ __forceinline__ int dynamic_smem_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return (int)n;
+}
 
-// Starts copying the sequence's block-table row (`n` entries) into `dst` in shared memory, 4
-// bytes a copy without registers (cp.async), while the CTA waits for its row's flag: the host
-// wrote the table before the step began. Returns `dst`, or null where the row does not fit
-// PUB_TABLE (the walk then reads the table in global memory). published_keys ends the copies
-// and has the walk read the table there, not from L2, once the page ids arrive.
-__device__ __forceinline__ const i32* pub_table_start(i32* dst, const i32* row, int n) {
-    if (n > PUB_TABLE) return nullptr;
+// Starts copying the sequence's block-table row (`n` entries) into `dst` in shared memory (room
+// for `cap` entries: what the launch gave beyond the warps' merge state), 4 bytes a copy
+// without registers (cp.async), while the CTA waits for its row's flag: the host wrote the
+// table before the step began. Returns `dst`, or null where the row does not fit (the walk
+// then reads the table in global memory). published_keys ends the copies and has the walk
+// read the table there, not from L2, once the page ids arrive.
+__device__ __forceinline__ const i32* pub_table_start(i32* dst, int cap, const i32* row, int n) {
+    if (n > cap) return nullptr;
 #if __CUDA_ARCH__ >= 800
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const unsigned at = (unsigned)__cvta_generic_to_shared(dst + i);
@@ -832,7 +837,10 @@ __device__ __forceinline__ void attn_mma_core(
     const int t = lane & 3;
     unsigned rounds = 0;
     uint4 qf[KVEC];
-    __shared__ i32 table_row[PUB ? PUB_TABLE : 1];
+    // The warps' merge state (WarpRows::store), then, in a CTA over a published selection,
+    // the block-table row where the launch gave it room.
+    extern __shared__ float smem[];
+    constexpr int MERGE_FLOATS = WARPS * ROWS * (D + 2);
     const i32* staged_table = nullptr;
     if (PUB) {
         // A published page selection (Gpu::sparse_page_attention_published): the launch
@@ -842,8 +850,9 @@ __device__ __forceinline__ void attn_mma_core(
         // before that launch began, so they are read now; only the selection row waits for
         // its flag.
         load_q_rows<T, D>(u, q, group, q_heads, g, t, qf);
-        staged_table =
-            pub_table_start(table_row, block_table + (size_t)u.seq * max_blocks, max_blocks);
+        staged_table = pub_table_start(reinterpret_cast<i32*>(smem + MERGE_FLOATS),
+                                       dynamic_smem_bytes() / 4 - MERGE_FLOATS,
+                                       block_table + (size_t)u.seq * max_blocks, max_blocks);
         wait_flag(ready + u.sh / ready_div, __ldcg(epoch));
     }
     const Keys<T, D> keys =
@@ -924,7 +933,6 @@ __device__ __forceinline__ void attn_mma_core(
 
     tr.mark(5, __float_as_uint(st.acc[0][0]));
 
-    extern __shared__ float smem[];
     st.store(smem, WARPS, warp, g, t);
     __syncthreads();
     tr.mark(6, 0u);

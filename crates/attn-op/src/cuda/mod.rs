@@ -237,7 +237,9 @@ impl AttnSpec {
     }
 
     /// Dynamic shared memory of a CTA: each stream's accumulators, maxima and sums. A stream
-    /// is a warp on tensor cores, and the `d / 8` lanes that share a key on CUDA cores.
+    /// is a warp on tensor cores, and the `d / 8` lanes that share a key on CUDA cores. A
+    /// published kernel's table row starts right after (`MERGE_FLOATS` in kernels/attn.cu,
+    /// the same size).
     fn smem(&self, d: usize) -> usize {
         let streams = if self.tensor_cores {
             WARPS
@@ -256,13 +258,30 @@ type AttnKey = (DType, usize, &'static str);
 #[derive(Clone)]
 pub(crate) struct AttnKernel {
     pub(crate) func: CudaFunction,
-    /// The same kernel over a published selection (`NAME_pub`, tensor cores only) and its CTAs
-    /// per multiprocessor.
-    pub(crate) published: Option<(CudaFunction, usize)>,
+    /// The same kernel over a published selection (`NAME_pub`, tensor cores only).
+    pub(crate) published: Option<PubKernel>,
     pub(crate) rows: usize,
     pub(crate) smem: usize,
     pub(crate) resident: usize,
 }
+
+/// An attention kernel's form over a published selection. Its CTAs stage their sequence's
+/// block-table row in dynamic shared memory after the warps' merge state, where the launch
+/// gives them room (kernels/attn.cu, `pub_table_start`).
+#[derive(Clone)]
+pub(crate) struct PubKernel {
+    pub(crate) func: CudaFunction,
+    /// CTAs per multiprocessor with no table staged.
+    pub(crate) resident: usize,
+    /// The longest block-table row a launch stages (entries): the longest of
+    /// [`PUB_TABLE_ROWS`] at which the kernel still holds as many CTAs a multiprocessor as the
+    /// plain kernel, or 0.
+    pub(crate) table_cap: usize,
+}
+
+/// The block-table row lengths (entries) a published kernel may be given room to stage, the
+/// longest first: 8192 pages of 16 tokens is a 128K context (32 KiB), 2048 one of 32K.
+const PUB_TABLE_ROWS: [usize; 2] = [8192, 2048];
 
 /// Where split-KV launches write their partial results: outputs `[splits, rows, head_dim]`,
 /// LSEs `[splits, rows]`, and per unit (row tile of one sequence and KV head) the count of
@@ -346,22 +365,21 @@ impl Gpu {
                         .load_function(&name)
                         .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
                     let smem = spec.smem(d);
-                    let occupancy = |f: &CudaFunction| -> Result<usize, AttnError> {
+                    let occupancy = |f: &CudaFunction, bytes: usize| -> Result<usize, AttnError> {
                         Ok(f.occupancy_max_active_blocks_per_multiprocessor(
                             to_u32(WARPS * 32)?,
-                            smem,
+                            bytes,
                             None,
                         )?
                         .max(1) as usize)
                     };
-                    let resident = occupancy(&func)?;
+                    let resident = occupancy(&func, smem)?;
                     let published = if spec.tensor_cores {
                         let name = format!("{name}_pub");
                         let f = module
                             .load_function(&name)
                             .map_err(|e| AttnError::Device(format!("kernel {name}: {e:?}")))?;
-                        let n = occupancy(&f)?;
-                        Some((f, n))
+                        Some(pub_kernel(f, smem, resident, &occupancy)?)
                     } else {
                         None
                     };
@@ -574,7 +592,7 @@ impl Gpu {
     ) -> Result<(usize, usize, usize), AttnError> {
         let kernel = self.attn_kernel(dtype, d, 4)?;
         let (func, resident) = match (&kernel.published, published) {
-            (Some((f, n)), true) => (f, *n),
+            (Some(p), true) => (&p.func, p.resident),
             (None, true) => {
                 return Err(AttnError::Invalid(format!(
                     "no kernel over published selections for {dtype:?}, head_dim {d}"
@@ -601,6 +619,40 @@ impl Gpu {
 }
 
 /// The NVRTC architecture name of a compute capability NVRTC can target.
+/// The published form `func` of a kernel whose plain form holds `resident` CTAs a
+/// multiprocessor with `smem` bytes of dynamic shared memory: the longest row of
+/// [`PUB_TABLE_ROWS`] it stages at that occupancy, its launches allowed that much more.
+fn pub_kernel(
+    func: CudaFunction,
+    smem: usize,
+    resident: usize,
+    occupancy: &dyn Fn(&CudaFunction, usize) -> Result<usize, AttnError>,
+) -> Result<PubKernel, AttnError> {
+    let allow = |bytes: usize| -> Result<(), AttnError> {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            to_i32(bytes)?,
+        )?;
+        Ok(())
+    };
+    let own = occupancy(&func, smem)?;
+    let mut table_cap = 0;
+    for rows in PUB_TABLE_ROWS {
+        let bytes = smem + rows * size_of::<i32>();
+        // A device that cannot give a CTA that much refuses the allowance: a shorter row.
+        if allow(bytes).is_ok() && occupancy(&func, bytes)? == resident {
+            table_cap = rows;
+            break;
+        }
+    }
+    allow(smem + table_cap * size_of::<i32>())?;
+    Ok(PubKernel {
+        func,
+        resident: own,
+        table_cap,
+    })
+}
+
 fn arch_name(major: i32, minor: i32) -> Result<&'static str, AttnError> {
     Ok(match (major, minor) {
         (7, 0) => "sm_70",

@@ -217,7 +217,7 @@ impl Gpu {
         let splits = n_keys.div_ceil(chunk).max(1);
         // A split's keys span at most this many pages of the selection.
         let split_pages = chunk.div_ceil(bs) + 1;
-        let cfg = LaunchConfig {
+        let mut cfg = LaunchConfig {
             grid_dim: (
                 to_u32(splits * layout.kv_heads)?,
                 to_u32(tiles)?,
@@ -297,13 +297,19 @@ impl Gpu {
         // The kernel over a published selection walks the same splits in the same order (the
         // same bits); the split was planned for the plain kernel's CTAs a multiprocessor, so
         // it is used only where it holds as many.
-        let pub_func = kernel
+        let pub_kernel = kernel
             .published
             .as_ref()
-            .filter(|(_, n)| *n == kernel.resident)
-            .map(|(f, _)| f);
-        let (func, published) = match (published, pub_func) {
-            (Some(p), Some(f)) => (f, Some(p)),
+            .filter(|k| k.resident == kernel.resident);
+        let (func, published) = match (published, pub_kernel) {
+            (Some(p), Some(k)) => {
+                // Room for the sequence's block-table row after the merge state, where it fits
+                // the kernel's allowance; with none the kernel reads the table in global memory.
+                if meta.max_blocks <= k.table_cap {
+                    cfg.shared_mem_bytes += to_u32(meta.max_blocks * size_of::<i32>())?;
+                }
+                (&k.func, Some(p))
+            }
             _ => (&kernel.func, None),
         };
         let mut b = Launch::new(&self.stream, func);
@@ -359,7 +365,8 @@ impl Gpu {
         // buffers hold; the metadata was validated against this layout on upload, and the
         // kernel range-checks every id it reads from device memory; published flags hold one
         // flag per rows_per_flag selection rows and their epoch a value (checked by the
-        // caller), and a null pointer is never read.
+        // caller), and a null pointer is never read; the kernel stages a table row only in the
+        // dynamic shared memory the launch gave beyond the merge state (%dynamic_smem_size).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
