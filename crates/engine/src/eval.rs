@@ -89,7 +89,8 @@ struct Run<T: Element> {
 const ID: RequestId = RequestId(1);
 
 /// Evaluates dense (always first in the result) and every `(name, config)` sparse variant
-/// on `tokens`; `progress(done, total)` is called after every decode position.
+/// on `tokens`; `progress(done, total)` is called after every decode position. The prefill
+/// must leave at least one position to score: `opts.prefill + 1 < tokens.len()`.
 pub fn teacher_forced<T: Element>(
     model: &Model,
     tokens: &[u32],
@@ -98,7 +99,8 @@ pub fn teacher_forced<T: Element>(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Vec<VariantReport>, EngineError> {
     let n = tokens.len();
-    if opts.prefill >= n {
+    // Position p predicts token p + 1, so positions prefill .. n - 1 are scored.
+    if opts.prefill + 1 >= n {
         return Err(EngineError::Invalid(format!(
             "a prefill of {} leaves nothing to decode in {n} tokens",
             opts.prefill

@@ -420,6 +420,21 @@ fn bad_requests_get_typed_errors() {
         tok.decode(&[5000]),
         Err(EngineError::Tokenizer(_))
     ));
+    // An evaluation whose prefill leaves no position to score (position p predicts p + 1).
+    let tokens = text(40);
+    for prefill in [39, 40, 41] {
+        let opts = EvalOptions {
+            prefill,
+            chunk: 16,
+            block_size: 16,
+            recall: false,
+        };
+        let got = teacher_forced::<f32>(&m, &tokens, &[], &opts, |_, _| {});
+        assert!(
+            matches!(got, Err(EngineError::Invalid(_))),
+            "prefill {prefill} of 40: {got:?}"
+        );
+    }
 }
 
 #[test]

@@ -422,7 +422,7 @@ fn eval(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let b = bar(n - prefill - 1, "decode");
+    let b = bar(n.saturating_sub(prefill + 1), "decode");
     let reports =
         engine::eval::teacher_forced::<half::f16>(model, &ids, &variants, &opts, |d, _| {
             b.set_position(d as u64);

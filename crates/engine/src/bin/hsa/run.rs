@@ -20,11 +20,12 @@ pub(crate) struct RunArgs {
     /// The text the built-in workload's prompts are cut from.
     #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
     text: PathBuf,
-    /// Requests of the built-in workload.
-    #[arg(long, default_value_t = 8)]
+    /// Requests of the built-in workload (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     requests: usize,
-    /// Longest prompt of the built-in workload (prompts spread from a quarter of it up).
-    #[arg(long, default_value_t = 4096)]
+    /// Longest prompt of the built-in workload in tokens, at least 1 (prompts spread from a
+    /// quarter of it up).
+    #[arg(long, default_value_t = 4096, value_parser = at_least_one)]
     max_prompt: usize,
     /// Tokens each request generates.
     #[arg(long, default_value_t = 32)]
@@ -72,6 +73,15 @@ fn one() -> usize {
     1
 }
 
+/// A count that must be positive (clap prints the error with the flag's name).
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// The default sparse variant of the built-in workload.
 fn default_variant() -> SparseConfig {
     SparseConfig::quest(1024)
@@ -103,8 +113,19 @@ pub(crate) fn run(
                             texts.insert(f.clone(), tok.encode(&read(f)?)?);
                         }
                         let ids = &texts[f];
-                        let end = r.tokens.map_or(ids.len(), |n| r.offset + n).min(ids.len());
-                        ids.get(r.offset..end).unwrap_or_default().to_vec()
+                        if r.offset >= ids.len() {
+                            return Err(EngineError::Invalid(format!(
+                                "{}: offset {} is past its {} tokens",
+                                f.display(),
+                                r.offset,
+                                ids.len()
+                            )));
+                        }
+                        let end = r
+                            .tokens
+                            .map_or(ids.len(), |n| r.offset.saturating_add(n))
+                            .min(ids.len());
+                        ids[r.offset..end].to_vec()
                     }
                     _ => {
                         return Err(EngineError::Invalid(
@@ -207,7 +228,13 @@ fn builtin(
     sparse: &SparseConfig,
 ) -> Result<Vec<Request>, EngineError> {
     let ids = tok.encode(text)?;
-    let n = a.requests.max(1);
+    if ids.is_empty() {
+        return Err(EngineError::Invalid(format!(
+            "{}: no tokens to cut the built-in workload's prompts from",
+            a.text.display()
+        )));
+    }
+    let n = a.requests;
     let max = a.max_prompt.min(ids.len());
     (0..n)
         .map(|i| {
