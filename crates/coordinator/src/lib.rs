@@ -19,6 +19,62 @@
 //!
 //! The user's [`SparseConfig`] (serde/TOML) is lowered once into per-layer [`LayerParams`]
 //! (`None`: a dense layer); nothing after [`SparseConfig::lower`] reads the user config.
+//!
+//! A one-layer model and one request: a prefill of 24 tokens, which the engine attends
+//! itself, then a decode step that the coordinator routes through the hot buffer:
+//!
+//! ```
+//! use attn_op::{AttnOut, AttnParams};
+//! use coordinator::{Capacity, Mode, ModelShape, Route, SparseConfig, SparseCoordinator};
+//! use kv_blocks::RequestId;
+//! use offload::HostAlloc;
+//!
+//! let model = ModelShape { layers: 1, q_heads: 2, kv_heads: 1, head_dim: 4 };
+//! let config: SparseConfig = toml::from_str(r#"
+//!     hot_tokens = 32
+//!     min_prompt_tokens = 16
+//!     [algo]
+//!     algorithm = "quest"
+//!     page_size = 4
+//!     budget_tokens = 12
+//! "#)?;
+//! let capacity =
+//!     Capacity { max_requests: 1, max_tokens: 64, host_pages: 16, host_alloc: HostAlloc::Own };
+//! let mut coord = SparseCoordinator::<f32>::from_config(model, &config, capacity)?;
+//! // Deterministic rows in [-1, 1] of `width` values for tokens `start..start + n`.
+//! let rows = |seed: usize, start: usize, n: usize, width: usize| -> Vec<f32> {
+//!     let value = |i: usize| ((i * 37 + seed * 11) % 19) as f32 / 9.0 - 1.0;
+//!     (start * width..(start + n) * width).map(value).collect()
+//! };
+//!
+//! let id = RequestId(1);
+//! // A prompt of at least `min_prompt_tokens` runs in sparse mode.
+//! assert_eq!(coord.on_request_begin(id, 24)?, Mode::Sparse);
+//! coord.forward_begin(&[(id, 24)])?;
+//! let (q, k, v) = (rows(0, 0, 24, 8), rows(1, 0, 24, 4), rows(2, 0, 24, 4));
+//! let plan = coord.attention_begin(0, &q, &k, &v)?;
+//! assert_eq!(plan.routes, [Route::Dense]); // prefill attends over the engine's own KV
+//! coord.attention_end(0, &k, &v)?; // the prompt goes to the host pool; Quest's bounds are built
+//! coord.forward_end()?;
+//!
+//! // Decode: the new token's q, k and v.
+//! coord.forward_begin(&[(id, 1)])?;
+//! let (q, k, v) = (rows(0, 24, 1, 8), rows(1, 24, 1, 4), rows(2, 24, 1, 4));
+//! let plan = coord.attention_begin(0, &q, &k, &v)?;
+//! assert_eq!(plan.routes, [Route::Sparse(0)]);
+//! let meta = plan.meta.as_ref().expect("a sparse row has metadata");
+//! assert_eq!(meta.seq_lens_kv, [9]); // 12 tokens of budget: two full pages and the new token's
+//! let pages = plan.selection.as_ref().expect("and a selection").row(0, 0);
+//! assert_eq!(pages.iter().filter(|&&p| p >= 0).last(), Some(&6)); // the current page, last
+//! let mut out = [0.0f32; 8];
+//! let device = coord.device(0).expect("layer 0 is sparse");
+//! meta.attend(&q, &device.read(), &AttnParams::new(2, 4), AttnOut { out: &mut out, lse: None })?;
+//! assert!(out.iter().all(|x| x.abs() <= 1.0)); // a weighted mean of values in [-1, 1]
+//! coord.attention_end(0, &k, &v)?; // the new token's backup to the host
+//! coord.forward_end()?;
+//! assert_eq!(coord.on_request_end(id)?.len, 25);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![deny(missing_docs)]
 
 mod adaptor;

@@ -9,6 +9,58 @@
 //! misses from the host, and returns the device page table attention reads ([`StepPlan`]).
 //! [`execute_loads`] and [`Pipeline`] execute loads (synchronously, or on a worker thread with
 //! per-layer completion tickets) and [`execute_block_transfers`] runs kv-blocks' tier moves.
+//!
+//! A request of ten tokens (pages of 4: two full pages and the current one, of 2 tokens),
+//! two decode steps that select its first and its current page, and attention over the
+//! device blocks the plan names:
+//!
+//! ```
+//! use attn_op::{AttnOut, AttnParams, BatchMeta, paged_attention};
+//! use kv_blocks::RequestId;
+//! use offload::{HostAlloc, HostLayout, OffloadConfig, SparseKvCacheManager};
+//!
+//! let config = OffloadConfig {
+//!     page_size: 4,
+//!     hot_pages: 2,
+//!     layers: 1,
+//!     kv_heads: 1,
+//!     head_dim: 2,
+//!     host_pages: 8,
+//!     max_requests: 1,
+//!     layout: HostLayout::LayerFirst,
+//!     host_alloc: HostAlloc::Own,
+//! };
+//! let mut kv = SparseKvCacheManager::<f32>::new(config)?;
+//! let id = RequestId(7);
+//! kv.begin_request(id)?;
+//! // The prompt's K and V after prefill, `[tokens, kv_heads, head_dim]`: token t has key
+//! // (t, 1) and value (t, -t).
+//! let k: Vec<f32> = (0..10).flat_map(|t| [t as f32, 1.0]).collect();
+//! let v: Vec<f32> = (0..10).flat_map(|t| [t as f32, -(t as f32)]).collect();
+//! kv.append(id, 0, &k, &v)?;
+//!
+//! // The algorithm picked pages 0 and 2 (ascending; the current page last).
+//! let plan = kv.step(id, 0, &[0, 2])?;
+//! assert_eq!(plan.seq_len, 6); // page 0's 4 tokens and the current page's 2
+//! assert_eq!(plan.stats.misses, 1); // page 0 came from the host
+//! // The next step selects the same pages: both are resident, nothing moves.
+//! let again = kv.step(id, 0, &[0, 2])?;
+//! assert_eq!((again.stats.hits, again.stats.misses, again.stats.bytes), (2, 0, 0));
+//!
+//! // Attention over exactly the selected tokens, through the plan's device block table.
+//! let meta = BatchMeta {
+//!     cu_seqlens_q: &[0, 1],
+//!     seq_lens_kv: &[plan.seq_len as i32],
+//!     block_table: &plan.block_table,
+//!     max_blocks: plan.block_table.len(),
+//! };
+//! let mut out = [0.0f32; 2];
+//! paged_attention(&[0.0f32, 0.0], &*kv.device(0).read(), &meta, &AttnParams::new(1, 2),
+//!     AttnOut { out: &mut out, lse: None })?;
+//! // A zero query weighs tokens 0-3, 8 and 9 equally: their mean value is (23 / 6, -23 / 6).
+//! assert!((out[0] - 23.0 / 6.0).abs() < 1e-5 && (out[1] + 23.0 / 6.0).abs() < 1e-5);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![deny(missing_docs)]
 
 #[cfg(feature = "cuda")]
