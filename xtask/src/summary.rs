@@ -68,11 +68,12 @@ pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
             }
         }
     }
-    for (id, sparse) in benches
-        .iter()
-        .filter(|(id, _)| id.starts_with("sparse_decode/"))
-    {
-        if let Some(dense) = benches.get(&id.replacen("sparse_decode/", "decode/", 1)) {
+    // Both sparse groups: per-head selections, and one selection a sequence's heads share.
+    for (id, sparse) in benches.iter().filter(|(id, _)| {
+        id.starts_with("sparse_decode/") || id.starts_with("sparse_decode_shared/")
+    }) {
+        let (_, shape) = id.split_once('/').unwrap_or_default();
+        if let Some(dense) = benches.get(&format!("decode/{shape}")) {
             let _ = writeln!(
                 derived,
                 "| {id}: speedup over dense | {:.1}x |",

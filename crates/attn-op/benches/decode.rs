@@ -7,6 +7,8 @@
 //! - `sparse_decode/{dtype}/B{b}/L32768`: the same step reading a 2048-token budget (64 random
 //!   pages per KV head, through `gather_page_offsets`). Throughput is the dense step's KV bytes,
 //!   so its bytes/s over dense's is the sparse/dense speedup.
+//! - `sparse_decode_shared/{dtype}/B{b}/L32768`: the same budget with one selection per
+//!   sequence that all its KV heads share (Quest's `shared_heads`, the engine's default).
 //! - bf16 at batch 1 sweeps the context from 4K to 128K, dense and sparse at each, for the
 //!   report's speedup-against-context plot.
 //! - `decode/bf16-dot` and `sparse_decode/bf16-dot`: bf16 with `Simd::Avx512Bf16` (bf16 dot
@@ -86,47 +88,76 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
             });
             g.finish();
             if ctx == 32768 || sweep {
-                // 64 random pages per (sequence, KV head), gathered into sorted page lists.
-                let pages = BUDGET / BS;
-                let mut y = 0x9e37u32;
-                let ids: Vec<i32> = (0..batch * KV_HEADS * pages)
-                    .map(|_| {
-                        y = y.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                        ((y >> 8) as usize % (ctx / BS)) as i32
-                    })
-                    .collect();
-                let counts = vec![pages as i32; batch * KV_HEADS];
-                let sel = Selection {
-                    ids: &ids,
-                    lens: &counts,
-                    max_len: pages,
-                };
-                let gathered = gather_page_offsets(&sel, BS, &dec.lens, BS, KV_HEADS)
-                    .expect("valid selection");
-                let mut g = c.benchmark_group(format!("sparse_decode/{name}"));
-                g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
-                g.sample_size(10);
-                let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
-                g.bench_function(id, |b| {
-                    b.iter(|| {
-                        sparse_page_attention(
-                            q,
-                            kv,
-                            &meta,
-                            &gathered.as_selection(),
-                            &params,
-                            AttnOut {
-                                out: &mut out,
-                                lse: Some(&mut lse),
-                            },
-                        )
-                        .expect("valid bench selection");
-                    });
-                });
-                g.finish();
+                sparse::<T>(c, (name, batch, ctx), &dec, &params, false);
+            }
+            if ctx == 32768 {
+                sparse::<T>(c, (name, batch, ctx), &dec, &params, true);
             }
         }
     }
+}
+
+/// The step over a 2048-token budget: 64 random pages per (sequence, KV head), or with
+/// `shared` one draw per sequence that every KV head takes (Quest's `shared_heads`), gathered
+/// into sorted page lists.
+fn sparse<T: Element>(
+    c: &mut Criterion,
+    (name, batch, ctx): (&str, usize, usize),
+    dec: &pool::Decode<T>,
+    params: &AttnParams,
+    shared: bool,
+) {
+    let pages = BUDGET / BS;
+    let mut y = 0x9e37u32;
+    let mut draw = || {
+        y = y.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        ((y >> 8) as usize % (ctx / BS)) as i32
+    };
+    let ids: Vec<i32> = if shared {
+        (0..batch)
+            .flat_map(|_| {
+                let row: Vec<i32> = (0..pages).map(|_| draw()).collect();
+                std::iter::repeat_n(row, KV_HEADS).flatten()
+            })
+            .collect()
+    } else {
+        (0..batch * KV_HEADS * pages).map(|_| draw()).collect()
+    };
+    let counts = vec![pages as i32; batch * KV_HEADS];
+    let sel = Selection {
+        ids: &ids,
+        lens: &counts,
+        max_len: pages,
+    };
+    let gathered = gather_page_offsets(&sel, BS, &dec.lens, BS, KV_HEADS).expect("valid selection");
+    let (q, kv, meta) = (&dec.q, &dec.kv, dec.meta());
+    let (mut out, mut lse) = dec.outputs();
+    let group = if shared {
+        "sparse_decode_shared"
+    } else {
+        "sparse_decode"
+    };
+    let mut g = c.benchmark_group(format!("{group}/{name}"));
+    g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
+    g.sample_size(10);
+    let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
+    g.bench_function(id, |b| {
+        b.iter(|| {
+            sparse_page_attention(
+                q,
+                kv,
+                &meta,
+                &gathered.as_selection(),
+                params,
+                AttnOut {
+                    out: &mut out,
+                    lse: Some(&mut lse),
+                },
+            )
+            .expect("valid bench selection");
+        });
+    });
+    g.finish();
 }
 
 fn decode(c: &mut Criterion) {

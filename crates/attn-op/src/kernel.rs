@@ -762,13 +762,14 @@ pub(crate) fn page_run(seq: &Seq<'_>, page: usize, len: usize, block_size: usize
 }
 
 /// Jobs for every (sequence, query tile) and KV heads; `list_of(seq, head)` names the run list,
-/// and `shared` says whether all KV heads of a sequence share one list (then decode-sized jobs
-/// take every head at once).
+/// and `shared(seq)` says whether all KV heads of the sequence attend the same list (then its
+/// decode-sized jobs take every head at once, reading each token's heads as one contiguous
+/// row). Which heads a job takes changes no bit of any row's result.
 pub(crate) fn jobs_for(
     seqs: &[Seq<'_>],
     kv_heads: usize,
     group: usize,
-    shared: bool,
+    shared: impl Fn(usize) -> bool,
     list_of: impl Fn(usize, usize) -> usize,
 ) -> Vec<Job> {
     let mut jobs = Vec::new();
@@ -776,7 +777,7 @@ pub(crate) fn jobs_for(
         let mut lo = 0;
         while lo < seq.q_len {
             let hi = (lo + Q_TILE).min(seq.q_len);
-            if shared && (hi - lo) * kv_heads * group <= MAX_ROWS_ALL_HEADS {
+            if shared(s) && (hi - lo) * kv_heads * group <= MAX_ROWS_ALL_HEADS {
                 jobs.push(Job {
                     seq: s,
                     h0: 0,

@@ -67,7 +67,7 @@ pub fn paged_attention<T: Element>(
         .iter()
         .map(|s| dense_runs(s, s.kv_len, layout.block_size))
         .collect();
-    let jobs = jobs_for(&seqs, layout.kv_heads, group, true, |s, _| s);
+    let jobs = jobs_for(&seqs, layout.kv_heads, group, |_| true, |s, _| s);
     execute(kv, q, params, group, &seqs, &jobs, &lists, dst.out, dst.lse);
     Ok(())
 }
@@ -207,7 +207,13 @@ fn run_per_head<T: Element>(
     dst: AttnOut<'_>,
 ) {
     let kvh = kv.layout_ref().kv_heads;
-    let jobs = jobs_for(seqs, kvh, group, false, |s, h| s * kvh + h);
+    // A selection shared by a sequence's KV heads (Quest's `shared_heads`, say) is attended
+    // as dense decode is, every head at once.
+    let shared = |s: usize| {
+        let heads = &lists[s * kvh..(s + 1) * kvh];
+        heads.iter().all(|l| *l == heads[0])
+    };
+    let jobs = jobs_for(seqs, kvh, group, shared, |s, h| s * kvh + h);
     execute(kv, q, params, group, seqs, &jobs, lists, dst.out, dst.lse);
 }
 

@@ -237,6 +237,57 @@ fn sparse_properties<T: Element>(shape: Shape, seed: u64) {
     let (want_out, want_lse) = case.oracle(&chosen);
     assert_close("sparse out", &out, &want_out, TOL);
     assert_close("sparse lse", &lse, &want_lse, TOL);
+    shared_rows_equal_per_head_rows(&case, (&ids, &lens, max_len), sel_bs);
+}
+
+/// A selection that every KV head of a sequence shares is attended with all heads in one job;
+/// each head's rows must be, bit for bit, what the same pages give that head where the other
+/// heads select other pages (one job a head). `own` is a selection whose heads differ.
+fn shared_rows_equal_per_head_rows<T: Element>(
+    case: &Case<T>,
+    (ids, lens, max_len): (&[i32], &[i32], usize),
+    sel_bs: usize,
+) {
+    let l = case.layout();
+    let (kvh, hq, d) = (l.kv_heads, case.params.q_heads, l.head_dim);
+    let group = hq / kvh;
+    // Head h of sequence s takes head 0's row where `pick(h)`, its own row elsewhere.
+    let mixed = |pick: &dyn Fn(usize) -> bool| {
+        let (mut m_ids, mut m_lens) = (ids.to_vec(), lens.to_vec());
+        for (r, len) in m_lens.iter_mut().enumerate() {
+            if pick(r % kvh) {
+                let first = r - r % kvh;
+                m_ids.copy_within(first * max_len..(first + 1) * max_len, r * max_len);
+                *len = lens[first];
+            }
+        }
+        let sel = Selection {
+            ids: &m_ids,
+            lens: &m_lens,
+            max_len,
+        };
+        let pages = gather_page_offsets(&sel, sel_bs, &case.lens, l.block_size, kvh);
+        sparse_run(case, &pages.expect("valid"))
+    };
+    let (shared_out, shared_lse) = mixed(&|_| true);
+    for parity in [0, 1] {
+        let (out, lse) = mixed(&|h| h % 2 == parity);
+        for token in 0..case.total_q() {
+            for h in (parity..kvh).step_by(2) {
+                let rows = token * hq + h * group..token * hq + (h + 1) * group;
+                let what = format!("token {token}, KV head {h} of {kvh}");
+                assert!(
+                    same_bits(&shared_lse[rows.clone()], &lse[rows.clone()]),
+                    "{what}: lse of a shared selection differs from per-head"
+                );
+                let rows = rows.start * d..rows.end * d;
+                assert!(
+                    same_bits(&shared_out[rows.clone()], &out[rows]),
+                    "{what}: out of a shared selection differs from per-head"
+                );
+            }
+        }
+    }
 }
 
 /// Token selections: a random subset of each row's positions, in random order.
