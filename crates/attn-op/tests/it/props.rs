@@ -242,7 +242,8 @@ fn sparse_properties<T: Element>(shape: Shape, seed: u64) {
 
 /// A selection that every KV head of a sequence shares is attended with all heads in one job;
 /// each head's rows must be, bit for bit, what the same pages give that head where the other
-/// heads select other pages (one job a head). `own` is a selection whose heads differ.
+/// heads select other pages (one job a head). `(ids, lens, max_len)` is a selection whose
+/// heads differ.
 fn shared_rows_equal_per_head_rows<T: Element>(
     case: &Case<T>,
     (ids, lens, max_len): (&[i32], &[i32], usize),
