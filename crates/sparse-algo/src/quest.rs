@@ -76,8 +76,10 @@ impl Quest {
         self.budget_pages
     }
 
-    /// The longest row a decode selection can have: the budget, or the forced pages where they
-    /// exceed it (the width of a device selection).
+    /// The width of a device selection row: an upper bound on a decode row's pages, the budget's
+    /// pages plus the most forced pages a row can have. A row holds at most the larger of the
+    /// two, since its scored pages fill only what the forced ones leave of the budget; the
+    /// entries past a row's pages stay -1.
     pub fn row_width(&self) -> usize {
         let c = self.config;
         c.always.max_row_pages(c.budget_tokens, c.page_size)
