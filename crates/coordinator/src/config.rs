@@ -27,7 +27,7 @@ use crate::{CoordError, ModelShape};
 /// "#)?;
 /// let lowered = c.lower(ModelShape { layers: 8, q_heads: 8, kv_heads: 2, head_dim: 64 }, None)?;
 /// assert!(lowered.layers[0].is_none() && lowered.layers[2].is_some());
-/// assert_eq!(lowered.layers[5].as_ref().map(|p| p.max_pages), Some(130));
+/// assert_eq!(lowered.layers[5].as_ref().map(|p| p.max_pages), Some(128));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///

@@ -104,13 +104,18 @@ impl StreamingLlm {
         self.config
     }
 
-    /// The longest row a decode selection can have: the sink pages, the window's pages and a
-    /// page the window straddles (the width of a device selection).
+    /// The longest row a decode selection can have: the sink pages and the most pages the
+    /// window can touch (the width of a device selection).
     pub fn row_width(&self) -> usize {
-        let c = self.config;
-        (c.sink_tokens as usize).div_ceil(c.page_size)
-            + (c.window_tokens as usize).div_ceil(c.page_size)
-            + 1
+        self.always().max_forced_pages(self.config.page_size)
+    }
+
+    /// The sinks and the window as the forced pages of a row that has no budget.
+    fn always(&self) -> AlwaysInclude {
+        AlwaysInclude {
+            sink_tokens: self.config.sink_tokens,
+            recent_tokens: self.config.window_tokens,
+        }
     }
 }
 
@@ -133,10 +138,7 @@ impl SparseAlgorithm for StreamingLlm {
     fn retrieve_topk(&self, step: &Decode<'_>, _pool: &RepPool) -> Result<TopK, AlgoError> {
         step.validate()?;
         let c = self.config;
-        let always = AlwaysInclude {
-            sink_tokens: c.sink_tokens,
-            recent_tokens: c.window_tokens,
-        };
+        let always = self.always();
         let rows: Vec<Vec<i32>> = (0..step.num_seqs() * step.kv_heads)
             .map(|r| {
                 Plan::new(step.seq_lens[r / step.kv_heads], c.page_size, 0, always)

@@ -76,10 +76,9 @@ impl Quest {
         self.budget_pages
     }
 
-    /// The width of a device selection row: an upper bound on a decode row's pages, the budget's
-    /// pages plus the most forced pages a row can have. A row holds at most the larger of the
-    /// two, since its scored pages fill only what the forced ones leave of the budget; the
-    /// entries past a row's pages stay -1.
+    /// The width of a device selection row: the most pages a decode row can hold, the larger
+    /// of the budget's pages and the most forced pages a row can have (its scored pages fill
+    /// only what the forced ones leave of the budget). The entries past a row's pages stay -1.
     pub fn row_width(&self) -> usize {
         let c = self.config;
         c.always.max_row_pages(c.budget_tokens, c.page_size)

@@ -106,15 +106,23 @@ impl Default for AlwaysInclude {
 }
 
 impl AlwaysInclude {
-    /// An upper bound on the forced pages of a row with pages of `ps` tokens: the sink pages,
-    /// the recent pages, and one more where the recent tokens straddle a page boundary.
+    /// The most forced pages a row with pages of `ps` tokens can have: the sink pages plus the
+    /// most pages `recent_tokens` consecutive tokens can touch (at least one token, the
+    /// newest). `r` tokens touch at most `(r - 1).div_ceil(ps) + 1` pages, one more than they
+    /// fill where they straddle a page boundary; every sequence length reaches the bound for
+    /// some alignment, so it is exact, not loose.
     pub fn max_forced_pages(&self, ps: usize) -> usize {
-        (self.sink_tokens as usize).div_ceil(ps) + (self.recent_tokens as usize).div_ceil(ps) + 1
+        let ps = ps.max(1);
+        let recent = (self.recent_tokens as usize).max(1);
+        (self.sink_tokens as usize).div_ceil(ps) + (recent - 1).div_ceil(ps) + 1
     }
 
-    /// An upper bound on the pages of one row under a budget of `budget_tokens`.
+    /// The most pages one decode row can hold under a budget of `budget_tokens` with pages of
+    /// `ps` tokens. A row's scored pages fill only what its forced pages leave of the budget's
+    /// `budget_tokens / ps` pages ([`Plan::new`]), so a row holds the larger of the two
+    /// counts, not their sum.
     pub(crate) fn max_row_pages(&self, budget_tokens: usize, ps: usize) -> usize {
-        budget_tokens.div_ceil(ps) + self.max_forced_pages(ps)
+        (budget_tokens / ps.max(1)).max(self.max_forced_pages(ps))
     }
 }
 

@@ -51,10 +51,10 @@ fn check(toml: &str, want: Result<(&[&str], usize, usize), &str>) {
 
 #[test]
 fn configs_lower_to_per_layer_parameters() {
-    // Defaults: Quest, pages of 16, 2048 tokens shared by the heads: 128 + 2 forced pages;
-    // the hot buffer holds twice that, and shorter prompts stay dense.
-    let q = "quest:130";
-    check("", Ok((&[q, q, q, q], 260, 260 * 16)));
+    // Defaults: Quest, pages of 16, 2048 tokens shared by the heads: 128 pages, the current
+    // one among them; the hot buffer holds twice that, and shorter prompts stay dense.
+    let q = "quest:128";
+    check("", Ok((&[q, q, q, q], 256, 256 * 16)));
     check(
         "dense_layers = [0, 3]\nhot_tokens = 4160\nmin_prompt_tokens = 100",
         Ok((&["-", q, q, "-"], 260, 100)),
@@ -75,18 +75,19 @@ fn configs_lower_to_per_layer_parameters() {
         layers = [3]
         algo = { algorithm = "streaming_llm", page_size = 16 }
         "#,
-        // Per-head Quest: 2 heads x (32 + 2); layer 1: 2 x (64 + 2); StreamingLLM: 1 sink
-        // page, 128 window pages and the partial one.
+        // Per-head Quest: 2 heads x 32 pages; layer 1: 2 x 64; StreamingLLM: 1 sink page and
+        // the 129 pages its 2044 window tokens can touch. The widest layer sizes the hot buffer.
         Ok((
-            &["quest:68", "quest:132", "-", "streaming_llm:130"],
-            264,
-            264 * 16,
+            &["quest:64", "quest:128", "-", "streaming_llm:130"],
+            260,
+            260 * 16,
         )),
     );
-    // Token-level selection: pages of one token, the same 64 + 2 forced for every KV head.
+    // Token-level selection: pages of one token, the same 64 (the newest among them) for
+    // every KV head.
     check(
         "[algo]\nalgorithm = \"dsa\"\ntopk = 64",
-        Ok((&["dsa:66"; 4], 132, 132)),
+        Ok((&["dsa:64"; 4], 128, 128)),
     );
     // Everything dense: no sparse layer, nothing to hold.
     check("dense_layers = [0, 1, 2, 3]", Ok((&["-"; 4], 2, 2)));
@@ -94,7 +95,7 @@ fn configs_lower_to_per_layer_parameters() {
 
 #[test]
 fn bad_configs_are_rejected_with_the_reason() {
-    check("hot_tokens = 1024", Err("one step can select 130"));
+    check("hot_tokens = 1024", Err("one step can select 128"));
     check("dense_layers = [4]", Err("layer 4 of a model of 4 layers"));
     check(
         "[algo]\nalgorithm = \"full\"",

@@ -4,3 +4,4 @@ mod errors;
 mod needles;
 mod quest;
 mod util;
+mod widths;
