@@ -4,7 +4,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::check_pool;
-use crate::score::{Weights, page_scores, sweep};
+use crate::score::{Rows, Weights, page_scores, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::{
     AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, Summary,
@@ -165,25 +165,21 @@ impl SparseAlgorithm for Quest {
                 .map(|(wmax, wmin)| Weights { wmax, wmin, g, d })
                 .collect();
             let reps = pool.pages(step.layer, step.slots[s])?;
-            let scores = sweep(&w, reps, d, plan.mid.clone());
+            // The best bound of each KV head's group, or of every query head.
+            let which = if self.config.shared_heads {
+                Rows::Max
+            } else {
+                Rows::GroupMax
+            };
+            let best = sweep(&w, reps, d, plan.mid.clone(), which);
             let n = plan.mid.len();
-            // The best bound of a row range (a KV head's group, or every query head).
-            let best_of = |rows: std::ops::Range<usize>| {
-                let mut best = scores[rows.start * n..(rows.start + 1) * n].to_vec();
-                for j in rows.start + 1..rows.end {
-                    for (b, &x) in best.iter_mut().zip(&scores[j * n..(j + 1) * n]) {
-                        *b = b.max(x);
-                    }
-                }
-                plan.assemble(top_k(&best, plan.mid.start, plan.pick))
+            let pick = |r: usize| {
+                plan.assemble(top_k(&best[r * n..(r + 1) * n], plan.mid.start, plan.pick))
             };
             let per_head: Vec<Vec<i32>> = if self.config.shared_heads {
-                vec![best_of(0..kvh * g); kvh]
+                vec![pick(0); kvh]
             } else {
-                (0..kvh)
-                    .into_par_iter()
-                    .map(|h| best_of(h * g..(h + 1) * g))
-                    .collect()
+                (0..kvh).into_par_iter().map(pick).collect()
             };
             rows.extend(per_head);
         }

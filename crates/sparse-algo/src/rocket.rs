@@ -4,7 +4,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::check_pool;
-use crate::score::{Weights, sweep};
+use crate::score::{Rows, Weights, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::snap::{Pooling, check_votes, keep_by_votes};
 use crate::{
@@ -149,7 +149,7 @@ impl SparseAlgorithm for RocketKv {
             // Every summarized page is scored: the softmax runs over all of them.
             let n = plan.mid.end;
             let reps = pool.pages(step.layer, step.slots[s])?;
-            let scores = sweep(&w, reps, d, 0..n);
+            let scores = sweep(&w, reps, d, 0..n, Rows::All);
             let tokens = |p: usize| ((len - p * ps).min(ps)) as f32;
             let per_head: Vec<Vec<i32>> = (0..kvh)
                 .into_par_iter()

@@ -81,6 +81,20 @@ fn page_scores_generic(
 /// `a · b + c · e` with 16 independent lanes.
 #[inline(always)]
 fn dot2(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> f32 {
+    let mut s = 0.0;
+    for x in lanes(a, b, c, e) {
+        s += x;
+    }
+    for i in a.len() / 16 * 16..a.len() {
+        s += a[i] * b[i] + c[i] * e[i];
+    }
+    s
+}
+
+/// The 16 lanes of [`dot2`]: lane `l` sums `a[i] * b[i] + c[i] * e[i]` over `i = l, l + 16,
+/// ...` below the last whole 16, in order.
+#[inline(always)]
+fn lanes(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> [f32; 16] {
     let mut acc = [0.0f32; 16];
     let chunks = a.len() / 16 * 16;
     for i in (0..chunks).step_by(16) {
@@ -89,14 +103,7 @@ fn dot2(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> f32 {
             acc[l] += a[l] * b[l] + c[l] * e[l];
         }
     }
-    let mut s = 0.0;
-    for x in acc {
-        s += x;
-    }
-    for i in chunks..a.len() {
-        s += a[i] * b[i] + c[i] * e[i];
-    }
-    s
+    acc
 }
 
 /// `a · b` with 16 independent lanes, same build choice and order rules as [`page_scores`].
@@ -130,21 +137,40 @@ fn dots_generic(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
 /// Pages scored per parallel task of [`sweep`].
 const SWEEP_CHUNK: usize = 64;
 
+/// Which rows [`sweep`] returns: every query head's scores, or their maximum over each KV
+/// head's group, or over every query head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// `[kv_heads, g, pages]`: every query head's scores.
+    All,
+    /// `[kv_heads, pages]`: the maximum over each KV head's group.
+    GroupMax,
+    /// `[1, pages]`: the maximum over every query head.
+    Max,
+}
+
 /// Scores pages `pages` of one sequence for every KV head at once, walking the representations
 /// in memory order (page by page, every head of a page together): `w[h]` holds KV head `h`'s
-/// group weights, `reps` is `[pages, kv_heads, 2 * d]`, and the result is
-/// `[kv_heads, g, pages.len()]`.
+/// group weights and `reps` is `[pages, kv_heads, 2 * d]`. The result holds `rows`, each
+/// `pages.len()` long. Every score has the bits [`page_scores`] gives it, and a maximum is
+/// taken over the query heads in order, `best = best.max(next)`.
 pub(crate) fn sweep(
     w: &[Weights<'_>],
     reps: &[f32],
     d: usize,
     pages: std::ops::Range<usize>,
+    rows: Rows,
 ) -> Vec<f32> {
     use rayon::prelude::*;
     let kvh = w.len();
     let g = w.first().map_or(0, |w| w.g);
     let n = pages.len();
-    let page_len = kvh * 2 * d;
+    // Output rows, and how many query heads' rows each takes the maximum of.
+    let (out_rows, per) = match rows {
+        Rows::All => (kvh * g, 1),
+        Rows::GroupMax => (kvh, g),
+        Rows::Max => (1, kvh * g),
+    };
     let parts: Vec<Vec<f32>> = (0..n.div_ceil(SWEEP_CHUNK))
         .into_par_iter()
         .map(|c| {
@@ -152,25 +178,219 @@ pub(crate) fn sweep(
             let b = (a + SWEEP_CHUNK).min(pages.end);
             let m = b - a;
             let mut local = vec![0.0f32; kvh * g * m];
-            let mut tmp = vec![0.0f32; g];
-            for p in a..b {
-                for (h, wh) in w.iter().enumerate() {
-                    page_scores(wh, reps, page_len, h * 2 * d, p..p + 1, &mut tmp);
-                    for (j, &x) in tmp.iter().enumerate() {
-                        local[(h * g + j) * m + p - a] = x;
+            sweep_chunk(w, reps, d, a..b, &mut local);
+            if per == 1 {
+                return local;
+            }
+            let mut best = vec![0.0f32; out_rows * m];
+            for (o, dst) in best.chunks_exact_mut(m).enumerate() {
+                dst.copy_from_slice(&local[o * per * m..(o * per + 1) * m]);
+                for r in o * per + 1..(o + 1) * per {
+                    for (b, &x) in dst.iter_mut().zip(&local[r * m..(r + 1) * m]) {
+                        *b = b.max(x);
                     }
                 }
             }
-            local
+            best
         })
         .collect();
-    let mut out = vec![0.0f32; kvh * g * n];
+    let mut out = vec![0.0f32; out_rows * n];
     for (c, local) in parts.iter().enumerate() {
         let a = c * SWEEP_CHUNK;
-        let m = local.len() / (kvh * g).max(1);
-        for r in 0..kvh * g {
+        let m = local.len() / out_rows.max(1);
+        for r in 0..out_rows {
             out[r * n + a..r * n + a + m].copy_from_slice(&local[r * m..(r + 1) * m]);
         }
     }
     out
+}
+
+/// One task of [`sweep`]: pages `pages` into `local` (`[kv_heads, g, pages.len()]`), through
+/// one build choice for the whole chunk.
+fn sweep_chunk(
+    w: &[Weights<'_>],
+    reps: &[f32],
+    d: usize,
+    pages: std::ops::Range<usize>,
+    local: &mut [f32],
+) {
+    dispatch!(sweep_chunk_generic(
+        w: &[Weights<'_>],
+        reps: &[f32],
+        d: usize,
+        pages: std::ops::Range<usize>,
+        local: &mut [f32]
+    ));
+}
+
+/// The body of [`sweep_chunk`]. A page's `[kmax ‖ kmin]` is loaded once for up to four query
+/// heads of its group, whose sums then run side by side; each head's sum takes exactly the
+/// steps of [`dot2`], so the bits match [`page_scores`].
+#[inline(always)]
+fn sweep_chunk_generic(
+    w: &[Weights<'_>],
+    reps: &[f32],
+    d: usize,
+    pages: std::ops::Range<usize>,
+    local: &mut [f32],
+) {
+    let page_len = w.len() * 2 * d;
+    let m = pages.len();
+    for (i, p) in pages.enumerate() {
+        for (h, wh) in w.iter().enumerate() {
+            let base = p * page_len + h * 2 * d;
+            // The same head's rows `AHEAD` pages on, asked of level 2 now: the hardware's
+            // prefetchers alone left the walk at a fraction of the read bandwidth.
+            let ahead = base + AHEAD * page_len;
+            if let Some(rows) = reps.get(ahead..ahead + 2 * d) {
+                fetch_lines(rows);
+            }
+            let (kmax, kmin) = reps[base..base + 2 * d].split_at(d);
+            let g = wh.g;
+            let mut j = 0;
+            while j < g {
+                let row = |t: usize| (h * g + j + t) * m + i;
+                if j + 4 <= g {
+                    for (t, x) in dot2_heads::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
+                        local[row(t)] = x;
+                    }
+                    j += 4;
+                } else {
+                    local[row(0)] = dot2_heads::<1>(wh, j, kmax, kmin)[0];
+                    j += 1;
+                }
+            }
+        }
+    }
+}
+
+/// How many pages ahead of its scoring [`sweep_chunk`] asks for a page's rows.
+const AHEAD: usize = 8;
+
+/// Asks the CPU to bring `rows` (each 64-byte line) into its level-2 cache.
+#[inline(always)]
+fn fetch_lines(rows: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        let p = rows.as_ptr().cast::<i8>();
+        for o in (0..size_of_val(rows)).step_by(64) {
+            // SAFETY: `o` lies within `rows`, and a prefetch reads nothing architecturally.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(o)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
+}
+
+/// [`dot2`] for the `N` query heads `j0..j0 + N` of `w` against one page's `kmax` and `kmin`:
+/// each head's 16 lanes as [`dot2`] forms them, then the heads' sums of their lanes side by
+/// side, each in [`dot2`]'s order.
+#[inline(always)]
+fn dot2_heads<const N: usize>(w: &Weights<'_>, j0: usize, kmax: &[f32], kmin: &[f32]) -> [f32; N] {
+    let d = w.d;
+    let head = |t: usize| {
+        let r = (j0 + t) * d..(j0 + t + 1) * d;
+        (&w.wmax[r.clone()], &w.wmin[r])
+    };
+    // A loop, not `std::array::from_fn`: a closure passed to a function that is not inlined
+    // is compiled without the caller's target features.
+    let mut acc = [[0.0f32; 16]; N];
+    for (t, at) in acc.iter_mut().enumerate() {
+        let (a, c) = head(t);
+        *at = lanes(a, kmax, c, kmin);
+    }
+    // Lane by lane, every head's sum at once: N independent chains of 16 adds.
+    let mut s = [0.0f32; N];
+    for l in 0..16 {
+        for (st, at) in s.iter_mut().zip(&acc) {
+            *st += at[l];
+        }
+    }
+    let chunks = d / 16 * 16;
+    for (t, st) in s.iter_mut().enumerate() {
+        let (a, c) = head(t);
+        for i in chunks..d {
+            *st += a[i] * kmax[i] + c[i] * kmin[i];
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sweep` against one `page_scores` call per (page, KV head), bit for bit, over group
+    /// sizes that take the four-head path, the one-head path and both, and head dims with and
+    /// without a tail past the 16 lanes; its maxima against the rows' maxima taken in order.
+    #[test]
+    fn the_sweep_has_the_bits_of_one_page_at_a_time() {
+        let mut x = 0x9e37_79b9u32;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        for (kvh, g, d, pages) in [
+            (2, 4, 128, 150),
+            (3, 5, 40, 70),
+            (1, 1, 7, 3),
+            (2, 8, 16, 65),
+        ] {
+            let q: Vec<f32> = (0..kvh * g * d).map(|_| 4.0 * next()).collect();
+            let wmax: Vec<f32> = q.iter().map(|&v| v.max(0.0)).collect();
+            let wmin: Vec<f32> = q.iter().map(|&v| v.min(0.0)).collect();
+            let w: Vec<Weights<'_>> = (0..kvh)
+                .map(|h| Weights {
+                    wmax: &wmax[h * g * d..(h + 1) * g * d],
+                    wmin: &wmin[h * g * d..(h + 1) * g * d],
+                    g,
+                    d,
+                })
+                .collect();
+            let reps: Vec<f32> = (0..pages * kvh * 2 * d).map(|_| 8.0 * next()).collect();
+            let range = 1..pages;
+            let n = range.len();
+            let got = sweep(&w, &reps, d, range.clone(), Rows::All);
+            for (h, wh) in w.iter().enumerate() {
+                let mut want = vec![0.0f32; g * n];
+                for (i, p) in range.clone().enumerate() {
+                    let mut one = vec![0.0f32; g];
+                    page_scores(wh, &reps, kvh * 2 * d, h * 2 * d, p..p + 1, &mut one);
+                    for (j, s) in one.into_iter().enumerate() {
+                        want[j * n + i] = s;
+                    }
+                }
+                let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got[h * g * n..(h + 1) * g * n]),
+                    bits(&want),
+                    "kv heads {kvh}, group {g}, dim {d}: head {h}"
+                );
+            }
+            // The maxima over each group and over every head, in the rows' order.
+            let max_of = |rows: std::ops::Range<usize>| -> Vec<u32> {
+                let mut best = got[rows.start * n..(rows.start + 1) * n].to_vec();
+                for r in rows.start + 1..rows.end {
+                    for (b, &x) in best.iter_mut().zip(&got[r * n..(r + 1) * n]) {
+                        *b = b.max(x);
+                    }
+                }
+                best.iter().map(|s| s.to_bits()).collect()
+            };
+            let groups: Vec<u32> = (0..kvh).flat_map(|h| max_of(h * g..(h + 1) * g)).collect();
+            let grouped = sweep(&w, &reps, d, range.clone(), Rows::GroupMax);
+            assert_eq!(
+                grouped.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+                groups
+            );
+            let all = sweep(&w, &reps, d, range.clone(), Rows::Max);
+            assert_eq!(
+                all.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+                max_of(0..kvh * g)
+            );
+        }
+    }
 }

@@ -1,6 +1,5 @@
 //! Selections in the shared format, the always-include rules, and the deterministic top-k.
 
-use std::cmp::Ordering;
 use std::ops::Range;
 
 use attn_op::Selection;
@@ -179,25 +178,38 @@ impl Plan {
 }
 
 /// The ids `offset + i` of the `k` largest `scores[i]`, in no particular order. Ties go to the
-/// lower id; NaN ranks below every number. The result depends only on the inputs.
+/// lower id; NaN ranks below every number. The result depends only on the inputs. `scores`
+/// is shorter than 2^32 (a row of pages or tokens of one sequence).
 pub(crate) fn top_k(scores: &[f32], offset: usize, k: usize) -> Vec<i32> {
     let k = k.min(scores.len());
     if k == 0 {
         return Vec::new();
     }
-    let key = |i: u32| {
-        let s = scores[i as usize];
-        if s.is_nan() { f32::NEG_INFINITY } else { s }
-    };
-    let order = |a: &u32, b: &u32| -> Ordering { key(*b).total_cmp(&key(*a)).then(a.cmp(b)) };
-    let mut idx: Vec<u32> = (0..scores.len() as u32).collect();
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, order);
-        idx.truncate(k);
+    // One u64 a score, ascending in the wanted order: the score's rank in `f32::total_cmp`'s
+    // order (NaN as negative infinity), inverted, above the id. The k least keys are the k
+    // largest scores with ties to the lower id, compared without going back to `scores`.
+    let mut keys: Vec<u64> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (u64::from(!total_rank(s)) << 32) | i as u64)
+        .collect();
+    if k < keys.len() {
+        keys.select_nth_unstable(k - 1);
+        keys.truncate(k);
     }
-    idx.into_iter()
-        .map(|i| (i as usize + offset) as i32)
+    keys.into_iter()
+        .map(|key| ((key & u64::from(u32::MAX)) as usize + offset) as i32)
         .collect()
+}
+
+/// `s`'s rank as a u32 that orders as `f32::total_cmp` does, NaN counted as negative infinity.
+fn total_rank(s: f32) -> u32 {
+    let bits = if s.is_nan() { f32::NEG_INFINITY } else { s }.to_bits();
+    if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 1 << 31
+    }
 }
 
 /// Budget in tokens → pages, rejecting budgets below one page.
@@ -236,4 +248,51 @@ pub(crate) fn plans(
             Ok(plan)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `top_k` against a full sort by (score descending in `total_cmp`'s order, NaN as negative
+    /// infinity; id ascending), over rows full of ties, signed zeros, infinities and NaNs.
+    #[test]
+    fn top_k_takes_the_largest_with_ties_to_the_lower_id() {
+        let values = [
+            f32::NAN,
+            f32::NEG_INFINITY,
+            -1.5,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            f32::INFINITY,
+            -f32::NAN,
+        ];
+        let mut x = 0x2545_f491u32;
+        for round in 0..300 {
+            let n = 1 + round % 97;
+            let scores: Vec<f32> = (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    values[x as usize % values.len()]
+                })
+                .collect();
+            let key = |i: usize| {
+                let s = scores[i];
+                if s.is_nan() { f32::NEG_INFINITY } else { s }
+            };
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+            for k in [0, 1, n / 2, n, n + 3] {
+                let mut got = top_k(&scores, 7, k);
+                got.sort_unstable();
+                let mut want: Vec<i32> = order.iter().take(k).map(|&i| i as i32 + 7).collect();
+                want.sort_unstable();
+                assert_eq!(got, want, "round {round}, k {k}: {scores:?}");
+            }
+        }
+    }
 }
