@@ -223,9 +223,9 @@ fn sweep_chunk(
     ));
 }
 
-/// The body of [`sweep_chunk`]. A page's `[kmax ‖ kmin]` is loaded once for up to four query
-/// heads of its group, whose sums then run side by side; each head's sum takes exactly the
-/// steps of [`dot2`], so the bits match [`page_scores`].
+/// The body of [`sweep_chunk`]. A page's `[kmax ‖ kmin]` is scored for four query heads of
+/// its group at a time, whose final sums of lanes then run side by side; each head's sum takes
+/// exactly the steps of [`dot2`], so the bits match [`page_scores`].
 #[inline(always)]
 fn sweep_chunk_generic(
     w: &[Weights<'_>],
