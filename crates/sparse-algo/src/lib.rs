@@ -81,3 +81,15 @@ pub use rocket::{RocketConfig, RocketKv};
 pub use select::{AlwaysInclude, TopK};
 pub use snap::{Pooling, SnapKv, SnapKvConfig};
 pub use summary::Summary;
+
+/// A xorshift32 generator from `seed`, for the unit tests' fixed random inputs.
+#[cfg(test)]
+pub(crate) fn xorshift(seed: u32) -> impl FnMut() -> u32 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x
+    }
+}

@@ -326,13 +326,8 @@ mod tests {
     /// without a tail past the 16 lanes; its maxima against the rows' maxima taken in order.
     #[test]
     fn the_sweep_has_the_bits_of_one_page_at_a_time() {
-        let mut x = 0x9e37_79b9u32;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x >> 8) as f32 / (1 << 24) as f32 - 0.5
-        };
+        let mut bits = crate::xorshift(0x9e37_79b9);
+        let mut next = move || (bits() >> 8) as f32 / (1 << 24) as f32 - 0.5;
         for (kvh, g, d, pages) in [
             (2, 4, 128, 150),
             (3, 5, 40, 70),

@@ -269,16 +269,11 @@ mod tests {
             f32::INFINITY,
             -f32::NAN,
         ];
-        let mut x = 0x2545_f491u32;
+        let mut next = crate::xorshift(0x2545_f491);
         for round in 0..300 {
             let n = 1 + round % 97;
             let scores: Vec<f32> = (0..n)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 17;
-                    x ^= x << 5;
-                    values[x as usize % values.len()]
-                })
+                .map(|_| values[next() as usize % values.len()])
                 .collect();
             let key = |i: usize| {
                 let s = scores[i];

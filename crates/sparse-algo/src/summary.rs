@@ -185,24 +185,20 @@ mod tests {
                 check(y);
             }
         }
-        let mut x = 0x9e37_79b9u32;
+        let mut next = crate::xorshift(0x9e37_79b9);
         for _ in 0..20_000 {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
+            let x = next();
             check((x as f32 / u32::MAX as f32 - 0.5) * 2.0 * 448.0 * (x % 7) as f32 / 6.0);
         }
     }
 
     #[test]
     fn a_rounded_row_encodes_to_its_own_values() {
-        let mut x = 0x2545_f491u32;
+        let mut next = crate::xorshift(0x2545_f491);
         for round in 0..200 {
             let row: Vec<f32> = (0..64)
                 .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 17;
-                    x ^= x << 5;
+                    let x = next();
                     (x as f32 / u32::MAX as f32 - 0.5) * (1 << (round % 20)) as f32 / 64.0
                 })
                 .collect();
