@@ -100,7 +100,7 @@ pub fn teacher_forced<T: Element>(
 ) -> Result<Vec<VariantReport>, EngineError> {
     let n = tokens.len();
     // Position p predicts token p + 1, so positions prefill .. n - 1 are scored.
-    if opts.prefill + 1 >= n {
+    if opts.prefill.saturating_add(1) >= n {
         return Err(EngineError::Invalid(format!(
             "a prefill of {} leaves nothing to decode in {n} tokens",
             opts.prefill

@@ -67,28 +67,9 @@ fn page_scores_generic(
         let base = p * page_len + head_off;
         let (kmax, kmin) = reps[base..base + 2 * d].split_at(d);
         for j in 0..g {
-            let s = dot2(
-                &w.wmax[j * d..(j + 1) * d],
-                kmax,
-                &w.wmin[j * d..(j + 1) * d],
-                kmin,
-            );
-            out[j * n + i] = s;
+            out[j * n + i] = dot2::<1>(w, j, kmax, kmin)[0];
         }
     }
-}
-
-/// `a · b + c · e` with 16 independent lanes.
-#[inline(always)]
-fn dot2(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> f32 {
-    let mut s = 0.0;
-    for x in lanes(a, b, c, e) {
-        s += x;
-    }
-    for i in a.len() / 16 * 16..a.len() {
-        s += a[i] * b[i] + c[i] * e[i];
-    }
-    s
 }
 
 /// The 16 lanes of [`dot2`]: lane `l` sums `a[i] * b[i] + c[i] * e[i]` over `i = l, l + 16,
@@ -225,7 +206,7 @@ fn sweep_chunk(
 
 /// The body of [`sweep_chunk`]. A page's `[kmax ‖ kmin]` is scored for four query heads of
 /// its group at a time, whose final sums of lanes then run side by side; each head's sum takes
-/// exactly the steps of [`dot2`], so the bits match [`page_scores`].
+/// exactly the steps of [`page_scores`]'s, so the bits match.
 #[inline(always)]
 fn sweep_chunk_generic(
     w: &[Weights<'_>],
@@ -251,12 +232,12 @@ fn sweep_chunk_generic(
             while j < g {
                 let row = |t: usize| (h * g + j + t) * m + i;
                 if j + 4 <= g {
-                    for (t, x) in dot2_heads::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
+                    for (t, x) in dot2::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
                         local[row(t)] = x;
                     }
                     j += 4;
                 } else {
-                    local[row(0)] = dot2_heads::<1>(wh, j, kmax, kmin)[0];
+                    local[row(0)] = dot2::<1>(wh, j, kmax, kmin)[0];
                     j += 1;
                 }
             }
@@ -283,11 +264,11 @@ fn fetch_lines(rows: &[f32]) {
     let _ = rows;
 }
 
-/// [`dot2`] for the `N` query heads `j0..j0 + N` of `w` against one page's `kmax` and `kmin`:
-/// each head's 16 lanes as [`dot2`] forms them, then the heads' sums of their lanes side by
-/// side, each in [`dot2`]'s order.
+/// `wmax_j · kmax + wmin_j · kmin` for the `N` query heads `j = j0..j0 + N` of `w`, in one
+/// fixed order of adds: each head's 16 lanes ([`lanes`]), then its lanes summed in order from
+/// 0.0, then the dims past the last whole 16 in order. The `N` heads' sums run side by side.
 #[inline(always)]
-fn dot2_heads<const N: usize>(w: &Weights<'_>, j0: usize, kmax: &[f32], kmin: &[f32]) -> [f32; N] {
+fn dot2<const N: usize>(w: &Weights<'_>, j0: usize, kmax: &[f32], kmin: &[f32]) -> [f32; N] {
     let d = w.d;
     let head = |t: usize| {
         let r = (j0 + t) * d..(j0 + t + 1) * d;

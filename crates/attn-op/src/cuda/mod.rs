@@ -618,7 +618,6 @@ impl Gpu {
     }
 }
 
-/// The NVRTC architecture name of a compute capability NVRTC can target.
 /// The published form `func` of a kernel whose plain form holds `resident` CTAs a
 /// multiprocessor with `smem` bytes of dynamic shared memory: the longest row of
 /// [`PUB_TABLE_ROWS`] it stages at that occupancy, its launches allowed that much more.
@@ -653,6 +652,7 @@ fn pub_kernel(
     })
 }
 
+/// The NVRTC architecture name of a compute capability NVRTC can target.
 fn arch_name(major: i32, minor: i32) -> Result<&'static str, AttnError> {
     Ok(match (major, minor) {
         (7, 0) => "sm_70",
