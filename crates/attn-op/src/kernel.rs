@@ -4,12 +4,16 @@
 //! Determinism: the arithmetic follows the list's tokens in order, never the physical layout.
 //! A run list is cut into chunks of [`CHUNK`] consecutive tokens of the list (a chunk gathers
 //! the tokens of every run inside it), each chunk is one online-softmax step, and a list splits
-//! every [`SPLIT_CHUNKS`] chunks into partial results merged in order. So the same tokens in
+//! every [`split_chunks`] chunks (a function of its length alone) into partial results merged
+//! in order. So the same tokens in
 //! the same order give bit-identical results whatever the thread count, the block size, or how
 //! many runs the blocks break them into: dense attention, sparse attention with every page
 //! selected at any page size, and token-level attention over every token agree bit for bit,
 //! and so do a selection attended in place and the same selection gathered into a compact
 //! buffer.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rayon::prelude::*;
 
@@ -46,11 +50,18 @@ struct Walk<'a> {
 /// one thread, so that only a task's first unit starts with nothing asked for ahead.
 const TASKS_PER_THREAD: usize = 4;
 
+/// The least work (chunks) a task is cut to while there are more tasks than threads.
+const TASK_CHUNKS: usize = 64;
+
 /// Tokens per online-softmax step: chunk `c` of a list holds its tokens `c * CHUNK .. (c + 1) *
 /// CHUNK`, counted in list order.
 const CHUNK: u32 = 16;
-/// Chunks per split of a job's run list.
+/// The most chunks per split of a job's run list: a long list splits every this many chunks.
 const SPLIT_CHUNKS: usize = 64;
+/// The fewest chunks per split of a short list.
+const MIN_SPLIT_CHUNKS: usize = 16;
+/// Splits a short list is cut into where its length allows (see [`split_chunks`]).
+const TARGET_SPLITS: usize = 16;
 /// Queries per job in prefill.
 pub(crate) const Q_TILE: usize = 16;
 
@@ -94,8 +105,35 @@ impl Partial {
         }
     }
 
-    /// Folds `other` into `self` with the log-sum-exp rule.
-    fn merge(&mut self, other: &Partial, d: usize) {
+    /// Folds `other` into `self` with the log-sum-exp rule, in the widest vectors this CPU has
+    /// (`isa`, resolved); every build multiplies and adds alike, so the bits do not depend on it.
+    fn merge(&mut self, other: &Partial, d: usize, isa: u8) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx2")]
+            fn wide(a: &mut Partial, b: &Partial, d: usize) {
+                a.merge_body(b, d);
+            }
+            #[target_feature(enable = "avx2")]
+            fn narrow(a: &mut Partial, b: &Partial, d: usize) {
+                a.merge_body(b, d);
+            }
+            if isa >= simd::AVX512 {
+                // SAFETY: `isa` was resolved by `simd::resolve`, which never exceeds what this
+                // CPU runs, and AVX512 and above imply AVX-512F and AVX2.
+                return unsafe { wide(self, other, d) };
+            }
+            if isa == simd::AVX2 {
+                // SAFETY: as above; AVX2 was detected.
+                return unsafe { narrow(self, other, d) };
+            }
+        }
+        let _ = isa;
+        self.merge_body(other, d);
+    }
+
+    #[inline(always)]
+    fn merge_body(&mut self, other: &Partial, d: usize) {
         for r in 0..self.m.len() {
             let m = self.m[r].max(other.m[r]);
             if m == f32::NEG_INFINITY {
@@ -111,6 +149,39 @@ impl Partial {
             }
             self.l[r] = a * self.l[r] + b * other.l[r];
             self.m[r] = m;
+        }
+    }
+
+    /// Turns a job's merged state into its output: each row of `acc` divided by its
+    /// denominator (with the row's attention sink, if any, joining the softmax), and `m` the
+    /// row's log-sum-exp (-inf, with a zero row, where nothing was visible).
+    fn normalize(&mut self, job: &Job, group: usize, sinks: Option<&[f32]>, d: usize) {
+        let per_q = (job.h1 - job.h0) * group;
+        for r in 0..self.m.len() {
+            let (mut m, mut l) = (self.m[r], self.l[r]);
+            let mut scale_acc = 1.0;
+            if let Some(sinks) = sinks {
+                let sink = sinks[job.h0 * group + r % per_q];
+                let m2 = m.max(sink);
+                scale_acc = if m == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (m - m2).exp()
+                };
+                l = l * scale_acc + (sink - m2).exp();
+                m = m2;
+            }
+            let row = &mut self.acc[r * d..(r + 1) * d];
+            if l > 0.0 {
+                let inv = scale_acc / l;
+                for o in row.iter_mut() {
+                    *o *= inv;
+                }
+                self.m[r] = m + l.ln();
+            } else {
+                row.fill(0.0);
+                self.m[r] = f32::NEG_INFINITY;
+            }
         }
     }
 }
@@ -489,23 +560,38 @@ pub(crate) fn execute<T: Element>(
             cuts.windows(2).map(move |w| (j, w[0], w[1]))
         })
         .collect();
-    // Each job's query rows are widened and scaled once, then shared by its KV splits.
-    let job_qs: Vec<(Vec<f32>, Vec<i64>)> = jobs
-        .par_iter()
-        .map(|job| job_rows(q, &seqs[job.seq], job, group, hq, d, params.scale))
-        .collect();
     // Consecutive units in tasks, each walked in order by one thread, so that a unit's last
     // chunk can ask for the next unit's first (a unit started cold waits on its first chunk's
-    // misses). Which thread walks a unit changes no result.
-    let per_task = units
-        .len()
-        .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
-        .max(1);
-    // (`collect` keeps the units' order.)
-    let partials: Vec<Partial> = units
+    // misses). About four tasks a thread balance the threads' loads, but where that would
+    // leave a task less than [`TASK_CHUNKS`] chunks of work, fewer tasks (never fewer than
+    // the threads) spare the cold starts. Which thread walks a unit changes no result.
+    let threads = rayon::current_num_threads();
+    let work: usize = jobs.iter().map(|job| chunk_count(&lists[job.list])).sum();
+    let tasks = (work / TASK_CHUNKS).clamp(threads, threads * TASKS_PER_THREAD);
+    let per_task = units.len().div_ceil(tasks).max(1);
+    // Units are in job order, so each job's units are consecutive: `first[j]..first[j + 1]`.
+    let mut first = vec![0; jobs.len() + 1];
+    for &(j, _, _) in &units {
+        first[j + 1] += 1;
+    }
+    for j in 0..jobs.len() {
+        first[j + 1] += first[j];
+    }
+    // One parallel phase does everything: the first unit of a job to start widens and scales
+    // its query rows (shared by its other units), and the last of its units to finish folds
+    // the job's partials in unit order (the order fixes the bits) and normalizes them.
+    let job_qs: Vec<OnceLock<(Vec<f32>, Vec<i64>)>> =
+        jobs.iter().map(|_| OnceLock::new()).collect();
+    let parts: Vec<Mutex<Option<Partial>>> = units.iter().map(|_| Mutex::new(None)).collect();
+    let left: Vec<AtomicUsize> = (0..jobs.len())
+        .map(|j| AtomicUsize::new(first[j + 1] - first[j]))
+        .collect();
+    let finished: Vec<OnceLock<Partial>> = jobs.iter().map(|_| OnceLock::new()).collect();
+    units
         .par_chunks(per_task)
-        .flat_map_iter(|task| {
-            task.iter().enumerate().map(|(i, &(j, lo, hi))| {
+        .enumerate()
+        .for_each(|(t, task)| {
+            for (i, &(j, lo, hi)) in task.iter().enumerate() {
                 let job = jobs[j];
                 let (after, after_heads) =
                     task.get(i + 1).map_or((&[][..], (0, 0)), |&(k, lo, hi)| {
@@ -517,60 +603,57 @@ pub(crate) fn execute<T: Element>(
                     after,
                     after_heads,
                 };
-                let (rows_q, pos) = &job_qs[j];
-                attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk)
-            })
-        })
-        .collect();
-    // Units are in job order, so each job's partials are consecutive; merge them in order.
-    let mut parts = units.iter().map(|u| u.0).zip(partials).peekable();
-    for (j, job) in jobs.iter().enumerate() {
-        let (_, mut merged) = parts
-            .next()
-            .expect("invariant: every job has at least one unit");
-        while let Some((_, p)) = parts.next_if(|(u, _)| *u == j) {
-            merged.merge(&p, d);
-        }
-        let seq = &seqs[job.seq];
-        let nh = job.h1 - job.h0;
-        for r in 0..job.rows(group) {
-            let qi = job.q_lo + r / (nh * group);
-            let qh = job.h0 * group + r % (nh * group);
-            {
-                let (mut m, mut l) = (merged.m[r], merged.l[r]);
-                let mut scale_acc = 1.0;
-                if let Some(sinks) = &params.sink_logits {
-                    let sink = sinks[qh];
-                    let m2 = m.max(sink);
-                    scale_acc = if m == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        (m - m2).exp()
-                    };
-                    l = l * scale_acc + (sink - m2).exp();
-                    m = m2;
-                }
-                let token = seq.q_start + qi;
-                let dst = &mut out[(token * hq + qh) * d..(token * hq + qh + 1) * d];
-                let src = &merged.acc[r * d..(r + 1) * d];
-                if l > 0.0 {
-                    let inv = scale_acc / l;
-                    for (o, a) in dst.iter_mut().zip(src) {
-                        *o = a * inv;
+                let (rows_q, pos) = job_qs[j]
+                    .get_or_init(|| job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale));
+                let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
+                let u = t * per_task + i;
+                *lock(&parts[u]) = Some(part);
+                // Each unit's partial is set before its count (release); the last count
+                // (acquire) sees them all.
+                if left[j].fetch_sub(1, Ordering::AcqRel) == 1 {
+                    // The partials are taken (and freed) here, on this thread.
+                    let mut done = parts[first[j]..first[j + 1]].iter().map(|p| {
+                        lock(p)
+                            .take()
+                            .expect("invariant: the job's units have all counted")
+                    });
+                    let mut merged = done
+                        .next()
+                        .expect("invariant: every job has at least one unit");
+                    for p in done {
+                        merged.merge(&p, d, isa);
                     }
-                } else {
-                    dst.fill(0.0);
+                    merged.normalize(&job, group, params.sink_logits.as_deref(), d);
+                    assert!(
+                        finished[j].set(merged).is_ok(),
+                        "invariant: a job ends once"
+                    );
                 }
-                if let Some(lse) = lse.as_deref_mut() {
-                    lse[token * hq + qh] = if l > 0.0 {
-                        m + l.ln()
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                }
+            }
+        });
+    let finished = finished.into_iter().map(|f| {
+        f.into_inner()
+            .expect("invariant: every job's last unit merged it")
+    });
+    for (job, done) in jobs.iter().zip(finished) {
+        let seq = &seqs[job.seq];
+        let per_q = (job.h1 - job.h0) * group;
+        for r in 0..job.rows(group) {
+            let token = seq.q_start + job.q_lo + r / per_q;
+            let at = token * hq + job.h0 * group + r % per_q;
+            out[at * d..(at + 1) * d].copy_from_slice(&done.acc[r * d..(r + 1) * d]);
+            if let Some(lse) = lse.as_deref_mut() {
+                lse[at] = done.m[r];
             }
         }
     }
+}
+
+/// Locks a unit's slot. A slot is locked only to store or take its partial, and nothing
+/// panics while it is held, so a poisoned lock cannot hide a half-written value.
+fn lock(slot: &Mutex<Option<Partial>>) -> MutexGuard<'_, Option<Partial>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The scaled f32 query rows of a job and their positions.
@@ -730,12 +813,29 @@ fn first_chunk(runs: &[Run]) -> &[Run] {
     &runs[..n]
 }
 
-/// Where a chunked run list splits into units of [`SPLIT_CHUNKS`] chunks: ascending run
+/// The chunks of a list cut and numbered by [`at_chunks`].
+fn chunk_count(runs: &[Run]) -> usize {
+    runs.last().map_or(0, |r| r.chunk as usize + 1)
+}
+
+/// Chunks per split of a list of `chunks` chunks: the power of two from [`MIN_SPLIT_CHUNKS`] to
+/// [`SPLIT_CHUNKS`] that cuts it into about [`TARGET_SPLITS`] units, so that a short list
+/// still spreads over several threads. It depends on the list's length alone (never on the
+/// thread count), so the same tokens in the same order split alike everywhere.
+fn split_chunks(chunks: usize) -> usize {
+    chunks
+        .div_ceil(TARGET_SPLITS)
+        .next_power_of_two()
+        .clamp(MIN_SPLIT_CHUNKS, SPLIT_CHUNKS)
+}
+
+/// Where a chunked run list splits into units of [`split_chunks`] chunks: ascending run
 /// indices from 0 to `runs.len()`, at least one unit even for an empty list.
 fn split_points(runs: &[Run]) -> Vec<usize> {
+    let every = split_chunks(chunk_count(runs));
     let mut cuts = vec![0];
     for (i, w) in runs.windows(2).enumerate() {
-        if w[0].chunk != w[1].chunk && (w[1].chunk as usize).is_multiple_of(SPLIT_CHUNKS) {
+        if w[0].chunk != w[1].chunk && (w[1].chunk as usize).is_multiple_of(every) {
             cuts.push(i + 1);
         }
     }
