@@ -12,7 +12,6 @@
 //! and so do a selection attended in place and the same selection gathered into a compact
 //! buffer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rayon::prelude::*;
@@ -139,8 +138,12 @@ impl Partial {
             if m == f32::NEG_INFINITY {
                 continue;
             }
-            let a = (self.m[r] - m).exp();
-            let b = (other.m[r] - m).exp();
+            // One of the two weights is exp(0) = 1 exactly; only the other needs its exp.
+            let (a, b) = if self.m[r] == m {
+                (1.0, (other.m[r] - m).exp())
+            } else {
+                ((self.m[r] - m).exp(), 1.0)
+            };
             for (x, y) in self.acc[r * d..(r + 1) * d]
                 .iter_mut()
                 .zip(&other.acc[r * d..(r + 1) * d])
@@ -577,16 +580,18 @@ pub(crate) fn execute<T: Element>(
     for j in 0..jobs.len() {
         first[j + 1] += first[j];
     }
-    // One parallel phase does everything: the first unit of a job to start widens and scales
-    // its query rows (shared by its other units), and the last of its units to finish folds
-    // the job's partials in unit order (the order fixes the bits) and normalizes them.
+    // One parallel phase does everything. The first unit of a job to start widens and scales
+    // its query rows (shared by its other units). Each job folds its partials in unit order
+    // (the order fixes the bits) as they arrive: whoever finishes a unit folds every partial
+    // from the job's fold point on that is ready, and whoever folds the last one normalizes
+    // the job's rows. So the folds spread over the phase instead of trailing it.
     let job_qs: Vec<OnceLock<(Vec<f32>, Vec<i64>)>> =
         jobs.iter().map(|_| OnceLock::new()).collect();
     let parts: Vec<Mutex<Option<Partial>>> = units.iter().map(|_| Mutex::new(None)).collect();
-    let left: Vec<AtomicUsize> = (0..jobs.len())
-        .map(|j| AtomicUsize::new(first[j + 1] - first[j]))
+    let folds: Vec<Mutex<Fold>> = first[..jobs.len()]
+        .iter()
+        .map(|&at| Mutex::new(Fold { at, acc: None }))
         .collect();
-    let finished: Vec<OnceLock<Partial>> = jobs.iter().map(|_| OnceLock::new()).collect();
     units
         .par_chunks(per_task)
         .enumerate()
@@ -606,34 +611,35 @@ pub(crate) fn execute<T: Element>(
                 let (rows_q, pos) = job_qs[j]
                     .get_or_init(|| job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale));
                 let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
-                let u = t * per_task + i;
-                *lock(&parts[u]) = Some(part);
-                // Each unit's partial is set before its count (release); the last count
-                // (acquire) sees them all.
-                if left[j].fetch_sub(1, Ordering::AcqRel) == 1 {
-                    // The partials are taken (and freed) here, on this thread.
-                    let mut done = parts[first[j]..first[j + 1]].iter().map(|p| {
-                        lock(p)
-                            .take()
-                            .expect("invariant: the job's units have all counted")
-                    });
-                    let mut merged = done
-                        .next()
-                        .expect("invariant: every job has at least one unit");
-                    for p in done {
-                        merged.merge(&p, d, isa);
+                *lock(&parts[t * per_task + i]) = Some(part);
+                // Every partial is stored before its thread takes the fold's lock, so the
+                // fold that finds a partial missing is followed by that partial's own.
+                let mut fold = lock(&folds[j]);
+                let end = first[j + 1];
+                while fold.at < end {
+                    let Some(p) = lock(&parts[fold.at]).take() else {
+                        break;
+                    };
+                    match &mut fold.acc {
+                        Some(acc) => acc.merge(&p, d, isa),
+                        None => fold.acc = Some(p),
                     }
-                    merged.normalize(&job, group, params.sink_logits.as_deref(), d);
-                    assert!(
-                        finished[j].set(merged).is_ok(),
-                        "invariant: a job ends once"
-                    );
+                    fold.at += 1;
+                    if fold.at == end {
+                        let acc = fold
+                            .acc
+                            .as_mut()
+                            .expect("invariant: a job with units has folded one");
+                        acc.normalize(&job, group, params.sink_logits.as_deref(), d);
+                    }
                 }
             }
         });
-    let finished = finished.into_iter().map(|f| {
+    let finished = folds.into_iter().map(|f| {
         f.into_inner()
-            .expect("invariant: every job's last unit merged it")
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .acc
+            .expect("invariant: every job's units have all been folded")
     });
     for (job, done) in jobs.iter().zip(finished) {
         let seq = &seqs[job.seq];
@@ -649,9 +655,16 @@ pub(crate) fn execute<T: Element>(
     }
 }
 
-/// Locks a unit's slot. A slot is locked only to store or take its partial, and nothing
-/// panics while it is held, so a poisoned lock cannot hide a half-written value.
-fn lock(slot: &Mutex<Option<Partial>>) -> MutexGuard<'_, Option<Partial>> {
+/// A job's fold: its partials `..at` (unit indices) folded in order into `acc`.
+struct Fold {
+    at: usize,
+    acc: Option<Partial>,
+}
+
+/// Locks a unit's slot or a job's fold. Nothing panics while one is held (a fold's merge
+/// and normalization only do arithmetic on slices of their own lengths), so a poisoned lock
+/// cannot hide a half-written value.
+fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
