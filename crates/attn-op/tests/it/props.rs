@@ -563,11 +563,9 @@ proptest! {
     }
 }
 
-#[test]
-fn long_context_splits_merge_to_the_oracle() {
-    // Up to 3000 tokens: up to 188 chunks of 16 positions, cut into splits of 16 chunks (a
-    // short list aims at about 16 splits), so up to 12 KV splits merge.
-    let shape = Shape {
+/// Two sequences of up to 3000 tokens, blocks of 4: lists long enough to split.
+fn long_lists() -> Shape {
+    Shape {
         seqs: 2,
         block_size: 4,
         kv_heads: 2,
@@ -575,7 +573,14 @@ fn long_context_splits_merge_to_the_oracle() {
         head_dim: 16,
         max_kv: 3000,
         mode: 0,
-    };
+    }
+}
+
+#[test]
+fn long_context_splits_merge_to_the_oracle() {
+    // Up to 3000 tokens: up to 188 chunks of 16 positions, cut into splits of 16 chunks (a
+    // short list aims at about 16 splits), so up to 12 KV splits merge.
+    let shape = long_lists();
     for seed in 0..3 {
         dense_matches_oracle::<bf16>(shape, seed);
     }
@@ -585,15 +590,7 @@ fn long_context_splits_merge_to_the_oracle() {
 fn long_lists_split_alike_whatever_the_threads_or_the_layout() {
     // Lists of up to 3000 tokens split into up to 12 units, which the threads walk in tasks
     // cut by their count and merge as each job's last unit ends: neither may change a bit.
-    let shape = Shape {
-        seqs: 2,
-        block_size: 4,
-        kv_heads: 2,
-        group: 4,
-        head_dim: 16,
-        max_kv: 3000,
-        mode: 0,
-    };
+    let shape = long_lists();
     for seed in 0..2 {
         all_dtypes!(layout_and_thread_count_do_not_change_results, shape, seed);
     }
