@@ -44,8 +44,9 @@ struct Walk<'a> {
     after_heads: (usize, usize),
 }
 
-/// Tasks per thread that [`execute`] cuts its units into: each task walks its units in order on
-/// one thread, so that only a task's first unit starts with nothing asked for ahead.
+/// Tasks per thread that [`execute`] cuts its units into at most (fewer where a task would hold
+/// under [`TASK_CHUNKS`] chunks): each task walks its units in order on one thread, so that
+/// only a task's first unit starts with nothing asked for ahead.
 const TASKS_PER_THREAD: usize = 4;
 
 /// The least work (chunks) a task is cut to while there are more tasks than threads.
