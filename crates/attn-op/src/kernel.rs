@@ -572,14 +572,13 @@ pub(crate) fn execute<T: Element>(
     let work: usize = jobs.iter().map(|job| chunk_count(&lists[job.list])).sum();
     let tasks = (work / TASK_CHUNKS).clamp(threads, threads * TASKS_PER_THREAD);
     let per_task = units.len().div_ceil(tasks).max(1);
-    // Units are in job order, so each job's units are consecutive: `first[j]..first[j + 1]`.
-    let mut first = vec![0; jobs.len() + 1];
-    for &(j, _, _) in &units {
-        first[j + 1] += 1;
-    }
-    for j in 0..jobs.len() {
-        first[j + 1] += first[j];
-    }
+    // Units are in job order, so job `j`'s units are `first[j]..first[j + 1]`.
+    let first: Vec<usize> = std::iter::once(0)
+        .chain(jobs.iter().scan(0, |n, job| {
+            *n += splits[job.list].len() - 1;
+            Some(*n)
+        }))
+        .collect();
     // One parallel phase does everything. The first unit of a job to start widens and scales
     // its query rows (shared by its other units). Each job folds its partials in unit order
     // (the order fixes the bits) as they arrive: whoever finishes a unit folds every partial
