@@ -5,13 +5,14 @@
 //! A run list is cut into chunks of [`CHUNK`] consecutive tokens of the list (a chunk gathers
 //! the tokens of every run inside it), each chunk is one online-softmax step, and a list splits
 //! every [`split_chunks`] chunks (a function of its length alone) into partial results merged
-//! in order. So the same tokens in the same order give bit-identical results whatever the
+//! pairwise in a binary tree over the split order, whose shape reads the split count alone.
+//! So the same tokens in the same order give bit-identical results whatever the
 //! thread count, the block size, or how many runs the blocks break them into: dense attention,
 //! sparse attention with every page selected at any page size, and token-level attention over
 //! every token agree bit for bit, and so do a selection attended in place and the same
 //! selection gathered into a compact buffer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::aligned::Aligned;
@@ -579,17 +580,13 @@ pub(crate) fn execute<T: Element>(
         }))
         .collect();
     // One parallel phase does everything. The first unit of a job to start widens and scales
-    // its query rows (shared by its other units). Each job folds its partials in unit order
-    // (the order fixes the bits) as they arrive, through its `Folder`, and whoever folds the
-    // last one normalizes the job's rows. So the folds spread over the phase instead of
+    // its query rows (shared by its other units). Each job merges its partials in a fixed
+    // tree over the unit order (the tree fixes the bits) as they arrive, and whoever merges
+    // at the root normalizes the job's rows. So the merges spread over the phase instead of
     // trailing it.
     let job_qs: Vec<OnceLock<(Vec<f32>, Vec<i64>)>> =
         jobs.iter().map(|_| OnceLock::new()).collect();
-    let parts: Vec<Mutex<Option<Partial>>> = units.iter().map(|_| Mutex::new(None)).collect();
-    let folds: Vec<Folder> = first[..jobs.len()]
-        .iter()
-        .map(|&at| Folder::new(at))
-        .collect();
+    let trees: Vec<Tree> = first.windows(2).map(|w| Tree::new(w[1] - w[0])).collect();
     let tasks: Vec<&[(usize, usize, usize)]> = units.chunks(per_task).collect();
     share(tasks.len(), |t| {
         let task = tasks[t];
@@ -607,35 +604,16 @@ pub(crate) fn execute<T: Element>(
             let (rows_q, pos) = job_qs[j]
                 .get_or_init(|| job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale));
             let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
-            *lock(&parts[t * per_task + i]) = Some(part);
-            folds[j].arrive(|fold| {
-                let end = first[j + 1];
-                while fold.at < end {
-                    let Some(p) = lock(&parts[fold.at]).take() else {
-                        break;
-                    };
-                    match &mut fold.acc {
-                        Some(acc) => acc.merge(&p, d, isa),
-                        None => fold.acc = Some(p),
-                    }
-                    fold.at += 1;
-                    if fold.at == end {
-                        let acc = fold
-                            .acc
-                            .as_mut()
-                            .expect("invariant: a job with units has folded one");
-                        acc.normalize(&job, group, params.sink_logits.as_deref(), d);
-                    }
-                }
+            trees[j].arrive(t * per_task + i - first[j], part, d, isa, |acc| {
+                acc.normalize(&job, group, params.sink_logits.as_deref(), d);
             });
         }
     });
-    let finished = folds.into_iter().map(|f| {
-        f.fold
+    let finished = trees.into_iter().map(|tree| {
+        tree.root
             .into_inner()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .acc
-            .expect("invariant: every job's units have all been folded")
+            .expect("invariant: every job's units have all been merged")
     });
     for (job, done) in jobs.iter().zip(finished) {
         let seq = &seqs[job.seq];
@@ -651,44 +629,78 @@ pub(crate) fn execute<T: Element>(
     }
 }
 
-/// A job's fold: its partials `..at` (unit indices) folded in order into `acc`.
-struct Fold {
-    at: usize,
-    acc: Option<Partial>,
+/// A job's merge tree: its `n` partials merged pairwise in a fixed binary tree over the unit
+/// order (a heap of `2 * m` nodes, `m = n.next_power_of_two()`, leaf `k` at node `m + k`; a
+/// node whose right half holds no unit passes its left up unmerged). The shape reads `n`
+/// alone, so the bits never depend on which thread finishes first, and the merges of a long
+/// list run side by side: the last unit to end waits on `log2 m` merges instead of up to
+/// `n - 1` in a row.
+struct Tree {
+    /// Leaves: the tree's `m`.
+    leaves: usize,
+    /// Units: the tree's `n`.
+    units: usize,
+    /// Partials waiting at a node for their sibling, by heap index.
+    slots: Vec<Mutex<Option<Partial>>>,
+    /// Children arrived at each inner node, by heap index.
+    arrived: Vec<AtomicU8>,
+    /// The merged and normalized result.
+    root: Mutex<Option<Partial>>,
 }
 
-/// A job's fold and the count of partials stored for it that no folder has answered yet.
-/// Threads never wait on each other here: the one whose arrival finds the count at zero
-/// becomes the folder and folds until a round finds no new arrival; any other arrival only
-/// counts, and the folder takes its partial in a later round.
-struct Folder {
-    fold: Mutex<Fold>,
-    pending: AtomicUsize,
-}
-
-impl Folder {
-    fn new(at: usize) -> Self {
-        Folder {
-            fold: Mutex::new(Fold { at, acc: None }),
-            pending: AtomicUsize::new(0),
+impl Tree {
+    fn new(units: usize) -> Self {
+        let leaves = units.max(1).next_power_of_two();
+        Tree {
+            leaves,
+            units,
+            slots: (0..2 * leaves).map(|_| Mutex::new(None)).collect(),
+            arrived: (0..leaves).map(|_| AtomicU8::new(0)).collect(),
+            root: Mutex::new(None),
         }
     }
 
-    /// Records that a partial of this job was stored, and runs `fold` on the job's fold,
-    /// here or in the folder's next round, after the partial is visible. A round reads the
-    /// count first and subtracts it after folding: a partial stored after the read left the
-    /// count above what the round subtracts, so the folder goes round again.
-    fn arrive(&self, fold: impl Fn(&mut Fold)) {
-        if self.pending.fetch_add(1, Ordering::AcqRel) != 0 {
-            return;
-        }
-        loop {
-            let seen = self.pending.load(Ordering::Acquire);
-            fold(&mut lock(&self.fold));
-            if self.pending.fetch_sub(seen, Ordering::AcqRel) == seen {
+    /// The first unit under node `h`.
+    fn first_unit(&self, h: usize) -> usize {
+        let shift = self.leaves.trailing_zeros() - h.ilog2();
+        (h << shift) - self.leaves
+    }
+
+    /// Takes unit `k`'s partial up the tree: at each node with a sibling, the first of the two
+    /// to arrive leaves its partial there, and the second merges the left into the right's
+    /// place (left first: the order fixes the bits) and goes on. Whoever reaches the root
+    /// runs `finish` on the whole and stores it.
+    fn arrive(&self, k: usize, part: Partial, d: usize, isa: u8, finish: impl Fn(&mut Partial)) {
+        let mut h = self.leaves + k;
+        let mut acc = part;
+        while h > 1 {
+            let sibling = h ^ 1;
+            if sibling > h && self.first_unit(sibling) >= self.units {
+                h /= 2;
+                continue;
+            }
+            // The partial is stored before the arrival is counted, so the second arrival
+            // finds the first's.
+            *lock(&self.slots[h]) = Some(acc);
+            if self.arrived[h / 2].fetch_add(1, Ordering::AcqRel) == 0 {
                 return;
             }
+            let mine = lock(&self.slots[h]).take();
+            let theirs = lock(&self.slots[sibling]).take();
+            let (Some(mine), Some(theirs)) = (mine, theirs) else {
+                unreachable!("invariant: both children stored their partials before arriving")
+            };
+            let (mut left, right) = if h.is_multiple_of(2) {
+                (mine, theirs)
+            } else {
+                (theirs, mine)
+            };
+            left.merge(&right, d, isa);
+            acc = left;
+            h /= 2;
         }
+        finish(&mut acc);
+        *lock(&self.root) = Some(acc);
     }
 }
 
@@ -700,8 +712,8 @@ impl Folder {
 /// every core, and wakes tens of microseconds after the last task, and a binary tree of joins
 /// passes the end up through a wake at each level. Measured on 16 cores of an Intel Xeon
 /// (criterion, bf16 decode B1 4K tokens, two runs each): 255 and 270 µs through a parallel
-/// iterator, 222 and 233 µs here with [`Folder`]'s folds (session 54). Which thread runs a
-/// task changes no result.
+/// iterator, 222 and 233 µs here with folds that no thread waited on (session 54). Which
+/// thread runs a task changes no result.
 fn share(tasks: usize, work: impl Fn(usize) + Sync) {
     /// Counts a claimed task as done even when its work unwinds, so the wait below ends and
     /// the scope passes the panic on.
@@ -746,9 +758,9 @@ fn share(tasks: usize, work: impl Fn(usize) + Sync) {
 /// Spins before [`share`]'s caller yields its core while it waits.
 const SPINS: u32 = 1 << 10;
 
-/// Locks a unit's slot or a job's fold. Nothing panics while one is held (a fold's merge
-/// and normalization only do arithmetic on slices of their own lengths), so a poisoned lock
-/// cannot hide a half-written value.
+/// Locks a tree node's slot or a job's result. Nothing panics while one is held (the locks
+/// only guard moves in and out; merges run outside them), so a poisoned lock cannot hide a
+/// half-written value.
 fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
