@@ -667,9 +667,9 @@ impl Tree {
     }
 
     /// Takes unit `k`'s partial up the tree: at each node with a sibling, the first of the two
-    /// to arrive leaves its partial there, and the second merges the left into the right's
-    /// place (left first: the order fixes the bits) and goes on. Whoever reaches the root
-    /// runs `finish` on the whole and stores it.
+    /// to arrive leaves its partial there, and the second merges the pair, the right into the
+    /// left (the order fixes the bits), and climbs on with it. Whoever reaches the root runs
+    /// `finish` on the whole and stores it.
     fn arrive(&self, k: usize, part: Partial, d: usize, isa: u8, finish: impl Fn(&mut Partial)) {
         let mut h = self.leaves + k;
         let mut acc = part;
