@@ -12,11 +12,11 @@
 //! every token agree bit for bit, and so do a selection attended in place and the same
 //! selection gathered into a compact buffer.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::OnceLock;
 
 use crate::aligned::Aligned;
 use crate::meta::Seq;
+use crate::phase::{Tree, share};
 use crate::simd;
 use crate::{AttnParams, DType, Element, PagedKv};
 
@@ -96,7 +96,7 @@ pub(crate) struct Partial {
 }
 
 impl Partial {
-    fn empty(rows: usize, d: usize) -> Self {
+    pub(crate) fn empty(rows: usize, d: usize) -> Self {
         Partial {
             acc: Aligned::with(rows * d, |n| vec![0.0; n]),
             m: vec![f32::NEG_INFINITY; rows],
@@ -106,7 +106,7 @@ impl Partial {
 
     /// Folds `other` into `self` with the log-sum-exp rule, in the widest vectors this CPU has
     /// (`isa`, resolved); every build multiplies and adds alike, so the bits do not depend on it.
-    fn merge(&mut self, other: &Partial, d: usize, isa: u8) {
+    pub(crate) fn merge(&mut self, other: &Partial, d: usize, isa: u8) {
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx512f,avx2")]
@@ -610,9 +610,7 @@ pub(crate) fn execute<T: Element>(
         }
     });
     let finished = trees.into_iter().map(|tree| {
-        tree.root
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        tree.into_root()
             .expect("invariant: every job's units have all been merged")
     });
     for (job, done) in jobs.iter().zip(finished) {
@@ -627,143 +625,6 @@ pub(crate) fn execute<T: Element>(
             }
         }
     }
-}
-
-/// A job's merge tree: its `n` partials merged pairwise in a fixed binary tree over the unit
-/// order (a heap of `2 * m` nodes, `m = n.next_power_of_two()`, leaf `k` at node `m + k`; a
-/// node whose right half holds no unit passes its left up unmerged). The shape reads `n`
-/// alone, so the bits never depend on which thread finishes first, and the merges of a long
-/// list run side by side: the last unit to end waits on `log2 m` merges instead of up to
-/// `n - 1` in a row.
-struct Tree {
-    /// Leaves: the tree's `m`.
-    leaves: usize,
-    /// Units: the tree's `n`.
-    units: usize,
-    /// Partials waiting at a node for their sibling, by heap index.
-    slots: Vec<Mutex<Option<Partial>>>,
-    /// Children arrived at each inner node, by heap index.
-    arrived: Vec<AtomicU8>,
-    /// The merged and normalized result.
-    root: Mutex<Option<Partial>>,
-}
-
-impl Tree {
-    fn new(units: usize) -> Self {
-        let leaves = units.max(1).next_power_of_two();
-        Tree {
-            leaves,
-            units,
-            slots: (0..2 * leaves).map(|_| Mutex::new(None)).collect(),
-            arrived: (0..leaves).map(|_| AtomicU8::new(0)).collect(),
-            root: Mutex::new(None),
-        }
-    }
-
-    /// The first unit under node `h`.
-    fn first_unit(&self, h: usize) -> usize {
-        let shift = self.leaves.trailing_zeros() - h.ilog2();
-        (h << shift) - self.leaves
-    }
-
-    /// Takes unit `k`'s partial up the tree: at each node with a sibling, the first of the two
-    /// to arrive leaves its partial there, and the second merges the pair, the right into the
-    /// left (the order fixes the bits), and climbs on with it. Whoever reaches the root runs
-    /// `finish` on the whole and stores it.
-    fn arrive(&self, k: usize, part: Partial, d: usize, isa: u8, finish: impl Fn(&mut Partial)) {
-        let mut h = self.leaves + k;
-        let mut acc = part;
-        while h > 1 {
-            let sibling = h ^ 1;
-            if sibling > h && self.first_unit(sibling) >= self.units {
-                h /= 2;
-                continue;
-            }
-            // The partial is stored before the arrival is counted, so the second arrival
-            // finds the first's.
-            *lock(&self.slots[h]) = Some(acc);
-            if self.arrived[h / 2].fetch_add(1, Ordering::AcqRel) == 0 {
-                return;
-            }
-            let mine = lock(&self.slots[h]).take();
-            let theirs = lock(&self.slots[sibling]).take();
-            let (Some(mine), Some(theirs)) = (mine, theirs) else {
-                unreachable!("invariant: both children stored their partials before arriving")
-            };
-            let (mut left, right) = if h.is_multiple_of(2) {
-                (mine, theirs)
-            } else {
-                (theirs, mine)
-            };
-            left.merge(&right, d, isa);
-            acc = left;
-            h /= 2;
-        }
-        finish(&mut acc);
-        *lock(&self.root) = Some(acc);
-    }
-}
-
-/// Runs `work(t)` once for every task `t < tasks`: on the calling thread and on up to one
-/// fewer rayon workers than the pool has, each claiming the next task until none is left.
-///
-/// The caller takes part and waits by spinning instead of sleeping: a caller from outside
-/// the pool that blocks (as rayon's parallel iterators make it) sleeps while the workers take
-/// every core, and wakes tens of microseconds after the last task, and a binary tree of joins
-/// passes the end up through a wake at each level. Measured on 16 cores of an Intel Xeon
-/// (criterion, bf16 decode B1 4K tokens, two runs each): 255 and 270 µs through a parallel
-/// iterator, 222 and 233 µs here with folds that no thread waited on (session 54). Which
-/// thread runs a task changes no result.
-fn share(tasks: usize, work: impl Fn(usize) + Sync) {
-    /// Counts a claimed task as done even when its work unwinds, so the wait below ends and
-    /// the scope passes the panic on.
-    struct Done<'a>(&'a AtomicUsize);
-    impl Drop for Done<'_> {
-        fn drop(&mut self) {
-            self.0.fetch_add(1, Ordering::Release);
-        }
-    }
-    let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
-    let run = || {
-        loop {
-            let t = next.fetch_add(1, Ordering::Relaxed);
-            if t >= tasks {
-                return;
-            }
-            let _done = Done(&done);
-            work(t);
-        }
-    };
-    let helpers = rayon::current_num_threads().min(tasks).saturating_sub(1);
-    rayon::in_place_scope(|s| {
-        for _ in 0..helpers {
-            s.spawn(|_| run());
-        }
-        run();
-        // Every task is claimed: wait for those still running elsewhere (one task at most
-        // each), spinning first, then giving the core away.
-        let mut spins = 0u32;
-        while done.load(Ordering::Acquire) < tasks {
-            if spins < SPINS {
-                spins += 1;
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    });
-}
-
-/// Spins before [`share`]'s caller yields its core while it waits.
-const SPINS: u32 = 1 << 10;
-
-/// Locks a tree node's slot or a job's result. Nothing panics while one is held (the locks
-/// only guard moves in and out; merges run outside them), so a poisoned lock cannot hide a
-/// half-written value.
-fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
-    slot.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The scaled f32 query rows of a job and their positions.

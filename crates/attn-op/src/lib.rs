@@ -45,6 +45,7 @@ mod kernel;
 mod kv;
 mod meta;
 mod ops;
+mod phase;
 mod simd;
 
 pub use dtype::{DType, Element};
