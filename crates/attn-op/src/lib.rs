@@ -15,8 +15,8 @@
 //! With the `cuda` feature, the `cuda` module runs the same operations on a CUDA device.
 //!
 //! This CPU implementation is the specification: a CUDA kernel is correct when it matches it.
-//! Work is spread with rayon over (sequence, KV head, query tile, KV split); results do not
-//! depend on the number of threads.
+//! Work is spread by (sequence, KV head, query tile, KV split) over the calling thread and
+//! rayon's pool; results do not depend on the number of threads.
 //!
 //! ```
 //! use attn_op::{AttnOut, AttnParams, BatchMeta, KvCache, KvLayout, PagedKv, paged_attention};
