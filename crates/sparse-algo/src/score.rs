@@ -307,8 +307,9 @@ mod tests {
     /// without a tail past the 16 lanes; its maxima against the rows' maxima taken in order.
     #[test]
     fn the_sweep_has_the_bits_of_one_page_at_a_time() {
-        let mut bits = crate::xorshift(0x9e37_79b9);
-        let mut next = move || (bits() >> 8) as f32 / (1 << 24) as f32 - 0.5;
+        let mut random = crate::xorshift(0x9e37_79b9);
+        let mut next = move || (random() >> 8) as f32 / (1 << 24) as f32 - 0.5;
+        let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
         for (kvh, g, d, pages) in [
             (2, 4, 128, 150),
             (3, 5, 40, 70),
@@ -339,7 +340,6 @@ mod tests {
                         want[j * n + i] = s;
                     }
                 }
-                let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&got[h * g * n..(h + 1) * g * n]),
                     bits(&want),
@@ -354,19 +354,13 @@ mod tests {
                         *b = b.max(x);
                     }
                 }
-                best.iter().map(|s| s.to_bits()).collect()
+                bits(&best)
             };
             let groups: Vec<u32> = (0..kvh).flat_map(|h| max_of(h * g..(h + 1) * g)).collect();
             let grouped = sweep(&w, &reps, d, range.clone(), Rows::GroupMax);
-            assert_eq!(
-                grouped.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
-                groups
-            );
+            assert_eq!(bits(&grouped), groups);
             let all = sweep(&w, &reps, d, range.clone(), Rows::Max);
-            assert_eq!(
-                all.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
-                max_of(0..kvh * g)
-            );
+            assert_eq!(bits(&all), max_of(0..kvh * g));
         }
     }
 }

@@ -589,7 +589,7 @@ fn long_context_splits_merge_to_the_oracle() {
 #[test]
 fn long_lists_split_alike_whatever_the_threads_or_the_layout() {
     // Lists of up to 3000 tokens split into up to 12 units, which the threads walk in tasks
-    // cut by their count and merge as each job's last unit ends: neither may change a bit.
+    // cut by their count and merge pairwise as the units end: neither may change a bit.
     let shape = long_lists();
     for seed in 0..2 {
         all_dtypes!(layout_and_thread_count_do_not_change_results, shape, seed);
