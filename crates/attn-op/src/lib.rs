@@ -16,7 +16,8 @@
 //!
 //! This CPU implementation is the specification: a CUDA kernel is correct when it matches it.
 //! Work is spread by (sequence, KV head, query tile, KV split) over the calling thread and
-//! rayon's pool; results do not depend on the number of threads.
+//! rayon's pool; results do not depend on the number of threads. The pool's helpers linger
+//! between calls, ready for the next one, for a time [`set_linger`] sets.
 //!
 //! ```
 //! use attn_op::{AttnOut, AttnParams, BatchMeta, KvCache, KvLayout, PagedKv, paged_attention};
@@ -37,6 +38,7 @@
 #![deny(missing_docs)]
 
 mod aligned;
+mod crew;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod dtype;
@@ -48,6 +50,7 @@ mod ops;
 mod phase;
 mod simd;
 
+pub use crew::set_linger;
 pub use dtype::{DType, Element};
 pub use error::AttnError;
 pub use kv::{Host, KvCache, KvLayout, Memory, PagedKv};

@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::crew;
 use crate::kernel::Partial;
 
 /// A job's merge tree: its `n` partials merged pairwise in a fixed binary tree over the unit
@@ -106,6 +107,10 @@ impl Tree {
 /// (criterion, bf16 decode B1 4K tokens, two runs each): 255 and 270 µs through a parallel
 /// iterator, 222 and 233 µs here with folds that no thread waited on (session 54). Which
 /// thread runs a task changes no result.
+///
+/// Where helpers linger ([`crate::set_linger`]), the call goes through their board
+/// (`crew::run`), which wakes no worker that is still watching it; a call that finds the
+/// board taken (a concurrent or nested one) spawns its helpers into a scope as below.
 pub(crate) fn share(tasks: usize, work: impl Fn(usize) + Sync) {
     /// Counts a claimed task as done even when its work unwinds, so the wait below ends and
     /// the scope passes the panic on.
@@ -128,6 +133,13 @@ pub(crate) fn share(tasks: usize, work: impl Fn(usize) + Sync) {
         }
     };
     let helpers = rayon::current_num_threads().min(tasks).saturating_sub(1);
+    if helpers == 0 {
+        (0..tasks).for_each(work);
+        return;
+    }
+    if crew::lingering() && crew::run(tasks, helpers, &work) {
+        return;
+    }
     rayon::in_place_scope(|s| {
         for _ in 0..helpers {
             s.spawn(|_| run());
@@ -137,7 +149,7 @@ pub(crate) fn share(tasks: usize, work: impl Fn(usize) + Sync) {
         // each), spinning first, then giving the core away.
         let mut spins = 0u32;
         while done.load(Ordering::Acquire) < tasks {
-            if spins < SPINS {
+            if spins < crew::WAIT_SPINS {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
@@ -146,9 +158,6 @@ pub(crate) fn share(tasks: usize, work: impl Fn(usize) + Sync) {
         }
     });
 }
-
-/// Spins before [`share`]'s caller yields its core while it waits.
-const SPINS: u32 = 1 << 10;
 
 /// Locks a tree node's slot or a job's result. Nothing panics while one is held (the locks
 /// only guard moves in and out; merges run outside them), so a poisoned lock cannot hide a
@@ -268,6 +277,32 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn concurrent_and_nested_calls_run_each_task_once() {
+        // Four callers at once: one holds the lingering helpers' board, the others share
+        // through scopes. Each task of theirs starts a call of its own, nested in the first.
+        let outer = 12;
+        let inner = 5;
+        let runs: Vec<AtomicUsize> = (0..4 * outer * inner)
+            .map(|_| AtomicUsize::new(0))
+            .collect();
+        std::thread::scope(|s| {
+            for caller in 0..4 {
+                let runs = &runs;
+                s.spawn(move || {
+                    share(outer, |t| {
+                        share(inner, |u| {
+                            runs[(caller * outer + t) * inner + u].fetch_add(1, Ordering::Relaxed);
+                        });
+                    });
+                });
+            }
+        });
+        for (i, r) in runs.iter().enumerate() {
+            assert_eq!(r.load(Ordering::Relaxed), 1, "task {i}");
         }
     }
 
