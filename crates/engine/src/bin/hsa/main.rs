@@ -45,6 +45,10 @@ struct Cli {
     /// real).
     #[arg(long, global = true, conflicts_with = "model")]
     synthetic: bool,
+    /// How long, in microseconds, the CPU attention's helper threads wait (spinning, while
+    /// running the pool's other work) for the next call before they sleep; 0 turns it off.
+    #[arg(long, global = true, default_value_t = 250)]
+    linger_us: u64,
     #[command(subcommand)]
     command: Command,
 }
@@ -179,6 +183,7 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), EngineError> {
+    attn_op::set_linger(std::time::Duration::from_micros(cli.linger_us));
     let file = match &cli.config {
         None => FileConfig::default(),
         Some(p) => {
