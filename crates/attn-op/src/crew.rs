@@ -8,6 +8,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
+use crate::phase::{lock, wait_until};
+
 /// Sets how long a helper thread of the CPU attention waits, spinning, for the next call's
 /// work after its last task before it gives its rayon worker back (250 µs unless set).
 ///
@@ -50,7 +52,7 @@ pub(crate) fn run(tasks: usize, helpers: usize, work: &(dyn Fn(usize) + Sync)) -
     let epoch = ((BOARD.state.load(SeqCst) >> 32) + 1) & 0xffff_ffff;
     BOARD.done.store(0, SeqCst);
     // The helpers read the work through this pointer to a reference on this frame; see
-    // `task` for why it outlives every read.
+    // `linger` for why it outlives every read.
     let work_ref: &(dyn Fn(usize) + Sync) = work;
     BOARD
         .work
@@ -63,41 +65,25 @@ pub(crate) fn run(tasks: usize, helpers: usize, work: &(dyn Fn(usize) + Sync)) -
         BOARD.crew.fetch_add(1, SeqCst);
         rayon::spawn(linger);
     }
-    // The caller claims tasks of its own epoch until none is left.
-    while let Some((s, t)) = open(BOARD.state.load(SeqCst)).filter(|&(s, _)| s >> 32 == epoch) {
-        if BOARD
-            .state
-            .compare_exchange(s, s + 1, SeqCst, SeqCst)
-            .is_ok()
-        {
-            finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-                || {
-                    work(t);
-                },
-            )));
+    // The caller claims tasks until none is left (only the board's holder opens an epoch).
+    loop {
+        let s = BOARD.state.load(SeqCst);
+        if open(s).is_none() {
+            break;
+        }
+        if let Some(t) = claim(s) {
+            run_task(work, t);
         }
     }
-    // Every task is claimed: wait for those still running elsewhere, spinning first, then
-    // giving the core away. No helper reads the work once the count is full.
-    let mut spins = 0u32;
-    while BOARD.done.load(SeqCst) < tasks {
-        if spins < WAIT_SPINS {
-            spins += 1;
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
-    }
-    let panic = lock_panic().take();
+    // Every task is claimed; no helper reads the work once the count is full.
+    wait_until(&BOARD.done, tasks);
+    let panic = lock(&BOARD.panic).take();
     BOARD.busy.store(false, SeqCst);
     if let Some(payload) = panic {
         std::panic::resume_unwind(payload);
     }
     true
 }
-
-/// Spins before [`run`]'s caller yields its core while it waits for the last tasks.
-pub(crate) const WAIT_SPINS: u32 = 1 << 10;
 
 /// The board lingering helpers watch: one published call at a time.
 struct Board {
@@ -126,25 +112,30 @@ static BOARD: Board = Board {
     panic: Mutex::new(None),
 };
 
-/// State `s` and its next task, where the call it describes has one left to claim.
-fn open(s: u64) -> Option<(u64, usize)> {
+/// The next task of state `s`, where the call it describes has one left to claim.
+fn open(s: u64) -> Option<usize> {
     let (tasks, next) = ((s >> 16) & 0xffff, s & 0xffff);
-    (next < tasks).then_some((s, next as usize))
+    (next < tasks).then_some(next as usize)
 }
 
-/// Counts a claimed task done, keeping the first panic of the call for its caller.
-fn finish(result: std::thread::Result<()>) {
+/// Claims the next task of state `s` for this thread, where the board still holds `s`.
+fn claim(s: u64) -> Option<usize> {
+    let t = open(s)?;
+    BOARD
+        .state
+        .compare_exchange(s, s + 1, SeqCst, SeqCst)
+        .is_ok()
+        .then_some(t)
+}
+
+/// Runs claimed task `t` and counts it done, keeping the first panic of the call for its
+/// caller.
+fn run_task(work: &(dyn Fn(usize) + Sync), t: usize) {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(t)));
     if let Err(payload) = result {
-        lock_panic().get_or_insert(payload);
+        lock(&BOARD.panic).get_or_insert(payload);
     }
     BOARD.done.fetch_add(1, SeqCst);
-}
-
-fn lock_panic() -> std::sync::MutexGuard<'static, Option<Box<dyn Any + Send>>> {
-    BOARD
-        .panic
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A helper: claims the published call's tasks while there are any, and returns once it has
@@ -166,14 +157,20 @@ fn linger() {
     let mut spins = 0u32;
     loop {
         let s = BOARD.state.load(SeqCst);
-        if let Some((s, t)) = open(s) {
+        if open(s).is_some() {
             let work = BOARD.work.load(SeqCst);
-            if BOARD
-                .state
-                .compare_exchange(s, s + 1, SeqCst, SeqCst)
-                .is_ok()
-            {
-                task(work, t);
+            if let Some(t) = claim(s) {
+                // SAFETY: the claim succeeded on the state that `work` was read under, so
+                // `work` is its call's: the caller stores the work before the state that
+                // opens the epoch, and a later call's work is stored only after this call's
+                // caller has seen every task done, which cannot happen before this task
+                // counts itself. The epoch is 32 bits wide, so a stale state would have to
+                // survive 2^32 calls to be taken for this one. The caller's frame, which
+                // holds the reference `work` points to and what it borrows, outlives its
+                // wait, so the reference is valid until `run_task` counts the task, and
+                // nothing reads it after.
+                let work = unsafe { *work.cast::<&(dyn Fn(usize) + Sync)>() };
+                run_task(work, t);
                 idle_since = Instant::now();
                 spins = 0;
             }
@@ -208,18 +205,3 @@ thread_local! {
 
 /// Spins of an idle helper between two looks at the pool's other work and the clock.
 const YIELD_SPINS: u32 = 64;
-
-/// Runs task `t` of the call whose work `work` points to, claimed by this helper.
-fn task(work: *mut (), t: usize) {
-    // SAFETY: the claim succeeded on a state that still held the epoch `work` was read
-    // under: its caller stores the work before the state that opens the epoch, and a later
-    // call's work is stored only after this call's caller has seen every task done, which
-    // cannot happen before this task's `finish`. The epoch is 32 bits wide, so a stale state
-    // would have to survive 2^32 calls to be taken for this one. The caller's frame, which
-    // holds the reference `work` points to and what it borrows, outlives its wait, so the
-    // reference is valid until `finish` below, and is not read after it.
-    let work = unsafe { *work.cast::<&(dyn Fn(usize) + Sync)>() };
-    finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-        || work(t),
-    )));
-}

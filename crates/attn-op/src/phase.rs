@@ -120,6 +120,14 @@ pub(crate) fn share(tasks: usize, work: impl Fn(usize) + Sync) {
             self.0.fetch_add(1, Ordering::Release);
         }
     }
+    let helpers = rayon::current_num_threads().min(tasks).saturating_sub(1);
+    if helpers == 0 {
+        (0..tasks).for_each(work);
+        return;
+    }
+    if crew::lingering() && crew::run(tasks, helpers, &work) {
+        return;
+    }
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
     let run = || {
@@ -132,37 +140,36 @@ pub(crate) fn share(tasks: usize, work: impl Fn(usize) + Sync) {
             work(t);
         }
     };
-    let helpers = rayon::current_num_threads().min(tasks).saturating_sub(1);
-    if helpers == 0 {
-        (0..tasks).for_each(work);
-        return;
-    }
-    if crew::lingering() && crew::run(tasks, helpers, &work) {
-        return;
-    }
     rayon::in_place_scope(|s| {
         for _ in 0..helpers {
             s.spawn(|_| run());
         }
         run();
-        // Every task is claimed: wait for those still running elsewhere (one task at most
-        // each), spinning first, then giving the core away.
-        let mut spins = 0u32;
-        while done.load(Ordering::Acquire) < tasks {
-            if spins < crew::WAIT_SPINS {
-                spins += 1;
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        wait_until(&done, tasks);
     });
 }
 
-/// Locks a tree node's slot or a job's result. Nothing panics while one is held (the locks
-/// only guard moves in and out; merges run outside them), so a poisoned lock cannot hide a
-/// half-written value.
-fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Waits until `count` reaches `n`, spinning first, then giving the core away: the wait of a
+/// caller whose tasks are all claimed for those still running elsewhere (one at most a thread).
+pub(crate) fn wait_until(count: &AtomicUsize, n: usize) {
+    let mut spins = 0u32;
+    while count.load(Ordering::Acquire) < n {
+        if spins < WAIT_SPINS {
+            spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Spins before [`wait_until`] yields its core.
+const WAIT_SPINS: u32 = 1 << 10;
+
+/// Locks a tree node's slot, a job's result or the lingering helpers' panic slot. Nothing
+/// panics while one is held (the locks only guard moves in and out; merges run outside them),
+/// so a poisoned lock cannot hide a half-written value.
+pub(crate) fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
