@@ -7,6 +7,10 @@ on the shapes of attn-op's decode bench (32 query / 8 KV heads, head dim 128, pa
   ([blocks, 32, 8, 128]) gathered through a block table first, as an engine without a paged
   kernel must do.
 
+Each call takes the next of enough copies of its K/V (or pool) that together they pass 640 MiB,
+as attn-op's decode bench does (benches/shared/pool.rs, ROTATION_BYTES): no call finds its K/V
+left in a cache by the call before.
+
 Prints one JSON object per line ({"id", "mean_ns", "bytes"}) and writes them to --out.
 """
 import argparse
@@ -18,6 +22,24 @@ import torch
 import torch.nn.functional as F
 
 Q_HEADS, KV_HEADS, D, BS = 32, 8, 128, 32
+ROTATION_BYTES = 640 << 20
+
+
+def copies(kv_bytes):
+    """How many copies of a step's K and V pass ROTATION_BYTES together."""
+    return max(1, -(-ROTATION_BYTES // kv_bytes))
+
+
+class Turns:
+    """Hands out the items of a list in turn."""
+
+    def __init__(self, items):
+        self.items, self.at = items, 0
+
+    def next(self):
+        item = self.items[self.at % len(self.items)]
+        self.at += 1
+        return item
 
 
 def timed(fn, min_time=1.0, warmup=2):
@@ -43,27 +65,32 @@ def main():
         for b in (1, 8):
             for ctx in (4096, 32768):
                 kv_bytes = 2 * b * ctx * KV_HEADS * D * 2
+                n = copies(kv_bytes)
                 q = torch.randn(b, Q_HEADS, 1, D, dtype=dtype)
                 k = torch.randn(b, KV_HEADS, ctx, D, dtype=dtype)
                 v = torch.randn(b, KV_HEADS, ctx, D, dtype=dtype)
+                kvs = Turns([(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)])
 
                 def dense():
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    kk, vv = kvs.next()
+                    return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
                 results.append({"id": f"torch_sdpa/{name}/B{b}/L{ctx}", "mean_ns": timed(dense, args.min_time), "bytes": kv_bytes})
-                del k, v
+                del k, v, kvs
                 blocks = b * ctx // BS
                 pool_k = torch.randn(blocks, BS, KV_HEADS, D, dtype=dtype)
                 pool_v = torch.randn(blocks, BS, KV_HEADS, D, dtype=dtype)
+                pools = Turns([(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(n - 1)])
                 table = torch.arange(blocks).reshape(ctx // BS, b).T.contiguous()
 
                 def gathered():
-                    kk = pool_k[table].reshape(b, ctx, KV_HEADS, D).transpose(1, 2)
-                    vv = pool_v[table].reshape(b, ctx, KV_HEADS, D).transpose(1, 2)
+                    pk, pv = pools.next()
+                    kk = pk[table].reshape(b, ctx, KV_HEADS, D).transpose(1, 2)
+                    vv = pv[table].reshape(b, ctx, KV_HEADS, D).transpose(1, 2)
                     return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
                 results.append({"id": f"torch_gather_sdpa/{name}/B{b}/L{ctx}", "mean_ns": timed(gathered, args.min_time), "bytes": kv_bytes})
-                del pool_k, pool_v
+                del pool_k, pool_v, pools
                 print(json.dumps(results[-2]), flush=True)
                 print(json.dumps(results[-1]), flush=True)
     with open(args.out, "w") as f:

@@ -3,9 +3,12 @@
 //! - `stream_read`: a parallel integer sum over 1 GiB, the STREAM-like ceiling for reading KV,
 //!   measured before the decode benches (`sum_1GiB`) and after them (`sum_1GiB_after`).
 //! - `decode/{dtype}/B{b}/L{ctx}`: dense paged decode, 32 query / 8 KV heads, head dim 128,
-//!   pages of 32 tokens. Throughput is the KV bytes the step must read.
+//!   pages of 32 tokens. Throughput is the KV bytes the step must read. Each call takes the
+//!   next of enough copies of the KV pool that together they pass 640 MiB
+//!   (`pool::ROTATION_BYTES`), so that it reads its KV from memory, as the stream read does,
+//!   and not from a cache that the call before filled.
 //! - `sparse_decode/{dtype}/B{b}/L32768`: the same step reading a 2048-token budget (64 random
-//!   pages per KV head, through `gather_page_offsets`). Throughput is the dense step's KV bytes,
+//!   pages per KV head, through `gather_page_offsets`), over the same copies in turn. Throughput is the dense step's KV bytes,
 //!   so its bytes/s over dense's is the sparse/dense speedup.
 //! - `sparse_decode_shared/{dtype}/B{b}/L32768`: the same budget with one selection per
 //!   sequence that all its KV heads share (Quest's `shared_heads`, the engine's default).
@@ -64,18 +67,21 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
             &[4096, 32768]
         };
         for &ctx in contexts {
-            let dec = setup::<T>(batch, ctx);
-            let (kv, q, meta) = (&dec.kv, &dec.q, dec.meta());
+            let mut dec = setup::<T>(batch, ctx);
+            dec.rotate();
+            let (q, meta) = (&dec.q, dec.meta());
             let (mut out, mut lse) = dec.outputs();
             let mut g = c.benchmark_group(format!("decode/{name}"));
             g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
             g.sample_size(10);
             let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
+            let mut call = 0;
             g.bench_function(id, |b| {
                 b.iter(|| {
+                    call += 1;
                     paged_attention(
                         q,
-                        kv,
+                        dec.kv_for(call),
                         &meta,
                         &params,
                         AttnOut {
@@ -130,7 +136,7 @@ fn sparse<T: Element>(
         max_len: pages,
     };
     let gathered = gather_page_offsets(&sel, BS, &dec.lens, BS, KV_HEADS).expect("valid selection");
-    let (q, kv, meta) = (&dec.q, &dec.kv, dec.meta());
+    let (q, meta) = (&dec.q, dec.meta());
     let (mut out, mut lse) = dec.outputs();
     let group = if shared {
         "sparse_decode_shared"
@@ -141,11 +147,13 @@ fn sparse<T: Element>(
     g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
     g.sample_size(10);
     let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
+    let mut call = 0;
     g.bench_function(id, |b| {
         b.iter(|| {
+            call += 1;
             sparse_page_attention(
                 q,
-                kv,
+                dec.kv_for(call),
                 &meta,
                 &gathered.as_selection(),
                 params,

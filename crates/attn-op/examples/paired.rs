@@ -33,7 +33,10 @@ fn main() -> Result<(), attn_op::AttnError> {
     };
     let (pairs, batch, ctx) = (var("PAIRS", 8).max(1), var("B", 8), var("L", 32768));
     // The decode bench's batch (benches/shared/pool.rs).
-    let dec = setup::<bf16>(batch, ctx);
+    let mut dec = setup::<bf16>(batch, ctx);
+    // Copies of the pool taken in turn, so that no decode finds its KV cached (none at the
+    // default 1 GiB).
+    dec.rotate();
     let meta = dec.meta();
     let mut params = AttnParams::new(Q_HEADS, D);
     params.simd = match std::env::var("SIMD").as_deref() {
@@ -54,7 +57,7 @@ fn main() -> Result<(), attn_op::AttnError> {
         let t = Instant::now();
         paged_attention(
             &dec.q,
-            &dec.kv,
+            dec.kv_for(pair),
             &meta,
             &params,
             AttnOut {

@@ -13,10 +13,21 @@ pub(crate) const D: usize = 128;
 /// Tokens a KV block.
 pub(crate) const BS: usize = 32;
 
+/// Bytes that a bench's copies of a KV pool pass together: more than twice the largest
+/// last-level cache of the machines we measure on (the GPU machines' 16-core Xeon host has 300
+/// MiB of L3). A bench that takes the copies in turn finds no call's KV left in a cache by the
+/// call before, so that its time is a read from memory, as a decode that walks many layers
+/// meets it. With one pool, that host served a B1 L4K decode (16 MiB) partly from its L3: 20 to
+/// 30 % faster than from memory (BENCHMARKS.md, session 56).
+pub(crate) const ROTATION_BYTES: u64 = 640 << 20;
+
 /// A decode batch of the bench: its KV pool, block table, queries and metadata.
 pub(crate) struct Decode<T: Element> {
     /// The pool: `batch` sequences of `ctx` tokens.
     pub(crate) kv: PagedKv<T>,
+    /// Copies of the pool, taken in turn with it by [`Decode::kv_for`] (none until
+    /// [`Decode::rotate`]).
+    copies: Vec<PagedKv<T>>,
     /// `[batch, ctx / BS]` block table.
     pub(crate) table: Vec<i32>,
     /// `[batch, Q_HEADS, D]` queries, one a sequence.
@@ -35,6 +46,23 @@ impl<T: Element> Decode<T> {
             seq_lens_kv: &self.lens,
             block_table: &self.table,
             max_blocks: self.table.len() / self.lens.len().max(1),
+        }
+    }
+
+    /// Adds copies of the pool until the pool and its copies pass [`ROTATION_BYTES`]
+    /// together (none where the pool alone does).
+    pub(crate) fn rotate(&mut self) {
+        let bytes = (2 * self.kv.k().len() * T::DTYPE.size()) as u64;
+        let pools = ROTATION_BYTES.div_ceil(bytes.max(1)).max(1) as usize;
+        self.copies = (1..pools).map(|_| self.kv.clone()).collect();
+    }
+
+    /// The pool for a bench's `call`-th call: the pool and its copies in turn. Each holds the
+    /// same values under the same block table.
+    pub(crate) fn kv_for(&self, call: usize) -> &PagedKv<T> {
+        match call % (self.copies.len() + 1) {
+            0 => &self.kv,
+            k => &self.copies[k - 1],
         }
     }
 
@@ -80,6 +108,7 @@ pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> Decode<T> {
         .collect();
     Decode {
         kv,
+        copies: Vec::new(),
         table,
         q: tile(batch * Q_HEADS * D, 3),
         cu: (0..=batch as i32).collect(),
