@@ -59,23 +59,26 @@ impl<T: Copy + Default> Aligned<T> {
 /// where huge pages are off the call fails and changes nothing.
 /// Touching one byte of a huge page makes all 2 MiB of it resident.
 fn advise_huge<T>(buf: &[T]) {
+    advise_span(buf.as_ptr(), size_of_val(buf));
+}
+
+/// [`advise_huge`] for the `bytes` bytes of one allocation from `start` (its capacity, which
+/// may not be initialized yet).
+fn advise_span<T>(start: *const T, bytes: usize) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
-        let start = buf.as_ptr() as usize;
-        let (from, to) = (
-            start.next_multiple_of(HUGE),
-            (start + size_of_val(buf)) / HUGE * HUGE,
-        );
+        let start = start as usize;
+        let (from, to) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
         if to > from {
-            // SAFETY: `from..to` lies inside `buf`'s allocation, which outlives the call, and
-            // MADV_HUGEPAGE changes only how the kernel backs those pages, never their contents.
-            // The result is ignored: the advice is a hint.
+            // SAFETY: `from..to` lies inside the caller's allocation, which outlives the call,
+            // and MADV_HUGEPAGE changes only how the kernel backs those pages, never their
+            // contents. The result is ignored: the advice is a hint.
             unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = buf;
+    let _ = (start, bytes);
 }
 
 /// Elements in a cache line: the most a window may start past its vector's first element.
@@ -112,6 +115,9 @@ impl<T> DerefMut for Aligned<T> {
 impl<T: Copy + Default> Clone for Aligned<T> {
     fn clone(&self) -> Self {
         let mut buf = Vec::with_capacity(self.len + pad::<T>());
+        // Advised before its pages are touched, as a new tensor's are: a copy of a pool reads
+        // as fast as the pool.
+        advise_span(buf.as_ptr(), buf.capacity() * size_of::<T>());
         // An empty vector with capacity already has its allocation: its window start is known.
         let at = skip(&buf);
         buf.resize(at, T::default());
