@@ -8,8 +8,9 @@
 //!   (`pool::ROTATION_BYTES`), so that it reads its KV from memory, as the stream read does,
 //!   and not from a cache that the call before filled.
 //! - `sparse_decode/{dtype}/B{b}/L32768`: the same step reading a 2048-token budget (64 random
-//!   pages per KV head, through `gather_page_offsets`), over the same copies in turn. Throughput is the dense step's KV bytes,
-//!   so its bytes/s over dense's is the sparse/dense speedup.
+//!   pages per KV head, through `gather_page_offsets`), over the same copies in turn.
+//!   Throughput is the dense step's KV bytes, so its bytes/s over dense's is the sparse/dense
+//!   speedup.
 //! - `sparse_decode_shared/{dtype}/B{b}/L32768`: the same budget with one selection per
 //!   sequence that all its KV heads share (Quest's `shared_heads`, the engine's default).
 //! - bf16 at batch 1 sweeps the context from 4K to 128K, dense and sparse at each, for the

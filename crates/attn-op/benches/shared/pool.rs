@@ -18,7 +18,7 @@ pub(crate) const BS: usize = 32;
 /// MiB of L3). A bench that takes the copies in turn finds no call's KV left in a cache by the
 /// call before, so that its time is a read from memory, as a decode that walks many layers
 /// meets it. With one pool, that host served a B1 L4K decode (16 MiB) partly from its L3: 20 to
-/// 30 % faster than from memory (BENCHMARKS.md, session 56).
+/// 23 % faster than from memory (BENCHMARKS.md, session 56).
 pub(crate) const ROTATION_BYTES: u64 = 640 << 20;
 
 /// A decode batch of the bench: its KV pool, block table, queries and metadata.
