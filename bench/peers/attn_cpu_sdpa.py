@@ -14,6 +14,7 @@ left in a cache by the call before.
 Prints one JSON object per line ({"id", "mean_ns", "bytes"}) and writes them to --out.
 """
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -29,17 +30,6 @@ def copies(kv_bytes):
     """How many copies of a step's K and V pass ROTATION_BYTES together."""
     return max(1, -(-ROTATION_BYTES // kv_bytes))
 
-
-class Turns:
-    """Hands out the items of a list in turn."""
-
-    def __init__(self, items):
-        self.items, self.at = items, 0
-
-    def next(self):
-        item = self.items[self.at % len(self.items)]
-        self.at += 1
-        return item
 
 
 def timed(fn, min_time=1.0, warmup=2):
@@ -69,10 +59,10 @@ def main():
                 q = torch.randn(b, Q_HEADS, 1, D, dtype=dtype)
                 k = torch.randn(b, KV_HEADS, ctx, D, dtype=dtype)
                 v = torch.randn(b, KV_HEADS, ctx, D, dtype=dtype)
-                kvs = Turns([(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)])
+                kvs = itertools.cycle([(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)])
 
                 def dense():
-                    kk, vv = kvs.next()
+                    kk, vv = next(kvs)
                     return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
                 results.append({"id": f"torch_sdpa/{name}/B{b}/L{ctx}", "mean_ns": timed(dense, args.min_time), "bytes": kv_bytes})
@@ -80,11 +70,11 @@ def main():
                 blocks = b * ctx // BS
                 pool_k = torch.randn(blocks, BS, KV_HEADS, D, dtype=dtype)
                 pool_v = torch.randn(blocks, BS, KV_HEADS, D, dtype=dtype)
-                pools = Turns([(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(n - 1)])
+                pools = itertools.cycle([(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(n - 1)])
                 table = torch.arange(blocks).reshape(ctx // BS, b).T.contiguous()
 
                 def gathered():
-                    pk, pv = pools.next()
+                    pk, pv = next(pools)
                     kk = pk[table].reshape(b, ctx, KV_HEADS, D).transpose(1, 2)
                     vv = pv[table].reshape(b, ctx, KV_HEADS, D).transpose(1, 2)
                     return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)

@@ -25,7 +25,7 @@ impl<T: Copy + Default> Aligned<T> {
     /// ([`advise_huge`]).
     pub(crate) fn with(len: usize, make: impl FnOnce(usize) -> Vec<T>) -> Self {
         let buf = make(len + pad::<T>());
-        advise_huge(&buf);
+        advise_huge(buf.as_ptr(), size_of_val(&*buf));
         let at = skip(&buf);
         debug_assert!(buf.len() >= at + len, "make returns the length asked for");
         Aligned { buf, at, len }
@@ -50,7 +50,8 @@ impl<T: Copy + Default> Aligned<T> {
     }
 }
 
-/// Asks Linux to back the whole 2 MiB pages inside `buf` with transparent huge pages
+/// Asks Linux to back the whole 2 MiB pages among the `bytes` bytes from `start`, within one
+/// allocation (a vector's capacity, initialized or not), with transparent huge pages
 /// (`MADV_HUGEPAGE`; by default the kernel does so only where asked). A decode step reads a
 /// pool's K/V rows scattered over blocks, and with 4 KiB pages every two token rows cost a TLB
 /// miss. Measured on the dev box (interleaved runs of one binary, pools with and without the
@@ -58,13 +59,7 @@ impl<T: Copy + Default> Aligned<T> {
 /// touched before the call stay small until the kernel's background merger gets to them, and
 /// where huge pages are off the call fails and changes nothing.
 /// Touching one byte of a huge page makes all 2 MiB of it resident.
-fn advise_huge<T>(buf: &[T]) {
-    advise_span(buf.as_ptr(), size_of_val(buf));
-}
-
-/// [`advise_huge`] for the `bytes` bytes of one allocation from `start` (its capacity, which
-/// may not be initialized yet).
-fn advise_span<T>(start: *const T, bytes: usize) {
+fn advise_huge<T>(start: *const T, bytes: usize) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
@@ -117,7 +112,7 @@ impl<T: Copy + Default> Clone for Aligned<T> {
         let mut buf = Vec::with_capacity(self.len + pad::<T>());
         // Advised before its pages are touched, as a new tensor's are: a copy of a pool reads
         // as fast as the pool.
-        advise_span(buf.as_ptr(), buf.capacity() * size_of::<T>());
+        advise_huge(buf.as_ptr(), buf.capacity() * size_of::<T>());
         // An empty vector with capacity already has its allocation: its window start is known.
         let at = skip(&buf);
         buf.resize(at, T::default());

@@ -46,9 +46,10 @@ struct Cli {
     #[arg(long, global = true, conflicts_with = "model")]
     synthetic: bool,
     /// How long, in microseconds, the CPU attention's helper threads wait (spinning, while
-    /// running the pool's other work) for the next call before they sleep; 0 turns it off.
-    #[arg(long, global = true, default_value_t = 250)]
-    linger_us: u64,
+    /// running the pool's other work) for the next call before they sleep; 0 turns it off
+    /// (attn-op's default, 250, unless given).
+    #[arg(long, global = true)]
+    linger_us: Option<u64>,
     #[command(subcommand)]
     command: Command,
 }
@@ -183,7 +184,9 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), EngineError> {
-    attn_op::set_linger(std::time::Duration::from_micros(cli.linger_us));
+    if let Some(us) = cli.linger_us {
+        attn_op::set_linger(std::time::Duration::from_micros(us));
+    }
     let file = match &cli.config {
         None => FileConfig::default(),
         Some(p) => {
