@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 
 use crate::aligned::Aligned;
 use crate::meta::Seq;
-use crate::phase::{Tree, share};
+use crate::phase::{Tree, guided, share};
 use crate::simd;
 use crate::{AttnParams, DType, Element, PagedKv};
 
@@ -43,14 +43,6 @@ struct Walk<'a> {
     /// That unit's KV heads `h0..h1`.
     after_heads: (usize, usize),
 }
-
-/// Tasks per thread that [`execute`] cuts its units into at most (fewer where a task would hold
-/// under [`TASK_CHUNKS`] chunks): each task walks its units in order on one thread, so that
-/// only a task's first unit starts with nothing asked for ahead.
-const TASKS_PER_THREAD: usize = 4;
-
-/// The least work (chunks) a task is cut to while there are more tasks than threads.
-const TASK_CHUNKS: usize = 64;
 
 /// Tokens per online-softmax step: chunk `c` of a list holds its tokens `c * CHUNK .. (c + 1) *
 /// CHUNK`, counted in list order.
@@ -565,13 +557,20 @@ pub(crate) fn execute<T: Element>(
         .collect();
     // Consecutive units in tasks, each walked in order by one thread, so that a unit's last
     // chunk can ask for the next unit's first (a unit started cold waits on its first chunk's
-    // misses). About four tasks a thread balance the threads' loads, but where that would
-    // leave a task less than [`TASK_CHUNKS`] chunks of work, fewer tasks (never fewer than
-    // the threads) spare the cold starts. Which thread walks a unit changes no result.
+    // misses). Threads that walk the same bytes from memory take unequal times, by up to 2x
+    // on 16 cores of a Xeon, so tasks shrink toward the end of the phase (`guided`): the
+    // threads that end early take the last small ones instead of waiting on one long one.
+    // Which thread walks a unit changes no result.
     let threads = rayon::current_num_threads();
-    let work: usize = jobs.iter().map(|job| chunk_count(&lists[job.list])).sum();
-    let tasks = (work / TASK_CHUNKS).clamp(threads, threads * TASKS_PER_THREAD);
-    let per_task = units.len().div_ceil(tasks).max(1);
+    let sizes: Vec<usize> = units
+        .iter()
+        .map(|&(j, lo, hi)| {
+            let runs = &lists[jobs[j].list][lo..hi];
+            runs.last()
+                .map_or(0, |last| (last.chunk - runs[0].chunk) as usize + 1)
+        })
+        .collect();
+    let starts = guided(&sizes, threads);
     // Units are in job order, so job `j`'s units are `first[j]..first[j + 1]`.
     let first: Vec<usize> = std::iter::once(0)
         .chain(jobs.iter().scan(0, |n, job| {
@@ -587,7 +586,8 @@ pub(crate) fn execute<T: Element>(
     let job_qs: Vec<OnceLock<(Vec<f32>, Vec<i64>)>> =
         jobs.iter().map(|_| OnceLock::new()).collect();
     let trees: Vec<Tree> = first.windows(2).map(|w| Tree::new(w[1] - w[0])).collect();
-    let tasks: Vec<&[(usize, usize, usize)]> = units.chunks(per_task).collect();
+    let tasks: Vec<&[(usize, usize, usize)]> =
+        starts.windows(2).map(|w| &units[w[0]..w[1]]).collect();
     share(tasks.len(), |t| {
         let task = tasks[t];
         for (i, &(j, lo, hi)) in task.iter().enumerate() {
@@ -604,7 +604,7 @@ pub(crate) fn execute<T: Element>(
             let (rows_q, pos) = job_qs[j]
                 .get_or_init(|| job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale));
             let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
-            trees[j].arrive(t * per_task + i - first[j], part, d, isa, |acc| {
+            trees[j].arrive(starts[t] + i - first[j], part, d, isa, |acc| {
                 acc.normalize(&job, group, params.sink_logits.as_deref(), d);
             });
         }

@@ -97,6 +97,33 @@ impl Tree {
     }
 }
 
+/// How finely [`guided`] cuts the units still left into tasks: each task takes about `1 /
+/// (TASK_SHARE * threads)` of the work left.
+const TASK_SHARE: usize = 2;
+
+/// Where consecutive units of work `sizes` (chunks each) are cut into tasks for `threads`
+/// threads (guided self-scheduling): ascending unit indices from 0 to `sizes.len()`. Each
+/// task takes one unit, and more while it holds no more than `1 / (TASK_SHARE * threads)` of
+/// the work not yet cut, so the first tasks are long (few cold starts) and the last ones
+/// short (an even end).
+pub(crate) fn guided(sizes: &[usize], threads: usize) -> Vec<usize> {
+    let mut left: usize = sizes.iter().sum();
+    let mut starts = vec![0];
+    let mut i = 0;
+    while i < sizes.len() {
+        let target = left / (TASK_SHARE * threads.max(1));
+        let mut taken = sizes[i];
+        i += 1;
+        while i < sizes.len() && taken + sizes[i] <= target {
+            taken += sizes[i];
+            i += 1;
+        }
+        left -= taken;
+        starts.push(i);
+    }
+    starts
+}
+
 /// Runs `work(t)` once for every task `t < tasks`: on the calling thread and on up to one
 /// fewer rayon workers than the pool has, each claiming the next task until none is left.
 ///
@@ -178,7 +205,7 @@ pub(crate) fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::{Tree, share};
+    use super::{TASK_SHARE, Tree, guided, share};
     use crate::kernel::Partial;
     use crate::simd;
 
@@ -259,6 +286,46 @@ mod tests {
                     .expect("every unit arrived, so the root holds the result");
                 assert!(same(&got, &want), "n = {n}, arrival order {order:?}");
             }
+        }
+    }
+
+    #[test]
+    fn guided_tasks_cover_every_unit_once_and_shrink_to_one_unit() {
+        let check = |sizes: &[usize], threads: usize| {
+            let starts = guided(sizes, threads);
+            let case = format!("sizes {sizes:?}, {threads} threads: {starts:?}");
+            assert_eq!(starts.first(), Some(&0), "{case}");
+            assert_eq!(starts.last(), Some(&sizes.len()), "{case}");
+            let mut left: usize = sizes.iter().sum();
+            for w in starts.windows(2) {
+                assert!(w[0] < w[1], "every task holds a unit: {case}");
+                let work: usize = sizes[w[0]..w[1]].iter().sum();
+                let share = left / (TASK_SHARE * threads.max(1));
+                assert!(w[1] - w[0] == 1 || work <= share, "{case}");
+                left -= work;
+            }
+            if sizes.len() > 1 {
+                let last = &starts[starts.len() - 2..];
+                assert_eq!(last[1] - last[0], 1, "the last task is one unit: {case}");
+            }
+            starts
+        };
+        // 40 units of 1 on one thread: half of what is left each time.
+        let want = [0, 20, 30, 35, 37, 38, 39, 40];
+        assert_eq!(check(&[1; 40], 1), want);
+        // The decode bench's B8 4K tokens on 16 threads, 128 units of 16 chunks: tasks of four
+        // units, then of three, two and one.
+        let b8 = check(&[16; 128], 16);
+        assert_eq!(&b8[..3], &[0, 4, 7], "{b8:?}");
+        assert_eq!(b8[b8.len() - 2..], [127, 128], "{b8:?}");
+        for (sizes, threads) in [
+            (vec![], 4),
+            (vec![0], 1),
+            (vec![0, 0, 5], 2),
+            (vec![64, 1, 1, 64, 3], 3),
+            (vec![7; 33], 0),
+        ] {
+            check(&sizes, threads);
         }
     }
 
