@@ -26,10 +26,10 @@ Q_HEADS, KV_HEADS, D, BS = 32, 8, 128, 32
 ROTATION_BYTES = 640 << 20
 
 
-def copies(kv_bytes):
-    """How many copies of a step's K and V pass ROTATION_BYTES together."""
-    return max(1, -(-ROTATION_BYTES // kv_bytes))
-
+def rotation(k, v, kv_bytes):
+    """(k, v) and enough copies that together they pass ROTATION_BYTES, taken in turn."""
+    n = max(1, -(-ROTATION_BYTES // kv_bytes))
+    return itertools.cycle([(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)])
 
 
 def timed(fn, min_time=1.0, warmup=2):
@@ -55,11 +55,10 @@ def main():
         for b in (1, 8):
             for ctx in (4096, 32768):
                 kv_bytes = 2 * b * ctx * KV_HEADS * D * 2
-                n = copies(kv_bytes)
                 q = torch.randn(b, Q_HEADS, 1, D, dtype=dtype)
                 k = torch.randn(b, KV_HEADS, ctx, D, dtype=dtype)
                 v = torch.randn(b, KV_HEADS, ctx, D, dtype=dtype)
-                kvs = itertools.cycle([(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)])
+                kvs = rotation(k, v, kv_bytes)
 
                 def dense():
                     kk, vv = next(kvs)
@@ -70,7 +69,7 @@ def main():
                 blocks = b * ctx // BS
                 pool_k = torch.randn(blocks, BS, KV_HEADS, D, dtype=dtype)
                 pool_v = torch.randn(blocks, BS, KV_HEADS, D, dtype=dtype)
-                pools = itertools.cycle([(pool_k, pool_v)] + [(pool_k.clone(), pool_v.clone()) for _ in range(n - 1)])
+                pools = rotation(pool_k, pool_v, kv_bytes)
                 table = torch.arange(blocks).reshape(ctx // BS, b).T.contiguous()
 
                 def gathered():

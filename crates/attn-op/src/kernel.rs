@@ -564,11 +564,7 @@ pub(crate) fn execute<T: Element>(
     let threads = rayon::current_num_threads();
     let sizes: Vec<usize> = units
         .iter()
-        .map(|&(j, lo, hi)| {
-            let runs = &lists[jobs[j].list][lo..hi];
-            runs.last()
-                .map_or(0, |last| (last.chunk - runs[0].chunk) as usize + 1)
-        })
+        .map(|&(j, lo, hi)| chunk_count(&lists[jobs[j].list][lo..hi]))
         .collect();
     let starts = guided(&sizes, threads);
     // Units are in job order, so job `j`'s units are `first[j]..first[j + 1]`.
@@ -784,9 +780,13 @@ fn first_chunk(runs: &[Run]) -> &[Run] {
     &runs[..n]
 }
 
-/// The chunks of a list cut and numbered by [`at_chunks`].
+/// The chunks that consecutive runs of a list cut and numbered by [`at_chunks`] touch: the
+/// whole list's, or a unit's.
 fn chunk_count(runs: &[Run]) -> usize {
-    runs.last().map_or(0, |r| r.chunk as usize + 1)
+    match (runs.first(), runs.last()) {
+        (Some(first), Some(last)) => (last.chunk - first.chunk) as usize + 1,
+        _ => 0,
+    }
 }
 
 /// Chunks per split of a list of `chunks` chunks: the power of two from [`MIN_SPLIT_CHUNKS`] to
