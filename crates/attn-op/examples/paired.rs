@@ -7,8 +7,8 @@
 //! query / 8 KV heads, head dim 128, pages of 32 tokens, 1 GiB of KV) with bf16 dot products
 //! where the CPU has them (`Simd::Avx512Bf16`), and prints each pair and the median fraction.
 //! `PAIRS`, `B` and `L` in the environment change the pair count, the batch and the context;
-//! `SIMD=auto` takes the default build. A hash of the outputs and LSEs shows that two builds
-//! computed the same bits.
+//! `SIMD=auto` takes the default build, `SIMD=avx2` the AVX2 one. A hash of the outputs and
+//! LSEs shows that two builds computed the same bits.
 #![allow(
     clippy::print_stdout,
     reason = "an example that prints what it measured"
@@ -41,6 +41,7 @@ fn main() -> Result<(), attn_op::AttnError> {
     let mut params = AttnParams::new(Q_HEADS, D);
     params.simd = match std::env::var("SIMD").as_deref() {
         Ok("auto") => Simd::Auto,
+        Ok("avx2") => Simd::Avx2,
         _ => Simd::Avx512Bf16,
     };
     let (mut out, mut lse) = dec.outputs();

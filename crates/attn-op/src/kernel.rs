@@ -285,8 +285,11 @@ fn attend_body<T: Element, const ISA: u8>(
     } else {
         Vec::new()
     });
-    // The AVX-512 build takes a chunk's dot products at once where the head dim allows.
-    let chunk_dots = cfg!(target_arch = "x86_64") && ISA == simd::AVX512 && d.is_multiple_of(16);
+    // The AVX-512 and AVX2 builds take a chunk's dot products at once where the head dim
+    // allows (a whole number of vectors).
+    let chunk_dots = cfg!(target_arch = "x86_64")
+        && ((ISA == simd::AVX512 && d.is_multiple_of(16))
+            || (ISA == simd::AVX2 && d.is_multiple_of(8)));
     // The chunk's tokens: logical position and physical slot, in order.
     let mut toks: Vec<(i64, usize)> = Vec::with_capacity(C);
     let pmax = pos.iter().copied().max().unwrap_or(-1);
@@ -400,19 +403,16 @@ fn attend_body<T: Element, const ISA: u8>(
             if chunk_dots {
                 // Every token's dot products at once, as `dot_rows` makes them; masked ones
                 // are overwritten below.
-                // SAFETY: this build runs on a CPU with AVX-512F (`attend`); `d` is a
-                // multiple of 16; `qb` holds `group` rows of `d`, each key `d` elements, and
-                // `scores` `group` rows of `C` (16).
+                let (rows, out) = ((qb.as_ptr(), d, group), scores.as_mut_ptr());
+                // SAFETY: this build runs on a CPU with its features (`attend`); `d` is a
+                // multiple of its vector width (`chunk_dots`); `qb` holds `group` rows of `d`,
+                // each key `d` elements, and `scores` `group` rows of `C` (16).
                 unsafe {
-                    simd::avx512::qk_chunk(
-                        qb.as_ptr(),
-                        d,
-                        group,
-                        (keys, T::DTYPE),
-                        scores.as_mut_ptr(),
-                        C,
-                        &ahead_k,
-                    );
+                    if ISA == simd::AVX512 {
+                        simd::avx512::qk_chunk(rows, (keys, T::DTYPE), out, C, &ahead_k);
+                    } else {
+                        simd::avx2::qk_chunk::<T>(rows, keys, out, C, &ahead_k);
+                    }
                 }
             }
             #[cfg(target_arch = "x86_64")]

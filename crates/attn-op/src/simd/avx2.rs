@@ -158,6 +158,176 @@ pub(super) unsafe fn dot_rows(
     });
 }
 
+/// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, `n` a
+/// multiple of 8) and the chunk's keys (`n` elements of `dtype` each, at most 16; lanes past
+/// `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once. Rows go
+/// in blocks of up to 8 and keys `8 / rows` at a time (eight accumulators), so that each
+/// widened key slice serves the block's rows. Each row's sums are then reduced eight keys at a
+/// time in one tree ([`super::fold`] by [`sum_level`]) that adds lanes in the order [`hsum`]
+/// does.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `q` must hold `rows * n` floats, each key `n` elements
+/// of `dtype`, and `scores` `(rows - 1) * stride + 16` floats.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn qk_chunk<T: Element>(
+    (q, n, rows): (*const f32, usize, usize),
+    keys: &[*const u8],
+    scores: *mut f32,
+    stride: usize,
+    ahead: &super::Ahead<'_>,
+) {
+    debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(8));
+    let (all, live) = super::pad16(keys);
+    super::row_blocks(rows, |r0, block| {
+        let ahead = ahead.for_rows_from(r0);
+        // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
+        // `scores` alike.
+        unsafe {
+            let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
+            match block {
+                8 => qk_rows::<T, 8, 1, 16>(q, n, &all, out, (live, ahead)),
+                4 => qk_rows::<T, 4, 2, 8>(q, n, &all, out, (live, ahead)),
+                2 => qk_rows::<T, 2, 4, 4>(q, n, &all, out, (live, ahead)),
+                _ => qk_rows::<T, 1, 8, 2>(q, n, &all, out, (live, ahead)),
+            }
+        }
+    });
+}
+
+/// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 8` accumulators), in
+/// `H = 16 / B` blocks. A block of `B` aligned keys is a subtree of the first levels of
+/// [`super::fold`]; each half chunk's `R` blocks (eight keys) go through the rest.
+///
+/// # Safety
+/// As [`qk_chunk`], for `R` rows of `q` and of the scores.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
+    q: *const f32,
+    n: usize,
+    keys: &[*const u8; 16],
+    (scores, stride): (*mut f32, usize),
+    (live, ahead): (u16, &super::Ahead<'_>),
+) {
+    let split = B.trailing_zeros() as usize;
+    let level = |k, u, w| sum_level(k, u, w);
+    // `B = 8 / R`, so each row has `H = 2 R` blocks, `R` a half chunk.
+    let mut blocks = [[_mm256_setzero_ps(); H]; R];
+    for (b, block) in keys.chunks_exact(B).enumerate() {
+        ahead.part(b, B);
+        let mut acc = [[_mm256_setzero_ps(); B]; R];
+        let mut i = 0;
+        while i < n {
+            for (t, &key) in block.iter().enumerate() {
+                // SAFETY: `i + 8 <= n`: within every key and each of the `R` rows of `q`.
+                unsafe {
+                    let kv = load8(key, T::DTYPE, i);
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        row[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), kv, row[t]);
+                    }
+                }
+            }
+            i += 8;
+        }
+        for r in 0..R {
+            blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
+        }
+    }
+    // The tree leaves token `t` of a half in lane `t / 2` (even `t`) or `4 + t / 2` (odd).
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (r, row) in blocks.iter_mut().enumerate() {
+        for half in 0..2 {
+            let sums = super::fold(&mut row[half * R..(half + 1) * R], split..3, level);
+            let sums = _mm256_permutevar8x32_ps(sums, order);
+            let lanes = _mm256_set1_epi32(i32::from(live >> (8 * half)));
+            let keep = _mm256_cmpeq_epi32(_mm256_and_si256(lanes, bit), bit);
+            // SAFETY: row `r`'s 16 scores are within the caller's bound.
+            unsafe {
+                _mm256_storeu_ps(
+                    scores.add(r * stride + 8 * half),
+                    _mm256_and_ps(sums, _mm256_castsi256_ps(keep)),
+                );
+            }
+        }
+    }
+}
+
+/// Level `level` of the lane-sum tree of [`qk_chunk`]: neighbours `u` and `w` combined.
+/// Over 8 vectors, levels 0 to 2 leave vector `t`'s lane sum in lane `t / 2` (even `t`) or
+/// `4 + t / 2` (odd), added as [`hsum`] adds: lanes `i` and `i + 4`, then `i` and `i + 2`,
+/// then `i` and `i + 1`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn sum_level(level: usize, u: __m256, w: __m256) -> __m256 {
+    match level {
+        0 => _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(u, w),
+            _mm256_permute2f128_ps::<0x31>(u, w),
+        ),
+        1 => {
+            let (u, w) = (_mm256_castps_pd(u), _mm256_castps_pd(w));
+            _mm256_add_ps(
+                _mm256_castpd_ps(_mm256_unpacklo_pd(u, w)),
+                _mm256_castpd_ps(_mm256_unpackhi_pd(u, w)),
+            )
+        }
+        _ => _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(u, w),
+            _mm256_shuffle_ps::<0b11_01_11_01>(u, w),
+        ),
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn row_max(row: &[f32]) -> f32 {
+    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut acc = ninf;
+    let mut parts = row.chunks_exact(8);
+    for part in parts.by_ref() {
+        // SAFETY: `part` holds 8 floats.
+        let x = unsafe { _mm256_loadu_ps(part.as_ptr()) };
+        // `max(x, acc)` keeps `acc` where `x` is NaN, as `f32::max` ignores NaN.
+        acc = _mm256_max_ps(x, acc);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    lanes
+        .iter()
+        .chain(parts.remainder())
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// The tokens `t < len` whose weight is not 0 in any of the `rows` rows of `w` (`stride`
+/// apart), as a lane mask.
+///
+/// # Safety
+/// The CPU must support AVX2; `w` must hold rows `rows` of `stride >= 16` weights.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len: usize) -> u16 {
+    debug_assert!(stride >= 16 && len <= 16);
+    let zero = _mm256_setzero_ps();
+    let (mut lo, mut hi) = (0, 0);
+    for r in 0..rows {
+        // SAFETY: row `r` holds 16 weights.
+        unsafe {
+            let p = w.add(r * stride);
+            lo |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NEQ_UQ>(_mm256_loadu_ps(p), zero));
+            hi |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NEQ_UQ>(
+                _mm256_loadu_ps(p.add(8)),
+                zero,
+            ));
+        }
+    }
+    ((lo | hi << 8) as u16) & super::first_lanes(len)
+}
+
 chunk_axpy!(
     "avx2,fma,f16c",
     "AVX2, FMA and F16C",

@@ -199,9 +199,7 @@ pub(super) unsafe fn dot_rows(
 /// `dtype`, and `scores` `(rows - 1) * stride + 16` floats.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn qk_chunk(
-    q: *const f32,
-    n: usize,
-    rows: usize,
+    (q, n, rows): (*const f32, usize, usize),
     (keys, dtype): (&[*const u8], DType),
     scores: *mut f32,
     stride: usize,

@@ -5,7 +5,7 @@
 //! and its three builds relies on.
 
 #[cfg(target_arch = "x86_64")]
-mod avx2;
+pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
@@ -184,6 +184,11 @@ pub(crate) fn row_max<const ISA: u8>(row: &[f32]) -> f32 {
         // SAFETY: see the module doc.
         return unsafe { avx512::row_max(row) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if ISA == AVX2 {
+        // SAFETY: see the module doc.
+        return unsafe { avx2::row_max(row) };
+    }
     row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
@@ -197,6 +202,11 @@ pub(crate) fn live_tokens<const ISA: u8>(w: &[f32], stride: usize, rows: usize, 
     if ISA >= AVX512 {
         // SAFETY: see the module doc; `w` holds `rows` rows of 16 weights (asserted above).
         return unsafe { avx512::live_tokens(w.as_ptr(), stride, rows, len) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if ISA == AVX2 {
+        // SAFETY: see the module doc; `w` holds `rows` rows of 16 weights (asserted above).
+        return unsafe { avx2::live_tokens(w.as_ptr(), stride, rows, len) };
     }
     (0..len)
         .filter(|&t| (0..rows).any(|r| w[r * stride + t] != 0.0))
@@ -489,3 +499,6 @@ macro_rules! chunk_axpy {
 /// The builds expand it by path (`super::chunk_axpy`), so their modules may be declared first.
 #[cfg(target_arch = "x86_64")]
 use chunk_axpy;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests;

@@ -1,0 +1,87 @@
+//! One decode's compute rate where its KV is cached: the bench's decode shape (32 query / 8 KV
+//! heads, head dim 128, pages of 32 tokens, batch 1) over one pool small enough for the
+//! last-level cache, called back to back, so that the time is the kernel's work rather than
+//! memory's. With one thread (`RAYON_NUM_THREADS=1`) it is one core's rate, which the decode
+//! must keep above that core's share of the read bandwidth to stay memory-bound.
+//!
+//! `cargo run --release -p attn-op --example compute` prints, for bf16, f16 and f32 caches,
+//! the median and fastest call and the KV bytes a second at the median, with a hash of the
+//! outputs (two builds that print the same hash computed the same bits). In the environment,
+//! `SIMD` picks the build (`portable`, `avx2`, `avx512`, `bf16-dot`; the default is `auto`),
+//! `L` the context (4096; f32 takes half, for the same bytes) and `ITERS` the calls (200).
+#![allow(
+    clippy::print_stdout,
+    reason = "an example that prints what it measured"
+)]
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use attn_op::{AttnError, AttnOut, AttnParams, Element, Simd, paged_attention};
+use half::{bf16, f16};
+
+#[path = "../benches/shared/pool.rs"]
+#[allow(
+    dead_code,
+    reason = "the bench's pool module; this example uses part of it"
+)]
+mod pool;
+use pool::{D, Q_HEADS, kv_bytes, setup};
+
+fn main() -> Result<(), AttnError> {
+    let var = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (iters, ctx) = (var("ITERS", 200).max(1), var("L", 4096).max(64));
+    let simd = match std::env::var("SIMD").as_deref() {
+        Ok("portable") => Simd::Portable,
+        Ok("avx2") => Simd::Avx2,
+        Ok("avx512") => Simd::Avx512,
+        Ok("bf16-dot") => Simd::Avx512Bf16,
+        _ => Simd::Auto,
+    };
+    println!("cache | context | build | median (µs) | fastest (µs) | GB/s at the median | hash");
+    run::<bf16>("bf16", ctx, iters, simd)?;
+    run::<f16>("f16", ctx, iters, simd)?;
+    run::<f32>("f32", ctx / 2, iters, simd)
+}
+
+/// Times `iters` decodes of a batch of one at context `ctx` over one pool of `T`.
+fn run<T: Element>(name: &str, ctx: usize, iters: usize, simd: Simd) -> Result<(), AttnError> {
+    let dec = setup::<T>(1, ctx);
+    let meta = dec.meta();
+    let mut params = AttnParams::new(Q_HEADS, D);
+    params.simd = simd;
+    let (mut out, mut lse) = dec.outputs();
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        paged_attention(
+            &dec.q,
+            &dec.kv,
+            &meta,
+            &params,
+            AttnOut {
+                out: &mut out,
+                lse: Some(&mut lse),
+            },
+        )?;
+        times.push(t.elapsed().as_secs_f64());
+        black_box(&out);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let hash = out.iter().chain(&lse).fold(0u64, |h, x| {
+        h.wrapping_mul(31).wrapping_add(u64::from(x.to_bits()))
+    });
+    println!(
+        "{name} | {ctx} | {simd:?} | {:.1} | {:.1} | {:.2} | {hash:016x}",
+        median * 1e6,
+        times[0] * 1e6,
+        kv_bytes::<T>(1, ctx) as f64 / median / 1e9
+    );
+    Ok(())
+}
