@@ -9,6 +9,8 @@
 //! outputs (two builds that print the same hash computed the same bits). In the environment,
 //! `SIMD` picks the build (`portable`, `avx2`, `avx512`, `bf16-dot`; the default is `auto`),
 //! `L` the context (4096; f32 takes half, for the same bytes) and `ITERS` the calls (200).
+//! `Q` queries (1: a decode) attend as the last `Q` positions of the context, as a prefill's
+//! query tile does, and `GROUP` sets the query heads of each of the 8 KV heads (4).
 #![allow(
     clippy::print_stdout,
     reason = "an example that prints what it measured"
@@ -17,7 +19,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use attn_op::{AttnError, AttnOut, AttnParams, Element, Simd, paged_attention};
+use attn_op::{AttnError, AttnOut, AttnParams, BatchMeta, Element, Simd, paged_attention};
 use half::{bf16, f16};
 
 #[path = "../benches/shared/pool.rs"]
@@ -26,7 +28,7 @@ use half::{bf16, f16};
     reason = "the bench's pool module; this example uses part of it"
 )]
 mod pool;
-use pool::{D, Q_HEADS, kv_bytes, setup};
+use pool::{D, KV_HEADS, Q_HEADS, kv_bytes, setup};
 
 fn main() -> Result<(), AttnError> {
     let var = |name: &str, default: usize| {
@@ -36,6 +38,10 @@ fn main() -> Result<(), AttnError> {
             .unwrap_or(default)
     };
     let (iters, ctx) = (var("ITERS", 200).max(1), var("L", 4096).max(64));
+    let shape = Shape {
+        queries: var("Q", 1).clamp(1, ctx / 2),
+        group: var("GROUP", Q_HEADS / KV_HEADS).max(1),
+    };
     let simd = match std::env::var("SIMD").as_deref() {
         Ok("portable") => Simd::Portable,
         Ok("avx2") => Simd::Avx2,
@@ -43,24 +49,56 @@ fn main() -> Result<(), AttnError> {
         Ok("bf16-dot") => Simd::Avx512Bf16,
         _ => Simd::Auto,
     };
-    println!("cache | context | build | median (µs) | fastest (µs) | GB/s at the median | hash");
-    run::<bf16>("bf16", ctx, iters, simd)?;
-    run::<f16>("f16", ctx, iters, simd)?;
-    run::<f32>("f32", ctx / 2, iters, simd)
+    println!(
+        "cache | context | queries x heads | build | median (µs) | fastest (µs) | GB/s at the median | hash"
+    );
+    run::<bf16>("bf16", ctx, shape, iters, simd)?;
+    run::<f16>("f16", ctx, shape, iters, simd)?;
+    run::<f32>("f32", ctx / 2, shape, iters, simd)
 }
 
-/// Times `iters` decodes of a batch of one at context `ctx` over one pool of `T`.
-fn run<T: Element>(name: &str, ctx: usize, iters: usize, simd: Simd) -> Result<(), AttnError> {
+/// The queries of a call: how many positions, and the query heads of each KV head.
+#[derive(Clone, Copy)]
+struct Shape {
+    queries: usize,
+    group: usize,
+}
+
+/// Times `iters` calls of one sequence at context `ctx` over one pool of `T`, its last
+/// `shape.queries` positions querying.
+fn run<T: Element>(
+    name: &str,
+    ctx: usize,
+    shape: Shape,
+    iters: usize,
+    simd: Simd,
+) -> Result<(), AttnError> {
     let dec = setup::<T>(1, ctx);
-    let meta = dec.meta();
-    let mut params = AttnParams::new(Q_HEADS, D);
+    let heads = KV_HEADS * shape.group;
+    let rows = shape.queries * heads;
+    let cu = [0, shape.queries as i32];
+    let meta = BatchMeta {
+        cu_seqlens_q: &cu,
+        ..dec.meta()
+    };
+    // Queries of values in [-0.5, 0.5), never zeros.
+    let mut x = 0x9e37_79b9u32;
+    let q: Vec<T> = (0..rows * D)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
+        })
+        .collect();
+    let mut params = AttnParams::new(heads, D);
     params.simd = simd;
-    let (mut out, mut lse) = dec.outputs();
+    let (mut out, mut lse) = (vec![0.0; rows * D], vec![0.0; rows]);
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
         paged_attention(
-            &dec.q,
+            &q,
             &dec.kv,
             &meta,
             &params,
@@ -78,7 +116,8 @@ fn run<T: Element>(name: &str, ctx: usize, iters: usize, simd: Simd) -> Result<(
         h.wrapping_mul(31).wrapping_add(u64::from(x.to_bits()))
     });
     println!(
-        "{name} | {ctx} | {simd:?} | {:.1} | {:.1} | {:.2} | {hash:016x}",
+        "{name} | {ctx} | {} x {heads} | {simd:?} | {:.1} | {:.1} | {:.2} | {hash:016x}",
+        shape.queries,
         median * 1e6,
         times[0] * 1e6,
         kv_bytes::<T>(1, ctx) as f64 / median / 1e9

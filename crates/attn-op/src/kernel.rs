@@ -273,7 +273,9 @@ fn attend_body<T: Element, const ISA: u8>(
     let scratch = if ISA == simd::PORTABLE { C * nh * d } else { 0 };
     let mut kbuf = vec![0.0f32; scratch];
     let mut vbuf = vec![0.0f32; scratch];
-    let mut scores = Aligned::with(group * C, |n| vec![0.0f32; n]);
+    // Scores of the rows one step takes: a block of `group`, or every row of the job where
+    // `multi` below takes them together.
+    let mut scores = Aligned::with(rows.max(group) * C, |n| vec![0.0f32; n]);
     let mut wbuf = vec![0.0f32; group];
     let mut vals: Vec<(usize, &[T])> = Vec::with_capacity(C);
     // The bf16 build: the rows rounded to bf16 once, and each chunk's keys and values as bf16
@@ -357,11 +359,21 @@ fn attend_body<T: Element, const ISA: u8>(
             }
         }
         // Rows come in blocks of `group`: one query position and KV head, so one mask and one
-        // K/V stream, widened once for the whole block.
-        for b in (0..rows).step_by(group) {
+        // K/V stream, widened once for the whole block. Where the job has one KV head and
+        // every row sees every token of the chunk (a prefill's chunks below its query tile),
+        // and the group does not fill the chunk kernels' blocks of 4 rows by itself (groups
+        // of 1, 2, 3, 5, 6, 7), the chunk kernels take all the job's rows in one step
+        // instead, so that each key and value is widened once for a whole block of rows;
+        // each row's arithmetic is the same either way.
+        let multi = chunk_dots && nh == 1 && all_visible && !group.is_multiple_of(4);
+        let mut next_block = 0;
+        while next_block < rows {
+            let b = next_block;
+            let span = if multi { rows - b } else { group };
+            next_block += span;
             let (p, hb) = (pos[b], (b / group) % nh);
             let h = h0 + hb;
-            let qb = &q[b * d..(b + group) * d];
+            let qb = &q[b * d..(b + span) * d];
             let mut any = false;
             // This head's rows of the chunk.
             let (keys, vals_at) = this.head(hb, len);
@@ -380,16 +392,16 @@ fn attend_body<T: Element, const ISA: u8>(
                     .try_into()
                     .expect("invariant: a full chunk has a key row per token");
                 let state = (
-                    &mut part.m[b..b + group],
-                    &mut part.l[b..b + group],
-                    &mut part.acc[b * d..(b + group) * d],
+                    &mut part.m[b..b + span],
+                    &mut part.l[b..b + span],
+                    &mut part.acc[b * d..(b + span) * d],
                 );
                 // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
-                // (`attend`), on a CPU with its features; the rows hold `group` rows of `d`,
-                // the state `group` rows, and each of the 16 keys and values `d` elements.
+                // (`attend`), on a CPU with its features; the rows hold `span` rows of `d`,
+                // the state `span` rows, and each of the 16 keys and values `d` elements.
                 let done = unsafe {
                     simd::avx512bf16::chunk_step(
-                        (bf16_rows.as_ptr().add(b * d), d, group),
+                        (bf16_rows.as_ptr().add(b * d), d, span),
                         (keys, vals_at),
                         state,
                         (&ahead_k, &ahead_v),
@@ -403,10 +415,10 @@ fn attend_body<T: Element, const ISA: u8>(
             if chunk_dots {
                 // Every token's dot products at once, as `dot_rows` makes them; masked ones
                 // are overwritten below.
-                let (rows, out) = ((qb.as_ptr(), d, group), scores.as_mut_ptr());
+                let (rows, out) = ((qb.as_ptr(), d, span), scores.as_mut_ptr());
                 // SAFETY: this build runs on a CPU with its features (`attend`); `d` is a
-                // multiple of its vector width (`chunk_dots`); `qb` holds `group` rows of `d`,
-                // each key `d` elements, and `scores` `group` rows of `C` (16).
+                // multiple of its vector width (`chunk_dots`); `qb` holds `span` rows of `d`,
+                // each key `d` elements, and `scores` `span` rows of `C` (16).
                 unsafe {
                     if ISA == simd::AVX512 {
                         simd::avx512::qk_chunk(rows, (keys, T::DTYPE), out, C, &ahead_k);
@@ -419,13 +431,13 @@ fn attend_body<T: Element, const ISA: u8>(
             if ISA == simd::AVX512_BF16 {
                 // Every token's dot products at once; masked ones are overwritten below.
                 // SAFETY: this build runs on bf16 caches whose head dim is a multiple of 32
-                // (`attend`), on a CPU with its features; the rows hold `group` rows of `d`
-                // and each key `d` elements; `scores` holds `group` rows of `C` (16).
+                // (`attend`), on a CPU with its features; the rows hold `span` rows of `d`
+                // and each key `d` elements; `scores` holds `span` rows of `C` (16).
                 unsafe {
                     simd::avx512bf16::qk_chunk(
                         bf16_rows.as_ptr().add(b * d),
                         d,
-                        group,
+                        span,
                         keys,
                         scores.as_mut_ptr(),
                         C,
@@ -434,6 +446,9 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
             }
             let computed = ISA == simd::AVX512_BF16 || chunk_dots;
+            // The per-token and portable paths below take blocks of `group` rows: `multi`
+            // (a span of more rows) needs the chunk kernels and every token visible.
+            debug_assert!(span == group || (computed && all_visible));
             // Nothing to mask or compute token by token where the chunk kernels made every
             // score and every token is visible.
             let per_token = if all_visible && computed {
@@ -446,7 +461,7 @@ fn attend_body<T: Element, const ISA: u8>(
                 let visible = all_visible || params.visible(tp, p);
                 any |= visible;
                 if !visible {
-                    (0..group).for_each(|g| scores[g * C + t] = f32::NEG_INFINITY);
+                    (0..span).for_each(|g| scores[g * C + t] = f32::NEG_INFINITY);
                 } else if computed {
                     // Computed above.
                 } else if ISA == simd::PORTABLE {
@@ -463,7 +478,7 @@ fn attend_body<T: Element, const ISA: u8>(
             if !any {
                 continue;
             }
-            for g in 0..group {
+            for g in 0..span {
                 let r = b + g;
                 let row = &mut scores[g * C..g * C + len];
                 let mx = simd::row_max::<ISA>(row);
@@ -478,7 +493,7 @@ fn attend_body<T: Element, const ISA: u8>(
                 part.l[r] += simd::exp_weights::<ISA>(row, m_new);
                 part.m[r] = m_new;
             }
-            let accs = &mut part.acc[b * d..(b + group) * d];
+            let accs = &mut part.acc[b * d..(b + span) * d];
             if ISA == simd::PORTABLE {
                 for t in 0..len {
                     (0..group).for_each(|g| wbuf[g] = scores[g * C + t]);
@@ -492,17 +507,17 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
             } else {
                 // The chunk's tokens that weigh anything, summed in registers.
-                let mut live = simd::live_tokens::<ISA>(&scores, C, group, len);
+                let mut live = simd::live_tokens::<ISA>(&scores, C, span, len);
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
-                    // SAFETY: as for `qk_chunk` above; `accs` holds `group` rows of `d`, the
-                    // scores `group` rows of `C` (16), and every token of the chunk has a
+                    // SAFETY: as for `qk_chunk` above; `accs` holds `span` rows of `d`, the
+                    // scores `span` rows of `C` (16), and every token of the chunk has a
                     // value of `d` elements.
                     unsafe {
                         simd::avx512bf16::pv_chunk(
                             accs.as_mut_ptr(),
                             d,
-                            group,
+                            span,
                             (scores.as_ptr(), C),
                             vals_at,
                             (live, &ahead_v),
@@ -521,7 +536,7 @@ fn attend_body<T: Element, const ISA: u8>(
                     }));
                     live &= live - 1;
                 }
-                simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, group, &ahead_v);
+                simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, span, &ahead_v);
             }
         }
     }

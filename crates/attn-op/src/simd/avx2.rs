@@ -161,8 +161,9 @@ pub(super) unsafe fn dot_rows(
 /// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, `n` a
 /// multiple of 8) and the chunk's keys (`n` elements of `dtype` each, at most 16; lanes past
 /// `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once. Rows go
-/// in blocks of up to 8 and keys `8 / rows` at a time (eight accumulators), so that each
-/// widened key slice serves the block's rows. Each row's sums are then reduced eight keys at a
+/// in blocks of up to 4 and keys `8 / rows` at a time (eight accumulators), so that each
+/// widened key slice serves the block's rows (8 rows of one key each would load 8 query
+/// slices for each key slice). Each row's sums are then reduced eight keys at a
 /// time in one tree ([`super::fold`] by [`sum_level`]) that adds lanes in the order [`hsum`]
 /// does.
 ///
@@ -179,14 +180,13 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
 ) {
     debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(8));
     let (all, live) = super::pad16(keys);
-    super::row_blocks(rows, |r0, block| {
+    super::row_blocks_upto::<4>(rows, |r0, block| {
         let ahead = ahead.for_rows_from(r0);
         // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
             match block {
-                8 => qk_rows::<T, 8, 1, 16>(q, n, &all, out, (live, ahead)),
                 4 => qk_rows::<T, 4, 2, 8>(q, n, &all, out, (live, ahead)),
                 2 => qk_rows::<T, 2, 4, 4>(q, n, &all, out, (live, ahead)),
                 _ => qk_rows::<T, 1, 8, 2>(q, n, &all, out, (live, ahead)),
@@ -331,6 +331,7 @@ pub(super) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len:
 chunk_axpy!(
     "avx2,fma,f16c",
     "AVX2, FMA and F16C",
+    4,
     8,
     __m256,
     _mm256_setzero_ps,

@@ -622,3 +622,66 @@ fn bf16_dot_products_match_the_oracle_at_head_dim_128() {
         assert_close("bf16 dot lse", &lse, &want_lse, TOL_BF16_DOT);
     }
 }
+
+/// A prefill of groups of 3 query heads, whose one-head jobs take every row of a chunk below
+/// the query tile in one step (the chunk kernels' blocks span query positions), against the
+/// same heads among groups of 4, whose jobs take a position's rows at a time: each head's
+/// output and log-sum-exp must be the same bits, in every build and cache type.
+fn rows_across_positions_equal_rows_by_position<T: Element>(seed: u64) {
+    let mut rng = Rng::new(seed);
+    let shape = Shape {
+        seqs: 2,
+        block_size: 16,
+        kv_heads: 2,
+        group: 4,
+        head_dim: 64,
+        max_kv: 200,
+        mode: 1,
+    };
+    let mut four = Case::<T>::random(shape, &mut rng);
+    let (kvh, d, total_q) = (shape.kv_heads, shape.head_dim, four.total_q());
+    // Heads 0..3 of each group of four, as groups of three.
+    let q: Vec<T> = (0..total_q * kvh * 3)
+        .flat_map(|r| {
+            let (t, h, g) = (r / (kvh * 3), r / 3 % kvh, r % 3);
+            let at = ((t * kvh + h) * 4 + g) * d;
+            four.q[at..at + d].to_vec()
+        })
+        .collect();
+    let mut three = Case {
+        kv: four.kv.clone(),
+        q,
+        cu: four.cu.clone(),
+        lens: four.lens.clone(),
+        table: four.table.clone(),
+        max_blocks: four.max_blocks,
+        params: attn_op::AttnParams::new(kvh * 3, d),
+    };
+    for simd in [Simd::Avx2, Simd::Auto] {
+        (three.params.simd, four.params.simd) = (simd, simd);
+        let (out3, lse3) = dense(&three);
+        let (out4, lse4) = dense(&four);
+        for t in 0..total_q {
+            for h in 0..kvh {
+                for g in 0..3 {
+                    let (r3, r4) = ((t * kvh + h) * 3 + g, (t * kvh + h) * 4 + g);
+                    let what = format!("{simd:?}, query {t}, KV head {h}, head {g}");
+                    assert_eq!(lse3[r3].to_bits(), lse4[r4].to_bits(), "{what}: lse");
+                    assert!(
+                        same_bits(&out3[r3 * d..(r3 + 1) * d], &out4[r4 * d..(r4 + 1) * d]),
+                        "{what}: out"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_rows_across_positions_equal_rows_by_position() {
+    for seed in 0..4 {
+        rows_across_positions_equal_rows_by_position::<f32>(seed);
+        rows_across_positions_equal_rows_by_position::<f16>(seed);
+        rows_across_positions_equal_rows_by_position::<bf16>(seed);
+    }
+}
