@@ -161,9 +161,9 @@ pub(super) unsafe fn dot_rows(
 /// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, `n` a
 /// multiple of 8) and the chunk's keys (`n` elements of `dtype` each, at most 16; lanes past
 /// `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once. Rows go
-/// in blocks of up to 4 and keys `8 / rows` at a time (eight accumulators), so that each
-/// widened key slice serves the block's rows (8 rows of one key each would load 8 query
-/// slices for each key slice). Each row's sums are then reduced eight keys at a
+/// in blocks of up to 4 and keys 2, 2, 4 or 8 at a time (at most eight accumulators), so
+/// that each widened key slice serves the block's rows (8 rows of one key each would load 8
+/// query slices for each key slice). Each row's sums are then reduced eight keys at a
 /// time in one tree ([`super::fold`] by [`sum_level`]) that adds lanes in the order [`hsum`]
 /// does.
 ///
@@ -180,7 +180,7 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
 ) {
     debug_assert!(!keys.is_empty() && keys.len() <= 16 && n.is_multiple_of(8));
     let (all, live) = super::pad16(keys);
-    super::row_blocks_upto::<4>(rows, |r0, block| {
+    super::row_blocks4(rows, |r0, block| {
         let ahead = ahead.for_rows_from(r0);
         // SAFETY: rows `r0..r0 + block` are within the caller's `rows`, of `q` and of
         // `scores` alike.
@@ -188,6 +188,7 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
             match block {
                 4 => qk_rows::<T, 4, 2, 8>(q, n, &all, out, (live, ahead)),
+                3 => qk_rows::<T, 3, 2, 8>(q, n, &all, out, (live, ahead)),
                 2 => qk_rows::<T, 2, 4, 4>(q, n, &all, out, (live, ahead)),
                 _ => qk_rows::<T, 1, 8, 2>(q, n, &all, out, (live, ahead)),
             }
@@ -195,9 +196,9 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
     });
 }
 
-/// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 8` accumulators), in
+/// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B <= 8` accumulators), in
 /// `H = 16 / B` blocks. A block of `B` aligned keys is a subtree of the first levels of
-/// [`super::fold`]; each half chunk's `R` blocks (eight keys) go through the rest.
+/// [`super::fold`]; each half chunk's `8 / B` blocks (eight keys) go through the rest.
 ///
 /// # Safety
 /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
@@ -212,7 +213,8 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
 ) {
     let split = B.trailing_zeros() as usize;
     let level = |k, u, w| sum_level(k, u, w);
-    // `B = 8 / R`, so each row has `H = 2 R` blocks, `R` a half chunk.
+    // Each row has `H` blocks, `H / 2` a half chunk.
+    let half_blocks = H / 2;
     let mut blocks = [[_mm256_setzero_ps(); H]; R];
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B);
@@ -239,7 +241,11 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
     let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     for (r, row) in blocks.iter_mut().enumerate() {
         for half in 0..2 {
-            let sums = super::fold(&mut row[half * R..(half + 1) * R], split..3, level);
+            let sums = super::fold(
+                &mut row[half * half_blocks..(half + 1) * half_blocks],
+                split..3,
+                level,
+            );
             let sums = _mm256_permutevar8x32_ps(sums, order);
             let lanes = _mm256_set1_epi32(i32::from(live >> (8 * half)));
             let keep = _mm256_cmpeq_epi32(_mm256_and_si256(lanes, bit), bit);
@@ -331,7 +337,7 @@ pub(super) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len:
 chunk_axpy!(
     "avx2,fma,f16c",
     "AVX2, FMA and F16C",
-    4,
+    row_blocks4,
     8,
     __m256,
     _mm256_setzero_ps,

@@ -304,7 +304,7 @@ fn sum_level(level: usize, u: __m512, w: __m512) -> __m512 {
 chunk_axpy!(
     "avx512f",
     "AVX-512F",
-    8,
+    row_blocks,
     16,
     __m512,
     _mm512_setzero_ps,

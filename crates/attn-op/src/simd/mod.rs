@@ -319,14 +319,7 @@ fn pad16<P: Copy>(keys: &[P]) -> ([P; 16], u16) {
 /// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
 /// fused kernels run with a constant row count (accumulators in registers).
 #[inline(always)]
-fn row_blocks(rows: usize, f: impl FnMut(usize, usize)) {
-    row_blocks_upto::<8>(rows, f);
-}
-
-/// [`row_blocks`] with blocks of at most `MAX` rows (8, 4, 2 or 1), for kernels whose larger
-/// blocks would not keep their accumulators in registers.
-#[inline(always)]
-fn row_blocks_upto<const MAX: usize>(rows: usize, mut f: impl FnMut(usize, usize)) {
+fn row_blocks(rows: usize, mut f: impl FnMut(usize, usize)) {
     let mut r = 0;
     while r < rows {
         let block = match rows - r {
@@ -334,8 +327,20 @@ fn row_blocks_upto<const MAX: usize>(rows: usize, mut f: impl FnMut(usize, usize
             4..=7 => 4,
             2..=3 => 2,
             _ => 1,
-        }
-        .min(MAX);
+        };
+        f(r, block);
+        r += block;
+    }
+}
+
+/// Splits `rows` into blocks of 4 and one last block of 3, 2 or 1, for the AVX2 kernels,
+/// whose 16 registers hold the accumulators of at most 4 rows (and which have a 3-row form,
+/// so that groups of 3 take one block).
+#[inline(always)]
+fn row_blocks4(rows: usize, mut f: impl FnMut(usize, usize)) {
+    let mut r = 0;
+    while r < rows {
+        let block = (rows - r).min(4);
         f(r, block);
         r += block;
     }
@@ -388,12 +393,12 @@ const EXP_POLY: [f32; 6] = [
 
 /// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
 /// `$isa`: their names for the docs; `$w` f32 lanes of vector type `$v`; the build's
-/// intrinsics, its widening load `$load` and the module's `in_order`; `$rows` the most rows a
-/// block whose accumulators its registers hold): `load_pair` widens two vectors' worth of a
-/// value, `axpy_rows_r` keeps two vectors of each of `R` rows in registers over a chunk's
-/// tokens, and `axpy_rows` runs it over row blocks.
+/// intrinsics, its widening load `$load` and the module's `in_order`; `$blocks` the function
+/// that cuts rows into blocks whose accumulators its registers hold): `load_pair` widens two
+/// vectors' worth of a value, `axpy_rows_r` keeps two vectors of each of `R` rows in
+/// registers over a chunk's tokens, and `axpy_rows` runs it over row blocks.
 macro_rules! chunk_axpy {
-    ($feat:literal, $isa:literal, $rows:literal, $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
+    ($feat:literal, $isa:literal, $blocks:ident, $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
      $ldu:ident, $stu:ident, $add:ident, $load:ident,
      ($vi:ty, $ldi:ident, $andi:ident, $set1i:ident, $slli:ident, $cast:ident)) => {
         #[doc = concat!("Elements `i .. i + 2 * ", $w, "` of a buffer of `dtype`, widened to f32")]
@@ -487,7 +492,7 @@ macro_rules! chunk_axpy {
             rows: usize,
             ahead: &super::Ahead<'_>,
         ) {
-            super::row_blocks_upto::<$rows>(rows, |r, block| {
+            super::$blocks(rows, |r, block| {
                 let ahead = ahead.for_rows_from(r);
                 // SAFETY: rows `r..r + block` are within the `rows` rows of the caller's
                 // contract.
@@ -496,6 +501,7 @@ macro_rules! chunk_axpy {
                     match block {
                         8 => axpy_rows_r::<T, 8>(acc, n, w, vs, ahead),
                         4 => axpy_rows_r::<T, 4>(acc, n, w, vs, ahead),
+                        3 => axpy_rows_r::<T, 3>(acc, n, w, vs, ahead),
                         2 => axpy_rows_r::<T, 2>(acc, n, w, vs, ahead),
                         _ => axpy_rows_r::<T, 1>(acc, n, w, vs, ahead),
                     }
