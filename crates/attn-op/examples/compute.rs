@@ -28,7 +28,7 @@ use half::{bf16, f16};
     reason = "the bench's pool module; this example uses part of it"
 )]
 mod pool;
-use pool::{D, KV_HEADS, Q_HEADS, kv_bytes, setup};
+use pool::{D, KV_HEADS, Q_HEADS, kv_bytes, setup, values};
 
 fn main() -> Result<(), AttnError> {
     let var = |name: &str, default: usize| {
@@ -81,16 +81,7 @@ fn run<T: Element>(
         cu_seqlens_q: &cu,
         ..dec.meta()
     };
-    // Queries of values in [-0.5, 0.5), never zeros.
-    let mut x = 0x9e37_79b9u32;
-    let q: Vec<T> = (0..rows * D)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
-        })
-        .collect();
+    let q: Vec<T> = values(rows * D, 0x9e37_79b9);
     let mut params = AttnParams::new(heads, D);
     params.simd = simd;
     let (mut out, mut lse) = (vec![0.0; rows * D], vec![0.0; rows]);

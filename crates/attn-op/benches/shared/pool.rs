@@ -83,15 +83,7 @@ pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> Decode<T> {
         kv_heads: KV_HEADS,
         head_dim: D,
     };
-    let mut x = 0x2545_f491u32;
-    let pattern: Vec<T> = (0..1 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
-        })
-        .collect();
+    let pattern: Vec<T> = values(1 << 20, 0x2545_f491);
     let tile = |n: usize, shift: usize| -> Vec<T> {
         (0..n)
             .map(|i| pattern[(i + shift) % pattern.len()])
@@ -114,6 +106,19 @@ pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> Decode<T> {
         cu: (0..=batch as i32).collect(),
         lens: vec![ctx as i32; batch],
     }
+}
+
+/// `n` values in [-0.5, 0.5) from a xorshift stream seeded by `seed` (not zero), never zeros.
+pub(crate) fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
+        })
+        .collect()
 }
 
 /// The KV bytes a dense decode of `batch` sequences of `ctx` tokens reads.
