@@ -363,9 +363,14 @@ fn attend_body<T: Element, const ISA: u8>(
         // every row sees every token of the chunk (a prefill's chunks below its query tile),
         // and the group does not fill the chunk kernels' blocks of 4 rows by itself (groups
         // of 1, 2, 3, 5, 6, 7), the chunk kernels take all the job's rows in one step
-        // instead, so that each key and value is widened once for a whole block of rows;
-        // each row's arithmetic is the same either way.
-        let multi = chunk_dots && nh == 1 && all_visible && !group.is_multiple_of(4);
+        // instead, so that each key and value is read once for a whole block of rows; each
+        // row's arithmetic is the same either way. The bf16 build keeps its fused step for
+        // the groups it fuses (1, 2, 4, 8 rows) and takes the others so too.
+        let odd_group = !group.is_multiple_of(4);
+        let multi = nh == 1
+            && all_visible
+            && odd_group
+            && (chunk_dots || (ISA == simd::AVX512_BF16 && group > 2));
         let mut next_block = 0;
         while next_block < rows {
             let b = next_block;

@@ -625,8 +625,9 @@ fn bf16_dot_products_match_the_oracle_at_head_dim_128() {
 
 /// A prefill of groups of 3 query heads, whose one-head jobs take every row of a chunk below
 /// the query tile in one step (the chunk kernels' blocks span query positions), against the
-/// same heads among groups of 4, whose jobs take a position's rows at a time: each head's
-/// output and log-sum-exp must be the same bits, in every build and cache type.
+/// same heads among groups of 4, whose jobs take a position's rows at a time (the bf16
+/// build's in its fused step): each head's output and log-sum-exp must be the same bits, in
+/// every build and cache type.
 fn rows_across_positions_equal_rows_by_position<T: Element>(seed: u64) {
     let mut rng = Rng::new(seed);
     let shape = Shape {
@@ -657,7 +658,7 @@ fn rows_across_positions_equal_rows_by_position<T: Element>(seed: u64) {
         max_blocks: four.max_blocks,
         params: attn_op::AttnParams::new(kvh * 3, d),
     };
-    for simd in [Simd::Avx2, Simd::Auto] {
+    for simd in [Simd::Avx2, Simd::Auto, Simd::Avx512Bf16] {
         (three.params.simd, four.params.simd) = (simd, simd);
         let (out3, lse3) = dense(&three);
         let (out4, lse4) = dense(&four);
