@@ -273,9 +273,10 @@ fn attend_body<T: Element, const ISA: u8>(
     let scratch = if ISA == simd::PORTABLE { C * nh * d } else { 0 };
     let mut kbuf = vec![0.0f32; scratch];
     let mut vbuf = vec![0.0f32; scratch];
-    // Scores of the rows one step takes: a block of `group`, or every row of the job where
-    // `multi` below takes them together.
-    let mut scores = Aligned::with(rows.max(group) * C, |n| vec![0.0f32; n]);
+    // Scores of the rows one step takes: a block of `group`, or, in a one-head job, every row
+    // of the job where `multi` below takes them together.
+    let step_rows = if nh == 1 { rows.max(group) } else { group };
+    let mut scores = Aligned::with(step_rows * C, |n| vec![0.0f32; n]);
     let mut wbuf = vec![0.0f32; group];
     let mut vals: Vec<(usize, &[T])> = Vec::with_capacity(C);
     // The bf16 build: the rows rounded to bf16 once, and each chunk's keys and values as bf16

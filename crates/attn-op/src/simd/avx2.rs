@@ -338,6 +338,7 @@ chunk_axpy!(
     "avx2,fma,f16c",
     "AVX2, FMA and F16C",
     row_blocks4,
+    [4, 3, 2],
     8,
     __m256,
     _mm256_setzero_ps,

@@ -305,6 +305,7 @@ chunk_axpy!(
     "avx512f",
     "AVX-512F",
     row_blocks,
+    [8, 4, 2],
     16,
     __m512,
     _mm512_setzero_ps,

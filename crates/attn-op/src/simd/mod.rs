@@ -394,11 +394,12 @@ const EXP_POLY: [f32; 6] = [
 /// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
 /// `$isa`: their names for the docs; `$w` f32 lanes of vector type `$v`; the build's
 /// intrinsics, its widening load `$load` and the module's `in_order`; `$blocks` the function
-/// that cuts rows into blocks whose accumulators its registers hold): `load_pair` widens two
+/// that cuts rows into blocks whose accumulators its registers hold, and `[$r, ...]` the
+/// block sizes above 1 that it yields): `load_pair` widens two
 /// vectors' worth of a value, `axpy_rows_r` keeps two vectors of each of `R` rows in
 /// registers over a chunk's tokens, and `axpy_rows` runs it over row blocks.
 macro_rules! chunk_axpy {
-    ($feat:literal, $isa:literal, $blocks:ident, $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
+    ($feat:literal, $isa:literal, $blocks:ident, [$($r:literal),+], $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
      $ldu:ident, $stu:ident, $add:ident, $load:ident,
      ($vi:ty, $ldi:ident, $andi:ident, $set1i:ident, $slli:ident, $cast:ident)) => {
         #[doc = concat!("Elements `i .. i + 2 * ", $w, "` of a buffer of `dtype`, widened to f32")]
@@ -499,10 +500,7 @@ macro_rules! chunk_axpy {
                 unsafe {
                     let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
                     match block {
-                        8 => axpy_rows_r::<T, 8>(acc, n, w, vs, ahead),
-                        4 => axpy_rows_r::<T, 4>(acc, n, w, vs, ahead),
-                        3 => axpy_rows_r::<T, 3>(acc, n, w, vs, ahead),
-                        2 => axpy_rows_r::<T, 2>(acc, n, w, vs, ahead),
+                        $($r => axpy_rows_r::<T, $r>(acc, n, w, vs, ahead),)+
                         _ => axpy_rows_r::<T, 1>(acc, n, w, vs, ahead),
                     }
                 }
