@@ -278,7 +278,6 @@ fn attend_body<T: Element, const ISA: u8>(
     let step_rows = if nh == 1 { rows.max(group) } else { group };
     let mut scores = Aligned::with(step_rows * C, |n| vec![0.0f32; n]);
     let mut wbuf = vec![0.0f32; group];
-    let mut vals: Vec<(usize, &[T])> = Vec::with_capacity(C);
     // The bf16 build: the rows rounded to bf16 once, and each chunk's keys and values as bf16
     // bits (`attend` enters it for bf16 caches only).
     #[cfg(target_arch = "x86_64")]
@@ -513,7 +512,7 @@ fn attend_body<T: Element, const ISA: u8>(
                 }
             } else {
                 // The chunk's tokens that weigh anything, summed in registers.
-                let mut live = simd::live_tokens::<ISA>(&scores, C, span, len);
+                let live = simd::live_tokens::<ISA>(&scores, C, span, len);
                 #[cfg(target_arch = "x86_64")]
                 if ISA == simd::AVX512_BF16 {
                     // SAFETY: as for `qk_chunk` above; `accs` holds `span` rows of `d`, the
@@ -531,18 +530,19 @@ fn attend_body<T: Element, const ISA: u8>(
                     }
                     continue;
                 }
-                vals.clear();
-                while live != 0 {
-                    let t = live.trailing_zeros() as usize;
-                    // SAFETY: `vals_at[t]` points at token `t`'s value row of head `h`: `d`
-                    // initialized, aligned elements of `T` within the cache, which outlives
-                    // `vals` (`ChunkRows::fill` took it from `row_ptrs`).
-                    vals.push((t, unsafe {
-                        std::slice::from_raw_parts(vals_at[t].cast(), d)
-                    }));
-                    live &= live - 1;
+                // SAFETY: `vals_at[t]` points at token `t`'s value row of head `h`: `d`
+                // initialized elements of `T` within the cache, which outlives the call
+                // (`ChunkRows::fill` took it from the cache's rows of its run).
+                unsafe {
+                    simd::axpy_rows::<T, ISA>(
+                        accs,
+                        d,
+                        (&scores, C),
+                        (live, vals_at),
+                        span,
+                        &ahead_v,
+                    );
                 }
-                simd::axpy_rows::<T, ISA>(accs, d, (&scores, C), &vals, span, &ahead_v);
             }
         }
     }
@@ -703,30 +703,27 @@ impl ChunkRows {
         for rows in [&mut self.k_addr, &mut self.v_addr] {
             rows.resize(tokens * nh, null);
         }
-        // A head's row lies `h * d` elements into the token's row of every head.
-        let offset = |hb: usize| (h0 + hb) * d * size_of::<T>();
-        let slots = chunk
-            .iter()
-            .flat_map(|run| (run.slot as usize..).take(run.len as usize));
-        let addr = self
-            .k_addr
-            .chunks_exact_mut(nh)
-            .zip(self.v_addr.chunks_exact_mut(nh));
-        for (slot, (ka, va)) in slots.zip(addr) {
-            let (k, v) = row_ptrs(kv, slot);
-            let (k, v) = (k.cast::<u8>(), v.cast::<u8>());
-            for (hb, (kp, vp)) in ka.iter_mut().zip(va.iter_mut()).enumerate() {
-                (*kp, *vp) = (k.wrapping_add(offset(hb)), v.wrapping_add(offset(hb)));
-            }
-        }
-        for (t, (ka, va)) in self
-            .k_addr
-            .chunks_exact(nh)
-            .zip(self.v_addr.chunks_exact(nh))
-            .enumerate()
-        {
-            for hb in 0..nh {
-                (self.k[hb * C + t], self.v[hb * C + t]) = (ka[hb], va[hb]);
+        // A run's rows come from one slice of its tokens' rows of every head, so that each
+        // pointer stays within the memory it was derived from; head `h` of the run's token
+        // `i` lies `i * token + h * row` bytes into it.
+        let (row, token) = (
+            d * size_of::<T>(),
+            kv.layout_ref().token_stride() * size_of::<T>(),
+        );
+        let mut t = 0;
+        for run in chunk {
+            let (k, v) = kv.run_all_heads(run.slot as usize, run.len as usize);
+            let (k, v) = (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>());
+            for i in 0..run.len as usize {
+                let at = t * nh..(t + 1) * nh;
+                let (ka, va) = (&mut self.k_addr[at.clone()], &mut self.v_addr[at]);
+                for hb in 0..nh {
+                    let o = i * token + (h0 + hb) * row;
+                    let (kp, vp) = (k.wrapping_add(o), v.wrapping_add(o));
+                    (ka[hb], va[hb]) = (kp, vp);
+                    (self.k[hb * C + t], self.v[hb * C + t]) = (kp, vp);
+                }
+                t += 1;
             }
         }
     }
@@ -761,12 +758,6 @@ impl ChunkRows {
             simd::Ahead::new(&self.v_addr[at], bytes),
         )
     }
-}
-
-/// The K and V rows of `slot` at head 0, as pointers: a head `h < kv_heads` starts `h *
-/// head_dim` elements further, within the slot's row of every head.
-fn row_ptrs<T: Element>(kv: &PagedKv<T>, slot: usize) -> (*const T, *const T) {
-    (kv.k_at(slot, 0).as_ptr(), kv.v_at(slot, 0).as_ptr())
 }
 
 /// `runs` cut into chunks of [`CHUNK`] consecutive tokens of the list, each run numbered with

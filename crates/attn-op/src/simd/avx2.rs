@@ -219,10 +219,11 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B);
         let mut acc = [[_mm256_setzero_ps(); B]; R];
-        let mut i = 0;
-        while i < n {
+        // One step of eight elements of every key of the block, for each row.
+        let step = |acc: &mut [[__m256; B]; R], i: usize| {
             for (t, &key) in block.iter().enumerate() {
-                // SAFETY: `i + 8 <= n`: within every key and each of the `R` rows of `q`.
+                // SAFETY: `i + 8 <= n` (below): within every key and each of the `R` rows
+                // of `q`.
                 unsafe {
                     let kv = load8(key, T::DTYPE, i);
                     for (r, row) in acc.iter_mut().enumerate() {
@@ -230,7 +231,17 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
                     }
                 }
             }
-            i += 8;
+        };
+        // Two steps a loop turn (one turn's overhead for both), each accumulator's sums in
+        // the same order either way.
+        let mut i = 0;
+        while i + 16 <= n {
+            step(&mut acc, i);
+            step(&mut acc, i + 8);
+            i += 16;
+        }
+        if i < n {
+            step(&mut acc, i);
         }
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);

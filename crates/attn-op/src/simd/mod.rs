@@ -99,10 +99,22 @@ impl<'a> Ahead<'a> {
     /// [`Ahead::per_step`] (taken once: a division in every step cost more than the rest).
     #[inline(always)]
     pub(crate) fn part(&self, k: usize, per: usize) {
-        for t in k * per..((k + 1) * per).min(16) {
-            if let Some(&p) = self.rows.get(t) {
+        let rows = self.rows.get(k * per..((k + 1) * per).min(self.rows.len()));
+        let Some(rows @ [first, .., last]) = rows else {
+            // One row or none.
+            if let Some(&[p]) = rows {
                 fetch_lines(p, self.bytes);
             }
+            return;
+        };
+        // Rows whose first and last lie as far apart as back-to-back rows would (a decode's
+        // every head of consecutive tokens of a page) are taken as one range: one loop over
+        // its lines. A prefetch is a hint, so a wrong guess costs time, never a result.
+        let span = (rows.len() - 1) * self.bytes;
+        if first.wrapping_add(span) == *last && !first.is_null() {
+            fetch_lines(*first, span + self.bytes);
+        } else {
+            rows.iter().for_each(|&p| fetch_lines(p, self.bytes));
         }
     }
 }
@@ -114,10 +126,23 @@ fn fetch_lines(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     if !p.is_null() {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        for o in (0..bytes).step_by(64) {
+        // Plain loops, four lines a turn first: `step_by`'s setup (a rounded-up division)
+        // cost more than the prefetches of a row of 4 lines (a bf16 head of 128).
+        let mut o = 0;
+        while o + 256 <= bytes {
+            for line in 0..4 {
+                // SAFETY: as below.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o + 64 * line).cast::<i8>());
+                }
+            }
+            o += 256;
+        }
+        while o < bytes {
             // SAFETY: a prefetch reads nothing architecturally and never faults, whatever the
             // address (`wrapping_add` keeps the pointer arithmetic defined).
             unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast::<i8>()) };
+            o += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -245,39 +270,61 @@ pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], 
     }
 }
 
-/// `acc_g += sum over (t, v) in vs of w[g * stride + t] * v` for the `rows` rows of `acc`
-/// (row-major, `n` per row): one chunk's weighted values, summed in token order in registers
-/// and added to each accumulator once (SIMD builds), or token by token (portable build).
+/// `acc_g += sum over live t of w[g * stride + t] * v_t` for the `rows` rows of `acc`
+/// (row-major, `n` per row), where `live` has bit `t` set for each chunk token `t` that weighs
+/// anything and `vals[t]` points at its value: one chunk's weighted values, summed in token
+/// order in registers and added to each accumulator once (SIMD builds), or token by token
+/// (portable build).
+///
+/// # Safety
+/// For every bit `t` of `live`, `vals[t]` must point at `n` initialized elements of `T`.
 #[inline(always)]
-pub(crate) fn axpy_rows<T: Element, const ISA: u8>(
+pub(crate) unsafe fn axpy_rows<T: Element, const ISA: u8>(
     acc: &mut [f32],
     n: usize,
     (w, stride): (&[f32], usize),
-    vs: &[(usize, &[T])],
+    (live, vals): (u16, &[*const u8]),
     rows: usize,
     ahead: &Ahead<'_>,
 ) {
+    // Token indices grow with the bits, so the highest bounds them all.
+    let last = 15 - live.leading_zeros() as usize;
     assert!(
         acc.len() >= rows * n
-            && vs.iter().all(|&(t, v)| v.len() >= n
-                && t < stride
-                && (rows == 0 || w.len() > (rows - 1) * stride + t)),
+            && (live == 0
+                || (last < vals.len()
+                    && last < stride
+                    && (rows == 0 || w.len() > (rows - 1) * stride + last))),
         "invariant: callers pass whole rows"
     );
+    // The live tokens and their values, in token order.
+    let mut vs = [(0usize, std::ptr::null::<u8>()); 16];
+    let mut count = 0;
+    let mut bits = live;
+    while bits != 0 {
+        let t = bits.trailing_zeros() as usize;
+        vs[count] = (t, vals[t]);
+        count += 1;
+        bits &= bits - 1;
+    }
+    let vs = &vs[..count];
     #[cfg(target_arch = "x86_64")]
     if ISA != PORTABLE {
         let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
-        // SAFETY: the assert above bounds every access; the module doc covers ISA.
+        // SAFETY: the assert above bounds every access to `acc` and `w`, the caller's
+        // contract every value; the module doc covers ISA.
         unsafe {
             if ISA >= AVX512 {
-                avx512::axpy_rows(ap, n, (wp, stride), vs, rows, ahead);
+                avx512::axpy_rows::<T>(ap, n, (wp, stride), vs, rows, ahead);
             } else {
-                avx2::axpy_rows(ap, n, (wp, stride), vs, rows, ahead);
+                avx2::axpy_rows::<T>(ap, n, (wp, stride), vs, rows, ahead);
             }
         }
         return;
     }
     for &(t, v) in vs {
+        // SAFETY: the caller's contract: `v` points at `n` elements of `T`.
+        let v = unsafe { std::slice::from_raw_parts(v.cast::<T>(), n) };
         for (g, a) in acc.chunks_exact_mut(n).take(rows).enumerate() {
             for (x, y) in a.iter_mut().zip(v) {
                 *x += w[g * stride + t] * y.to_f32();
@@ -426,13 +473,13 @@ macro_rules! chunk_axpy {
 
         #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
         #[doc = "`w` rows `R` of `stride` weights with every token index of `vs` below `stride`,"]
-        #[doc = "and each value `n` elements."]
+        #[doc = "and each value `n` elements of `T`."]
         #[target_feature(enable = $feat)]
         unsafe fn axpy_rows_r<T: Element, const R: usize>(
             acc: *mut f32,
             n: usize,
             (w, stride): (*const f32, usize),
-            vs: &[(usize, &[T])],
+            vs: &[(usize, *const u8)],
             ahead: &super::Ahead<'_>,
         ) {
             let dtype = T::DTYPE;
@@ -443,12 +490,31 @@ macro_rules! chunk_axpy {
                 let mut a0 = [$zero(); R];
                 let mut a1 = [$zero(); R];
                 ahead.part(i / (2 * $w), per);
-                for &(t, v) in vs {
-                    let vp = v.as_ptr().cast::<u8>();
-                    // SAFETY: `i + 2 * $w <= n` elements of `v`; weight `r * stride + t` is
-                    // within the caller's `R` rows of `stride`.
+                // Tokens two at a time (one loop step for both), each row's sums still token
+                // by token in order.
+                let mut pairs = vs.chunks_exact(2);
+                for pair in pairs.by_ref() {
+                    let ((t, v), (u, x)) = (pair[0], pair[1]);
+                    // SAFETY: `i + 2 * $w <= n` elements of `v` and `x`; weights
+                    // `r * stride + t` and `r * stride + u` are within the caller's `R` rows
+                    // of `stride`.
                     unsafe {
-                        let (v0, v1) = load_pair(vp, dtype, i);
+                        let (v0, v1) = load_pair(v, dtype, i);
+                        let (x0, x1) = load_pair(x, dtype, i);
+                        for r in 0..R {
+                            let wr = $set1(*w.add(r * stride + t));
+                            a0[r] = $fma(wr, v0, a0[r]);
+                            a1[r] = $fma(wr, v1, a1[r]);
+                            let wr = $set1(*w.add(r * stride + u));
+                            a0[r] = $fma(wr, x0, a0[r]);
+                            a1[r] = $fma(wr, x1, a1[r]);
+                        }
+                    }
+                }
+                for &(t, v) in pairs.remainder() {
+                    // SAFETY: as above, for token `t`.
+                    unsafe {
+                        let (v0, v1) = load_pair(v, dtype, i);
                         for r in 0..R {
                             let wr = $set1(*w.add(r * stride + t));
                             a0[r] = $fma(wr, v0, a0[r]);
@@ -473,7 +539,7 @@ macro_rules! chunk_axpy {
                     for &(t, v) in vs {
                         // SAFETY: `j < n`, `r < R`, `t < stride`.
                         x += unsafe {
-                            *w.add(r * stride + t) * super::load_one(v.as_ptr().cast(), dtype, j)
+                            *w.add(r * stride + t) * super::load_one(v, dtype, j)
                         };
                     }
                     // SAFETY: `j < n`, `r < R`.
@@ -489,7 +555,7 @@ macro_rules! chunk_axpy {
             acc: *mut f32,
             n: usize,
             (w, stride): (*const f32, usize),
-            vs: &[(usize, &[T])],
+            vs: &[(usize, *const u8)],
             rows: usize,
             ahead: &super::Ahead<'_>,
         ) {
