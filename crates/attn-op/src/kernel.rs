@@ -618,8 +618,18 @@ pub(crate) fn execute<T: Element>(
                 after,
                 after_heads,
             };
-            let (rows_q, pos) = job_qs[j]
-                .get_or_init(|| job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale));
+            let (rows_q, pos) = job_qs[j].get_or_init(|| {
+                let rows = job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale);
+                // The AVX2 build's Q·K widens bf16 keys sixteen elements at a time, even
+                // ones first (`simd::pair_order`): its query rows come in that order.
+                if isa == simd::AVX2 && T::DTYPE == DType::BF16 {
+                    let (mut qs, pos) = rows;
+                    qs.chunks_exact_mut(d).for_each(simd::pair_order);
+                    (qs, pos)
+                } else {
+                    rows
+                }
+            });
             let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
             trees[j].arrive(starts[t] + i - first[j], part, d, isa, |acc| {
                 acc.normalize(&job, group, params.sink_logits.as_deref(), d);

@@ -112,7 +112,20 @@ unsafe fn dot_rows_r<const R: usize>(
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
     let mut i = 0;
-    while i + 8 <= n {
+    // Sixteen elements a step in `load_pair`'s order (the rows' order: `super::pair_order`),
+    // then eight.
+    while i + 16 <= n {
+        // SAFETY: `i + 16 <= n`: within `k` and within each of the `R` rows of `q`.
+        unsafe {
+            let (k0, k1) = load_pair(k, dtype, i);
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), k0, *a);
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i + 8)), k1, *a);
+            }
+        }
+        i += 16;
+    }
+    if i + 8 <= n {
         // SAFETY: `i + 8 <= n`: within `k` and within each of the `R` rows of `q`.
         unsafe {
             let kv = load8(k, dtype, i);
@@ -219,11 +232,46 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B);
         let mut acc = [[_mm256_setzero_ps(); B]; R];
-        // One step of eight elements of every key of the block, for each row.
-        let step = |acc: &mut [[__m256; B]; R], i: usize| {
+        // Sixteen elements a step in `load_pair`'s order, as `dot_rows` takes them: each
+        // accumulator adds its key's first vector, then its second.
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: `i + 16 <= n`: within every key and each of the `R` rows of `q`.
+            unsafe {
+                if B <= 2 {
+                    // Few keys: every key's pair in registers, each query vector loaded once.
+                    let mut ks = [(_mm256_setzero_ps(), _mm256_setzero_ps()); B];
+                    for (k, &key) in ks.iter_mut().zip(block) {
+                        *k = load_pair(key, T::DTYPE, i);
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let q0 = _mm256_loadu_ps(q.add(r * n + i));
+                        for (a, k) in row.iter_mut().zip(&ks) {
+                            *a = _mm256_fmadd_ps(q0, k.0, *a);
+                        }
+                        let q1 = _mm256_loadu_ps(q.add(r * n + i + 8));
+                        for (a, k) in row.iter_mut().zip(&ks) {
+                            *a = _mm256_fmadd_ps(q1, k.1, *a);
+                        }
+                    }
+                } else {
+                    // Many keys (few rows): a key's pair at a time, within 16 registers.
+                    for (t, &key) in block.iter().enumerate() {
+                        let (k0, k1) = load_pair(key, T::DTYPE, i);
+                        for (r, row) in acc.iter_mut().enumerate() {
+                            row[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), k0, row[t]);
+                            row[t] =
+                                _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i + 8)), k1, row[t]);
+                        }
+                    }
+                }
+            }
+            i += 16;
+        }
+        if i < n {
             for (t, &key) in block.iter().enumerate() {
-                // SAFETY: `i + 8 <= n` (below): within every key and each of the `R` rows
-                // of `q`.
+                // SAFETY: `i + 8 <= n` (`n` is a multiple of 8): within every key and each
+                // of the `R` rows of `q`.
                 unsafe {
                     let kv = load8(key, T::DTYPE, i);
                     for (r, row) in acc.iter_mut().enumerate() {
@@ -231,17 +279,6 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
                     }
                 }
             }
-        };
-        // Two steps a loop turn (one turn's overhead for both), each accumulator's sums in
-        // the same order either way.
-        let mut i = 0;
-        while i + 16 <= n {
-            step(&mut acc, i);
-            step(&mut acc, i + 8);
-            i += 16;
-        }
-        if i < n {
-            step(&mut acc, i);
         }
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);

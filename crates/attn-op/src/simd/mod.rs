@@ -333,6 +333,19 @@ pub(crate) unsafe fn axpy_rows<T: Element, const ISA: u8>(
     }
 }
 
+/// Puts each whole block of 16 elements of a query row in the order in which the AVX2 build
+/// widens bf16 keys (one 32-byte load whose 32-bit lanes each hold two elements, split by a
+/// shift and a mask): the block's 8 even elements, then its 8 odd ones. Elements past the last
+/// whole block keep their places. The AVX2 Q·K for bf16 caches takes its rows so.
+pub(crate) fn pair_order(row: &mut [f32]) {
+    for block in row.chunks_exact_mut(16) {
+        let b: [f32; 16] = std::array::from_fn(|j| block[j]);
+        for j in 0..8 {
+            (block[j], block[8 + j]) = (b[2 * j], b[2 * j + 1]);
+        }
+    }
+}
+
 /// Levels `levels` of a lane-sum tree over `v` (`2^levels.len()` vectors), in place: level
 /// `k` replaces each pair of neighbours by `level(k, u, w)`; returns the one vector left. A
 /// run of `2^k` aligned vectors is a subtree of the first `k` levels, so a chunk's keys can be
