@@ -9,6 +9,7 @@
 //! outputs (two builds that print the same hash computed the same bits). In the environment,
 //! `SIMD` picks the build (`portable`, `avx2`, `avx512`, `bf16-dot`; the default is `auto`),
 //! `L` the context (4096; f32 takes half, for the same bytes) and `ITERS` the calls (200).
+//! `TYPES` picks the caches (a comma list; all three by default).
 //! `Q` queries (1: a decode) attend as the last `Q` positions of the context, as a prefill's
 //! query tile does, and `GROUP` sets the query heads of each of the 8 KV heads (4).
 #![allow(
@@ -52,9 +53,18 @@ fn main() -> Result<(), AttnError> {
     println!(
         "cache | context | queries x heads | build | median (µs) | fastest (µs) | GB/s at the median | hash"
     );
-    run::<bf16>("bf16", ctx, shape, iters, simd)?;
-    run::<f16>("f16", ctx, shape, iters, simd)?;
-    run::<f32>("f32", ctx / 2, shape, iters, simd)
+    let types = std::env::var("TYPES").unwrap_or_else(|_| "bf16,f16,f32".into());
+    let wanted = |name: &str| types.split(',').any(|t| t.trim() == name);
+    if wanted("bf16") {
+        run::<bf16>("bf16", ctx, shape, iters, simd)?;
+    }
+    if wanted("f16") {
+        run::<f16>("f16", ctx, shape, iters, simd)?;
+    }
+    if wanted("f32") {
+        run::<f32>("f32", ctx / 2, shape, iters, simd)?;
+    }
+    Ok(())
 }
 
 /// The queries of a call: how many positions, and the query heads of each KV head.
