@@ -537,7 +537,7 @@ fn attend_body<T: Element, const ISA: u8>(
                     simd::axpy_rows::<T, ISA>(
                         accs,
                         d,
-                        (&scores, C),
+                        (&mut scores, C),
                         (live, vals_at),
                         span,
                         &ahead_v,

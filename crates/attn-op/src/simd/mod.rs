@@ -67,6 +67,8 @@ pub(crate) struct Ahead<'a> {
     rows: &'a [*const u8],
     /// Bytes of each row.
     bytes: usize,
+    /// The first row where the rows lie back to back (one range of lines), else null.
+    run: *const u8,
 }
 
 impl<'a> Ahead<'a> {
@@ -80,11 +82,20 @@ impl<'a> Ahead<'a> {
     pub(crate) const NONE: Ahead<'static> = Ahead {
         rows: &[],
         bytes: 0,
+        run: std::ptr::null(),
     };
 
-    /// Asks for `rows[t]` (`bytes` from each) with the work on token `t`.
+    /// Asks for `rows[t]` (`bytes` from each) with the work on token `t`. Rows whose first
+    /// and last lie as far apart as back-to-back rows would (a decode's every head of
+    /// consecutive tokens of a page) are taken as one range, so that a step's share is one
+    /// loop over its lines; a prefetch is a hint, so a wrong guess costs time, never a result.
     pub(crate) fn new(rows: &'a [*const u8], bytes: usize) -> Self {
-        Ahead { rows, bytes }
+        let run = match rows {
+            [first, .., last] if first.wrapping_add((rows.len() - 1) * bytes) == *last => *first,
+            [only] => *only,
+            _ => std::ptr::null(),
+        };
+        Ahead { rows, bytes, run }
     }
 
     /// What the block of rows from `first_row` asks for: the first block of a chunk kernel's
@@ -99,22 +110,19 @@ impl<'a> Ahead<'a> {
     /// [`Ahead::per_step`] (taken once: a division in every step cost more than the rest).
     #[inline(always)]
     pub(crate) fn part(&self, k: usize, per: usize) {
-        let rows = self.rows.get(k * per..((k + 1) * per).min(self.rows.len()));
-        let Some(rows @ [first, .., last]) = rows else {
-            // One row or none.
-            if let Some(&[p]) = rows {
-                fetch_lines(p, self.bytes);
-            }
+        let (lo, hi) = (k * per, ((k + 1) * per).min(self.rows.len()));
+        if lo >= hi {
             return;
-        };
-        // Rows whose first and last lie as far apart as back-to-back rows would (a decode's
-        // every head of consecutive tokens of a page) are taken as one range: one loop over
-        // its lines. A prefetch is a hint, so a wrong guess costs time, never a result.
-        let span = (rows.len() - 1) * self.bytes;
-        if first.wrapping_add(span) == *last && !first.is_null() {
-            fetch_lines(*first, span + self.bytes);
+        }
+        if !self.run.is_null() {
+            fetch_lines(
+                self.run.wrapping_add(lo * self.bytes),
+                (hi - lo) * self.bytes,
+            );
         } else {
-            rows.iter().for_each(|&p| fetch_lines(p, self.bytes));
+            self.rows[lo..hi]
+                .iter()
+                .for_each(|&p| fetch_lines(p, self.bytes));
         }
     }
 }
@@ -126,22 +134,24 @@ fn fetch_lines(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     if !p.is_null() {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        // Plain loops, four lines a turn first: `step_by`'s setup (a rounded-up division)
-        // cost more than the prefetches of a row of 4 lines (a bf16 head of 128).
-        let mut o = 0;
-        while o + 256 <= bytes {
-            for line in 0..4 {
-                // SAFETY: as below.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o + 64 * line).cast::<i8>());
-                }
-            }
-            o += 256;
-        }
-        while o < bytes {
+        // Plain loops, eight lines a turn, then four: `step_by`'s setup (a rounded-up
+        // division) cost more than the prefetches of a row of 4 lines (a bf16 head of 128).
+        let line = |o: usize| {
             // SAFETY: a prefetch reads nothing architecturally and never faults, whatever the
             // address (`wrapping_add` keeps the pointer arithmetic defined).
             unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast::<i8>()) };
+        };
+        let mut o = 0;
+        while o + 512 <= bytes {
+            (0..8).for_each(|k| line(o + 64 * k));
+            o += 512;
+        }
+        if o + 256 <= bytes {
+            (0..4).for_each(|k| line(o + 64 * k));
+            o += 256;
+        }
+        while o < bytes {
+            line(o);
             o += 64;
         }
     }
@@ -274,7 +284,8 @@ pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], 
 /// (row-major, `n` per row), where `live` has bit `t` set for each chunk token `t` that weighs
 /// anything and `vals[t]` points at its value: one chunk's weighted values, summed in token
 /// order in registers and added to each accumulator once (SIMD builds), or token by token
-/// (portable build).
+/// (portable build). Where the live tokens are not the chunk's first ones, the rows of `w`
+/// are left with their live weights moved to the front.
 ///
 /// # Safety
 /// For every bit `t` of `live`, `vals[t]` must point at `n` initialized elements of `T`.
@@ -282,7 +293,7 @@ pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], 
 pub(crate) unsafe fn axpy_rows<T: Element, const ISA: u8>(
     acc: &mut [f32],
     n: usize,
-    (w, stride): (&[f32], usize),
+    (w, stride): (&mut [f32], usize),
     (live, vals): (u16, &[*const u8]),
     rows: usize,
     ahead: &Ahead<'_>,
@@ -297,37 +308,53 @@ pub(crate) unsafe fn axpy_rows<T: Element, const ISA: u8>(
                     && (rows == 0 || w.len() > (rows - 1) * stride + last))),
         "invariant: callers pass whole rows"
     );
-    // The live tokens and their values, in token order.
-    let mut vs = [(0usize, std::ptr::null::<u8>()); 16];
-    let mut count = 0;
-    let mut bits = live;
-    while bits != 0 {
-        let t = bits.trailing_zeros() as usize;
-        vs[count] = (t, vals[t]);
-        count += 1;
-        bits &= bits - 1;
-    }
-    let vs = &vs[..count];
+    let count = live.count_ones() as usize;
+    // The kernels take the live tokens' values in order, the `j`-th weighted by `w[r * stride
+    // + j]`. Where the live tokens are the chunk's first `count` (every token of a chunk that
+    // every row sees: nearly every chunk of a decode) that is the caller's layout; otherwise
+    // each row's live weights move to its front (in place: a token's index is never below its
+    // place) and the values with them.
+    let mut packed = [std::ptr::null::<u8>(); 16];
+    let vals = if live == first_lanes(count) {
+        &vals[..count]
+    } else {
+        for r in 0..rows {
+            let row = &mut w[r * stride..r * stride + last + 1];
+            let mut bits = live;
+            for j in 0..count {
+                let t = bits.trailing_zeros() as usize;
+                row[j] = row[t];
+                bits &= bits - 1;
+            }
+        }
+        let mut bits = live;
+        for p in &mut packed[..count] {
+            *p = vals[bits.trailing_zeros() as usize];
+            bits &= bits - 1;
+        }
+        &packed[..count]
+    };
     #[cfg(target_arch = "x86_64")]
     if ISA != PORTABLE {
         let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
-        // SAFETY: the assert above bounds every access to `acc` and `w`, the caller's
-        // contract every value; the module doc covers ISA.
+        // SAFETY: the assert above bounds every access to `acc` and `w` (the `j`-th value's
+        // weight sits at `j <= last`), the caller's contract every value; the module doc
+        // covers ISA.
         unsafe {
             if ISA >= AVX512 {
-                avx512::axpy_rows::<T>(ap, n, (wp, stride), vs, rows, ahead);
+                avx512::axpy_rows::<T>(ap, n, (wp, stride), vals, rows, ahead);
             } else {
-                avx2::axpy_rows::<T>(ap, n, (wp, stride), vs, rows, ahead);
+                avx2::axpy_rows::<T>(ap, n, (wp, stride), vals, rows, ahead);
             }
         }
         return;
     }
-    for &(t, v) in vs {
+    for (j, &v) in vals.iter().enumerate() {
         // SAFETY: the caller's contract: `v` points at `n` elements of `T`.
         let v = unsafe { std::slice::from_raw_parts(v.cast::<T>(), n) };
         for (g, a) in acc.chunks_exact_mut(n).take(rows).enumerate() {
             for (x, y) in a.iter_mut().zip(v) {
-                *x += w[g * stride + t] * y.to_f32();
+                *x += w[g * stride + j] * y.to_f32();
             }
         }
     }
@@ -492,7 +519,7 @@ macro_rules! chunk_axpy {
             acc: *mut f32,
             n: usize,
             (w, stride): (*const f32, usize),
-            vs: &[(usize, *const u8)],
+            vs: &[*const u8],
             ahead: &super::Ahead<'_>,
         ) {
             let dtype = T::DTYPE;
@@ -504,32 +531,34 @@ macro_rules! chunk_axpy {
                 let mut a1 = [$zero(); R];
                 ahead.part(i / (2 * $w), per);
                 // Tokens two at a time (one loop step for both), each row's sums still token
-                // by token in order.
+                // by token in order; the `j`-th value weighs `w[r * stride + j]`.
                 let mut pairs = vs.chunks_exact(2);
+                let mut j = 0;
                 for pair in pairs.by_ref() {
-                    let ((t, v), (u, x)) = (pair[0], pair[1]);
+                    let (v, x) = (pair[0], pair[1]);
                     // SAFETY: `i + 2 * $w <= n` elements of `v` and `x`; weights
-                    // `r * stride + t` and `r * stride + u` are within the caller's `R` rows
-                    // of `stride`.
+                    // `r * stride + j` and `r * stride + j + 1` are within the caller's `R`
+                    // rows of `stride`.
                     unsafe {
                         let (v0, v1) = load_pair(v, dtype, i);
                         let (x0, x1) = load_pair(x, dtype, i);
                         for r in 0..R {
-                            let wr = $set1(*w.add(r * stride + t));
+                            let wr = $set1(*w.add(r * stride + j));
                             a0[r] = $fma(wr, v0, a0[r]);
                             a1[r] = $fma(wr, v1, a1[r]);
-                            let wr = $set1(*w.add(r * stride + u));
+                            let wr = $set1(*w.add(r * stride + j + 1));
                             a0[r] = $fma(wr, x0, a0[r]);
                             a1[r] = $fma(wr, x1, a1[r]);
                         }
                     }
+                    j += 2;
                 }
-                for &(t, v) in pairs.remainder() {
-                    // SAFETY: as above, for token `t`.
+                if let &[v] = pairs.remainder() {
+                    // SAFETY: as above, for the last value.
                     unsafe {
                         let (v0, v1) = load_pair(v, dtype, i);
                         for r in 0..R {
-                            let wr = $set1(*w.add(r * stride + t));
+                            let wr = $set1(*w.add(r * stride + j));
                             a0[r] = $fma(wr, v0, a0[r]);
                             a1[r] = $fma(wr, v1, a1[r]);
                         }
@@ -549,7 +578,7 @@ macro_rules! chunk_axpy {
             for j in i..n {
                 for r in 0..R {
                     let mut x = 0.0f32;
-                    for &(t, v) in vs {
+                    for (t, &v) in vs.iter().enumerate() {
                         // SAFETY: `j < n`, `r < R`, `t < stride`.
                         x += unsafe {
                             *w.add(r * stride + t) * super::load_one(v, dtype, j)
@@ -568,7 +597,7 @@ macro_rules! chunk_axpy {
             acc: *mut f32,
             n: usize,
             (w, stride): (*const f32, usize),
-            vs: &[(usize, *const u8)],
+            vs: &[*const u8],
             rows: usize,
             ahead: &super::Ahead<'_>,
         ) {
