@@ -348,14 +348,15 @@ pub(super) unsafe fn row_max(row: &[f32]) -> f32 {
         // `max(x, acc)` keeps `acc` where `x` is NaN, as `f32::max` ignores NaN.
         acc = _mm256_max_ps(x, acc);
     }
-    let mut lanes = [0.0f32; 8];
-    // SAFETY: `lanes` holds 8 floats.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    lanes
+    // The lanes hold no NaN (above), so a vector maximum across them is theirs.
+    let x = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+    let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    let x = _mm_max_ss(x, _mm_shuffle_ps::<1>(x, x));
+    parts
+        .remainder()
         .iter()
-        .chain(parts.remainder())
         .copied()
-        .fold(f32::NEG_INFINITY, f32::max)
+        .fold(_mm_cvtss_f32(x), f32::max)
 }
 
 /// The tokens `t < len` whose weight is not 0 in any of the `rows` rows of `w` (`stride`
