@@ -181,6 +181,22 @@ impl Partial {
     }
 }
 
+/// The f32 lanes of the build that [`attend`] runs for `isa` on a cache of `T` with head dim
+/// `d`, where that build's Q·K widens bf16 keys two vectors at a time, even elements first,
+/// and so takes its query rows in [`simd::pair_order`]: AVX2 (8) and AVX-512 (16) on bf16
+/// caches. The bf16 dot-product build reads its keys in element order.
+fn pair_lanes<T: Element>(isa: u8, d: usize) -> Option<usize> {
+    if T::DTYPE != DType::BF16 {
+        return None;
+    }
+    match isa {
+        simd::AVX512_BF16 if d.is_multiple_of(32) => None,
+        simd::AVX512 | simd::AVX512_BF16 => Some(16),
+        simd::AVX2 => Some(8),
+        _ => None,
+    }
+}
+
 /// Attention of query rows over `runs`, with the widest instruction set this CPU has. The SIMD
 /// builds round differently from the portable one (fused multiply-adds, a polynomial exp), so
 /// results are deterministic per machine and agree across machines within f32 rounding.
@@ -620,14 +636,16 @@ pub(crate) fn execute<T: Element>(
             };
             let (rows_q, pos) = job_qs[j].get_or_init(|| {
                 let rows = job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale);
-                // The AVX2 build's Q·K widens bf16 keys sixteen elements at a time, even
-                // ones first (`simd::pair_order`): its query rows come in that order.
-                if isa == simd::AVX2 && T::DTYPE == DType::BF16 {
-                    let (mut qs, pos) = rows;
-                    qs.chunks_exact_mut(d).for_each(simd::pair_order);
-                    (qs, pos)
-                } else {
-                    rows
+                // The build's Q·K may widen bf16 keys two vectors at a time, even elements
+                // first (`simd::pair_order`): its query rows come in that order.
+                match pair_lanes::<T>(isa, d) {
+                    Some(lanes) => {
+                        let (mut qs, pos) = rows;
+                        qs.chunks_exact_mut(d)
+                            .for_each(|row| simd::pair_order(row, lanes));
+                        (qs, pos)
+                    }
+                    None => rows,
                 }
             });
             let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);

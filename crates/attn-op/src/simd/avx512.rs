@@ -140,7 +140,20 @@ unsafe fn dot_rows_r<const R: usize>(
 ) {
     let mut acc = [_mm512_setzero_ps(); R];
     let mut i = 0;
-    while i + 16 <= n {
+    // Thirty-two elements a step in `load_pair`'s order (the rows' order:
+    // `super::pair_order`), then sixteen.
+    while i + 32 <= n {
+        // SAFETY: `i + 32 <= n`: within `k` and within each of the `R` rows of `q`.
+        unsafe {
+            let (k0, k1) = load_pair(k, dtype, i);
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), k0, *a);
+                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i + 16)), k1, *a);
+            }
+        }
+        i += 32;
+    }
+    if i + 16 <= n {
         // SAFETY: `i + 16 <= n`: within `k` and within each of the `R` rows of `q`.
         unsafe {
             let kv = load16(k, dtype, i);
@@ -245,10 +258,46 @@ unsafe fn qk_rows<const R: usize, const B: usize>(
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B);
         let mut acc = [[_mm512_setzero_ps(); B]; R];
+        // Thirty-two elements a step in `load_pair`'s order, as `dot_rows` takes them: each
+        // accumulator adds its key's first vector, then its second.
         let mut i = 0;
-        while i < n {
+        while i + 32 <= n {
+            // SAFETY: `i + 32 <= n`: within every key and each of the `R` rows of `q`.
+            unsafe {
+                if B <= 4 {
+                    // Few keys: every key's pair in registers, each query vector loaded once.
+                    let mut ks = [(_mm512_setzero_ps(), _mm512_setzero_ps()); B];
+                    for (k, &key) in ks.iter_mut().zip(block) {
+                        *k = load_pair(key, dtype, i);
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let q0 = _mm512_loadu_ps(q.add(r * n + i));
+                        for (a, k) in row.iter_mut().zip(&ks) {
+                            *a = _mm512_fmadd_ps(q0, k.0, *a);
+                        }
+                        let q1 = _mm512_loadu_ps(q.add(r * n + i + 16));
+                        for (a, k) in row.iter_mut().zip(&ks) {
+                            *a = _mm512_fmadd_ps(q1, k.1, *a);
+                        }
+                    }
+                } else {
+                    // Many keys (few rows): a key's pair at a time.
+                    for (t, &key) in block.iter().enumerate() {
+                        let (k0, k1) = load_pair(key, dtype, i);
+                        for (r, row) in acc.iter_mut().enumerate() {
+                            row[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), k0, row[t]);
+                            row[t] =
+                                _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i + 16)), k1, row[t]);
+                        }
+                    }
+                }
+            }
+            i += 32;
+        }
+        if i < n {
             for (t, &key) in block.iter().enumerate() {
-                // SAFETY: `i + 16 <= n`: within every key and each of the `R` rows of `q`.
+                // SAFETY: `i + 16 <= n` (`n` is a multiple of 16): within every key and each
+                // of the `R` rows of `q`.
                 unsafe {
                     let kv = load16(key, dtype, i);
                     for (r, row) in acc.iter_mut().enumerate() {
@@ -256,7 +305,6 @@ unsafe fn qk_rows<const R: usize, const B: usize>(
                     }
                 }
             }
-            i += 16;
         }
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);

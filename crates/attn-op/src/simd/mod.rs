@@ -360,15 +360,20 @@ pub(crate) unsafe fn axpy_rows<T: Element, const ISA: u8>(
     }
 }
 
-/// Puts each whole block of 16 elements of a query row in the order in which the AVX2 build
-/// widens bf16 keys (one 32-byte load whose 32-bit lanes each hold two elements, split by a
-/// shift and a mask): the block's 8 even elements, then its 8 odd ones. Elements past the last
-/// whole block keep their places. The AVX2 Q·K for bf16 caches takes its rows so.
-pub(crate) fn pair_order(row: &mut [f32]) {
-    for block in row.chunks_exact_mut(16) {
-        let b: [f32; 16] = std::array::from_fn(|j| block[j]);
-        for j in 0..8 {
-            (block[j], block[8 + j]) = (b[2 * j], b[2 * j + 1]);
+/// Puts each whole block of `2 * lanes` elements of a query row in the order in which a build
+/// of `lanes` f32 lanes (8: AVX2, 16: AVX-512) widens bf16 keys for Q·K (one load whose 32-bit
+/// lanes each hold two elements, split by a shift and a mask): the block's even elements,
+/// then its odd ones. Elements past the last whole block keep their places.
+pub(crate) fn pair_order(row: &mut [f32], lanes: usize) {
+    assert!(
+        lanes <= 16,
+        "invariant: the builds have at most 16 f32 lanes"
+    );
+    let mut b = [0.0f32; 32];
+    for block in row.chunks_exact_mut(2 * lanes) {
+        b[..2 * lanes].copy_from_slice(block);
+        for j in 0..lanes {
+            (block[j], block[lanes + j]) = (b[2 * j], b[2 * j + 1]);
         }
     }
 }
