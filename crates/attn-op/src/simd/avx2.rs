@@ -171,13 +171,13 @@ pub(super) unsafe fn dot_rows(
     });
 }
 
-/// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, `n` a
-/// multiple of 8) and the chunk's keys (`n` elements of `dtype` each, at most 16; lanes past
-/// `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once. Rows go
-/// in blocks of up to 4 and keys 2, 2, 4 or 8 at a time (at most eight accumulators), so
-/// that each widened key slice serves the block's rows (8 rows of one key each would load 8
-/// query slices for each key slice). Each row's sums are then reduced eight keys at a
-/// time in one tree ([`super::fold`] by [`sum_level`]) that adds lanes in the order [`hsum`]
+/// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, in
+/// [`super::pair_order`] of 8 lanes for bf16 keys; `n` a multiple of 8) and the chunk's keys
+/// (`n` elements of `dtype` each, at most 16; lanes past `keys.len()` get 0): bit for bit the
+/// sums [`dot_rows`] makes, for a chunk at once. Rows go in blocks of up to 4 and keys 2, 2,
+/// 4 or 8 at a time (at most eight accumulators), so that each widened key slice serves the
+/// block's rows (8 rows of one key each would load 8 query slices for each key slice). Each
+/// row's sums are then reduced eight keys at a time in one tree ([`super::fold`] by [`sum_level`]) that adds lanes in the order [`hsum`]
 /// does.
 ///
 /// # Safety

@@ -199,13 +199,13 @@ pub(super) unsafe fn dot_rows(
     });
 }
 
-/// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, `n` a
-/// multiple of 16) and the chunk's keys (`n` elements of `dtype` each, at most 16; lanes
-/// past `keys.len()` get 0): bit for bit the sums [`dot_rows`] makes, for a chunk at once.
-/// Rows go in blocks of up to 8 and keys `16 / rows` at a time, so that each widened key
-/// slice serves the block's rows. Each row's 16 sums are then reduced in one tree
-/// ([`super::fold`] by [`sum_level`]) that adds lanes in the order `_mm512_reduce_add_ps`
-/// does.
+/// `scores[r * stride + t] = q_r · k_t` for the `rows` rows of `q` (f32, `n` per row, in
+/// [`super::pair_order`] of 16 lanes for bf16 keys; `n` a multiple of 16) and the chunk's
+/// keys (`n` elements of `dtype` each, at most 16; lanes past `keys.len()` get 0): bit for
+/// bit the sums [`dot_rows`] makes, for a chunk at once. Rows go in blocks of up to 8 and
+/// keys `16 / rows` at a time, so that each widened key slice serves the block's rows. Each
+/// row's 16 sums are then reduced in one tree ([`super::fold`] by [`sum_level`]) that adds
+/// lanes in the order `_mm512_reduce_add_ps` does.
 ///
 /// # Safety
 /// The CPU must support AVX-512F; `q` must hold `rows * n` floats, each key `n` elements of

@@ -249,7 +249,8 @@ pub(crate) fn live_tokens<const ISA: u8>(w: &[f32], stride: usize, rows: usize, 
 }
 
 /// `out[g] = q_g · k` for the `out.len()` rows of `q` (row-major, `n` per row), widening each
-/// chunk of `k` once for all rows (SIMD builds only).
+/// chunk of `k` once for all rows (SIMD builds only). For a bf16 `k`, the AVX2 and AVX-512
+/// builds take `q`'s rows in [`pair_order`] (of their lanes), as `kernel::pair_lanes` says.
 #[inline(always)]
 pub(crate) fn dot_rows<T: Element, const ISA: u8>(q: &[f32], n: usize, k: &[T], out: &mut [f32]) {
     let rows = out.len();
@@ -298,14 +299,17 @@ pub(crate) unsafe fn axpy_rows<T: Element, const ISA: u8>(
     rows: usize,
     ahead: &Ahead<'_>,
 ) {
+    if live == 0 {
+        // Nothing weighs anything.
+        return;
+    }
     // Token indices grow with the bits, so the highest bounds them all.
     let last = 15 - live.leading_zeros() as usize;
     assert!(
         acc.len() >= rows * n
-            && (live == 0
-                || (last < vals.len()
-                    && last < stride
-                    && (rows == 0 || w.len() > (rows - 1) * stride + last))),
+            && last < vals.len()
+            && last < stride
+            && (rows == 0 || w.len() > (rows - 1) * stride + last),
         "invariant: callers pass whole rows"
     );
     let count = live.count_ones() as usize;
@@ -517,8 +521,8 @@ macro_rules! chunk_axpy {
         }
 
         #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
-        #[doc = "`w` rows `R` of `stride` weights with every token index of `vs` below `stride`,"]
-        #[doc = "and each value `n` elements of `T`."]
+        #[doc = "`w` rows `R` of `stride >= vs.len()` weights (the `j`-th value's in column `j`),"]
+        #[doc = "and each value of `vs` `n` elements of `T`."]
         #[target_feature(enable = $feat)]
         unsafe fn axpy_rows_r<T: Element, const R: usize>(
             acc: *mut f32,
