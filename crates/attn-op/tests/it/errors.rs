@@ -1,8 +1,8 @@
 //! Bad inputs get typed errors, never panics, and outputs stay untouched.
 
 use attn_op::{
-    AttnError, AttnOut, AttnParams, BatchMeta, KvCache, KvLayout, PagedKv, Selection, compact_kv,
-    gather_page_offsets, merge_attention, paged_attention, sparse_page_attention,
+    AttnError, AttnOut, AttnParams, BatchMeta, KvCache, KvLayout, PagedKv, Selection, Simd,
+    compact_kv, gather_page_offsets, merge_attention, paged_attention, sparse_page_attention,
 };
 
 const LAYOUT: KvLayout = KvLayout {
@@ -449,4 +449,55 @@ fn merge_rejects_mismatched_parts_and_handles_empty_ones() {
     )
     .expect("same shapes");
     assert_eq!((out, lse), (vec![0.0; 4], vec![f32::NEG_INFINITY]));
+}
+
+#[test]
+fn scores_that_overflow_to_minus_infinity_give_empty_rows_in_every_build() {
+    // Every key is visible, but each query's dot products overflow to -inf, so no key weighs
+    // anything: the rows come out empty (zeros, log-sum-exp -inf), as for a row that sees no
+    // key, and no build panics on a chunk without a live token.
+    fn check<T: attn_op::Element>() {
+        let layout = KvLayout {
+            num_blocks: 2,
+            block_size: 16,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        let n = layout.len();
+        let k = (0..n)
+            .map(|i| T::from_f32(3e38 - (i % 3) as f32 * 1e37))
+            .collect();
+        let v = (0..n).map(|i| T::from_f32((i % 5) as f32 - 2.0)).collect();
+        let kv = PagedKv::from_tensors(layout, k, v).expect("consistent");
+        let meta = BatchMeta {
+            cu_seqlens_q: &[0, 1],
+            seq_lens_kv: &[20],
+            block_table: &[1, 0],
+            max_blocks: 2,
+        };
+        let q: Vec<T> = (0..8 * 32)
+            .map(|i| T::from_f32(-3e38 + (i % 7) as f32 * 1e37))
+            .collect();
+        for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512, Simd::Avx512Bf16] {
+            let mut params = AttnParams::new(8, 32);
+            params.simd = simd;
+            let (mut out, mut lse) = (vec![7.0f32; 8 * 32], vec![7.0f32; 8]);
+            paged_attention(
+                &q,
+                &kv,
+                &meta,
+                &params,
+                AttnOut {
+                    out: &mut out,
+                    lse: Some(&mut lse),
+                },
+            )
+            .expect("valid call");
+            let what = format!("{:?} {simd:?}", T::DTYPE);
+            assert!(out.iter().all(|&x| x == 0.0), "{what}: zeros");
+            assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY), "{what}: lse");
+        }
+    }
+    check::<f32>();
+    check::<half::bf16>();
 }
