@@ -4,7 +4,7 @@
 //! Determinism: the arithmetic follows the list's tokens in order, never the physical layout.
 //! A run list is cut into chunks of [`CHUNK`] consecutive tokens of the list (a chunk gathers
 //! the tokens of every run inside it), each chunk is one online-softmax step, and a list splits
-//! every [`split_chunks`] chunks (a function of its length alone) into partial results merged
+//! every [`SPLIT_CHUNKS`] chunks into partial results merged
 //! pairwise in a binary tree over the split order, whose shape reads the split count alone.
 //! So the same tokens in the same order give bit-identical results whatever the
 //! thread count, the block size, or how many runs the blocks break them into: dense attention,
@@ -47,12 +47,12 @@ struct Walk<'a> {
 /// Tokens per online-softmax step: chunk `c` of a list holds its tokens `c * CHUNK .. (c + 1) *
 /// CHUNK`, counted in list order.
 const CHUNK: u32 = 16;
-/// The most chunks per split of a job's run list: a long list splits every this many chunks.
-const SPLIT_CHUNKS: usize = 64;
-/// The fewest chunks per split of a short list.
-const MIN_SPLIT_CHUNKS: usize = 16;
-/// Splits a short list is cut into where its length allows (see [`split_chunks`]).
-const TARGET_SPLITS: usize = 16;
+/// Chunks per split of a job's run list (256 tokens): a list splits every this many chunks,
+/// whatever its length, so the same tokens in the same order split alike everywhere. Units
+/// this small let threads that read memory at unequal rates end together on long lists (a
+/// 16-core Xeon's B1 L32K decode took 11 % less time than with units of 64 chunks), for
+/// about 3 % more instructions in merges and unit set-up (BENCHMARKS.md, session 59).
+const SPLIT_CHUNKS: usize = 16;
 /// Queries per job in prefill.
 pub(crate) const Q_TILE: usize = 16;
 
@@ -829,24 +829,12 @@ fn chunk_count(runs: &[Run]) -> usize {
     }
 }
 
-/// Chunks per split of a list of `chunks` chunks: the power of two from [`MIN_SPLIT_CHUNKS`] to
-/// [`SPLIT_CHUNKS`] that cuts it into about [`TARGET_SPLITS`] units, so that a short list
-/// still spreads over several threads. It depends on the list's length alone (never on the
-/// thread count), so the same tokens in the same order split alike everywhere.
-fn split_chunks(chunks: usize) -> usize {
-    chunks
-        .div_ceil(TARGET_SPLITS)
-        .next_power_of_two()
-        .clamp(MIN_SPLIT_CHUNKS, SPLIT_CHUNKS)
-}
-
-/// Where a chunked run list splits into units of [`split_chunks`] chunks: ascending run
+/// Where a chunked run list splits into units of [`SPLIT_CHUNKS`] chunks: ascending run
 /// indices from 0 to `runs.len()`, at least one unit even for an empty list.
 fn split_points(runs: &[Run]) -> Vec<usize> {
-    let every = split_chunks(chunk_count(runs));
     let mut cuts = vec![0];
     for (i, w) in runs.windows(2).enumerate() {
-        if w[0].chunk != w[1].chunk && (w[1].chunk as usize).is_multiple_of(every) {
+        if w[0].chunk != w[1].chunk && (w[1].chunk as usize).is_multiple_of(SPLIT_CHUNKS) {
             cuts.push(i + 1);
         }
     }
