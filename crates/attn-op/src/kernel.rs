@@ -4,13 +4,12 @@
 //! Determinism: the arithmetic follows the list's tokens in order, never the physical layout.
 //! A run list is cut into chunks of [`CHUNK`] consecutive tokens of the list (a chunk gathers
 //! the tokens of every run inside it), each chunk is one online-softmax step, and a list splits
-//! every [`SPLIT_CHUNKS`] chunks into partial results merged
-//! pairwise in a binary tree over the split order, whose shape reads the split count alone.
-//! So the same tokens in the same order give bit-identical results whatever the
-//! thread count, the block size, or how many runs the blocks break them into: dense attention,
-//! sparse attention with every page selected at any page size, and token-level attention over
-//! every token agree bit for bit, and so do a selection attended in place and the same
-//! selection gathered into a compact buffer.
+//! every [`SPLIT_CHUNKS`] chunks into partial results merged pairwise in a binary tree over the
+//! split order, whose shape reads the split count alone. So the same tokens in the same order
+//! give bit-identical results whatever the thread count, the block size, or how many runs the
+//! blocks break them into: dense attention, sparse attention with every page selected at any
+//! page size, and token-level attention over every token agree bit for bit, and so do a
+//! selection attended in place and the same selection gathered into a compact buffer.
 
 use std::sync::OnceLock;
 
