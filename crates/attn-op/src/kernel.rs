@@ -180,17 +180,25 @@ impl Partial {
     }
 }
 
-/// The f32 lanes of the build that [`attend`] runs for `isa` on a cache of `T` with head dim
-/// `d`, where that build's Q·K widens bf16 keys two vectors at a time, even elements first,
-/// and so takes its query rows in [`simd::pair_order`]: AVX2 (8) and AVX-512 (16) on bf16
-/// caches. The bf16 dot-product build reads its keys in element order.
-fn pair_lanes<T: Element>(isa: u8, d: usize) -> Option<usize> {
-    if T::DTYPE != DType::BF16 {
-        return None;
-    }
+/// The build whose body [`attend`] runs for `isa` (resolved) on a cache of `T` with head dim
+/// `d`: the bf16 dot products only on bf16 caches whose head dim is a multiple of 32 (the rows
+/// that build reads), AVX-512 for the other caches of a CPU that has them.
+fn body_isa<T: Element>(isa: u8, d: usize) -> u8 {
     match isa {
-        simd::AVX512_BF16 if d.is_multiple_of(32) => None,
-        simd::AVX512 | simd::AVX512_BF16 => Some(16),
+        simd::AVX512_BF16 if T::DTYPE == DType::BF16 && d.is_multiple_of(32) => isa,
+        simd::AVX512_BF16 => simd::AVX512,
+        _ => isa,
+    }
+}
+
+/// The f32 lanes of the body [`attend`] runs for `isa` on a cache of `T` with head dim `d`,
+/// where that body's Q·K widens bf16 keys two vectors at a time, even elements first, and so
+/// takes its query rows in [`simd::pair_order`]: AVX2 (8) and AVX-512 (16) on bf16 caches.
+/// The bf16 dot-product body reads its keys in element order.
+fn pair_lanes<T: Element>(isa: u8, d: usize) -> Option<usize> {
+    match body_isa::<T>(isa, d) {
+        _ if T::DTYPE != DType::BF16 => None,
+        simd::AVX512 => Some(16),
         simd::AVX2 => Some(8),
         _ => None,
     }
@@ -211,16 +219,14 @@ fn attend<T: Element>(
     walk: Walk<'_>,
 ) -> Partial {
     #[cfg(target_arch = "x86_64")]
-    match isa {
-        simd::AVX512_BF16
-            if T::DTYPE == DType::BF16 && kv.layout_ref().head_dim.is_multiple_of(32) =>
-        {
+    match body_isa::<T>(isa, kv.layout_ref().head_dim) {
+        simd::AVX512_BF16 => {
             // SAFETY: `resolve` caps `isa` by the features the CPU has, which are the ones
             // each function is compiled for; this build reads the cache as bf16 in rows of
-            // 32, which the guard checks.
+            // 32, which `body_isa` checks.
             return unsafe { attend_avx512bf16(kv, heads, group, q, pos, params, walk) };
         }
-        simd::AVX512 | simd::AVX512_BF16 => {
+        simd::AVX512 => {
             // SAFETY: as above (a CPU with the bf16 build has AVX-512F).
             return unsafe { attend_avx512(kv, heads, group, q, pos, params, walk) };
         }
@@ -634,18 +640,8 @@ pub(crate) fn execute<T: Element>(
                 after_heads,
             };
             let (rows_q, pos) = job_qs[j].get_or_init(|| {
-                let rows = job_rows(q, &seqs[job.seq], &job, group, hq, d, params.scale);
-                // The build's Q·K may widen bf16 keys two vectors at a time, even elements
-                // first (`simd::pair_order`): its query rows come in that order.
-                match pair_lanes::<T>(isa, d) {
-                    Some(lanes) => {
-                        let (mut qs, pos) = rows;
-                        qs.chunks_exact_mut(d)
-                            .for_each(|row| simd::pair_order(row, lanes));
-                        (qs, pos)
-                    }
-                    None => rows,
-                }
+                let shape = (group, hq, d, pair_lanes::<T>(isa, d));
+                job_rows(q, &seqs[job.seq], &job, shape, params.scale)
             });
             let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
             trees[j].arrive(starts[t] + i - first[j], part, d, isa, |acc| {
@@ -671,14 +667,13 @@ pub(crate) fn execute<T: Element>(
     }
 }
 
-/// The scaled f32 query rows of a job and their positions.
+/// The scaled f32 query rows of a job and their positions, each row in [`simd::pair_order`] of
+/// `pair` lanes where the build's Q·K takes it so ([`pair_lanes`]).
 fn job_rows<T: Element>(
     q: &[T],
     seq: &Seq<'_>,
     job: &Job,
-    group: usize,
-    hq: usize,
-    d: usize,
+    (group, hq, d, pair): (usize, usize, usize, Option<usize>),
     scale: f32,
 ) -> (Vec<f32>, Vec<i64>) {
     let rows = job.rows(group);
@@ -693,6 +688,9 @@ fn job_rows<T: Element>(
         let dst = &mut qs[r * d..(r + 1) * d];
         T::slice_to_f32(src, dst);
         dst.iter_mut().for_each(|x| *x *= scale);
+        if let Some(lanes) = pair {
+            simd::pair_order(dst, lanes);
+        }
         pos.push(seq.position(qi));
     }
     (qs, pos)

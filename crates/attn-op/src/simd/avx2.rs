@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use crate::{DType, Element};
 
-use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, chunk_axpy, exp_tail};
+use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
 
 #[target_feature(enable = "avx2,fma")]
 fn hsum(v: __m256) -> f32 {
@@ -110,32 +110,10 @@ unsafe fn dot_rows_r<const R: usize>(
     dtype: DType,
     out: *mut f32,
 ) {
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut i = 0;
-    // Sixteen elements a step in `load_pair`'s order (the rows' order: `super::pair_order`),
-    // then eight.
-    while i + 16 <= n {
-        // SAFETY: `i + 16 <= n`: within `k` and within each of the `R` rows of `q`.
-        unsafe {
-            let (k0, k1) = load_pair(k, dtype, i);
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), k0, *a);
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i + 8)), k1, *a);
-            }
-        }
-        i += 16;
-    }
-    if i + 8 <= n {
-        // SAFETY: `i + 8 <= n`: within `k` and within each of the `R` rows of `q`.
-        unsafe {
-            let kv = load8(k, dtype, i);
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), kv, *a);
-            }
-        }
-        i += 8;
-    }
-    for (r, a) in acc.iter().enumerate() {
+    let mut acc = [[_mm256_setzero_ps(); 1]; R];
+    // SAFETY: the caller's contract.
+    let i = unsafe { block_dots::<R, 1>((q, n), (&[k], dtype), &mut acc) };
+    for (r, [a]) in acc.iter().enumerate() {
         let mut s = hsum(*a);
         for j in i..n {
             // SAFETY: `j < n`: within `k` and row `r` of `q`.
@@ -232,54 +210,8 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B);
         let mut acc = [[_mm256_setzero_ps(); B]; R];
-        // Sixteen elements a step in `load_pair`'s order, as `dot_rows` takes them: each
-        // accumulator adds its key's first vector, then its second.
-        let mut i = 0;
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`: within every key and each of the `R` rows of `q`.
-            unsafe {
-                if B <= 2 {
-                    // Few keys: every key's pair in registers, each query vector loaded once.
-                    let mut ks = [(_mm256_setzero_ps(), _mm256_setzero_ps()); B];
-                    for (k, &key) in ks.iter_mut().zip(block) {
-                        *k = load_pair(key, T::DTYPE, i);
-                    }
-                    for (r, row) in acc.iter_mut().enumerate() {
-                        let q0 = _mm256_loadu_ps(q.add(r * n + i));
-                        for (a, k) in row.iter_mut().zip(&ks) {
-                            *a = _mm256_fmadd_ps(q0, k.0, *a);
-                        }
-                        let q1 = _mm256_loadu_ps(q.add(r * n + i + 8));
-                        for (a, k) in row.iter_mut().zip(&ks) {
-                            *a = _mm256_fmadd_ps(q1, k.1, *a);
-                        }
-                    }
-                } else {
-                    // Many keys (few rows): a key's pair at a time, within 16 registers.
-                    for (t, &key) in block.iter().enumerate() {
-                        let (k0, k1) = load_pair(key, T::DTYPE, i);
-                        for (r, row) in acc.iter_mut().enumerate() {
-                            row[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), k0, row[t]);
-                            row[t] =
-                                _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i + 8)), k1, row[t]);
-                        }
-                    }
-                }
-            }
-            i += 16;
-        }
-        if i < n {
-            for (t, &key) in block.iter().enumerate() {
-                // SAFETY: `i + 8 <= n` (`n` is a multiple of 8): within every key and each
-                // of the `R` rows of `q`.
-                unsafe {
-                    let kv = load8(key, T::DTYPE, i);
-                    for (r, row) in acc.iter_mut().enumerate() {
-                        row[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * n + i)), kv, row[t]);
-                    }
-                }
-            }
-        }
+        // SAFETY: the caller's contract (`n` a multiple of 8, so whole vectors cover it).
+        unsafe { block_dots::<R, B>((q, n), (block, T::DTYPE), &mut acc) };
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
         }
@@ -382,6 +314,16 @@ pub(super) unsafe fn live_tokens(w: *const f32, stride: usize, rows: usize, len:
     }
     ((lo | hi << 8) as u16) & super::first_lanes(len)
 }
+
+qk_block!(
+    8,
+    __m256,
+    _mm256_setzero_ps,
+    _mm256_fmadd_ps,
+    _mm256_loadu_ps,
+    load8,
+    2
+);
 
 chunk_axpy!(
     "avx2,fma,f16c",

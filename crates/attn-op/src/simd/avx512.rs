@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use crate::{DType, Element};
 
-use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, chunk_axpy, exp_tail};
+use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -138,32 +138,10 @@ unsafe fn dot_rows_r<const R: usize>(
     dtype: DType,
     out: *mut f32,
 ) {
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut i = 0;
-    // Thirty-two elements a step in `load_pair`'s order (the rows' order:
-    // `super::pair_order`), then sixteen.
-    while i + 32 <= n {
-        // SAFETY: `i + 32 <= n`: within `k` and within each of the `R` rows of `q`.
-        unsafe {
-            let (k0, k1) = load_pair(k, dtype, i);
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), k0, *a);
-                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i + 16)), k1, *a);
-            }
-        }
-        i += 32;
-    }
-    if i + 16 <= n {
-        // SAFETY: `i + 16 <= n`: within `k` and within each of the `R` rows of `q`.
-        unsafe {
-            let kv = load16(k, dtype, i);
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), kv, *a);
-            }
-        }
-        i += 16;
-    }
-    for (r, a) in acc.iter().enumerate() {
+    let mut acc = [[_mm512_setzero_ps(); 1]; R];
+    // SAFETY: the caller's contract.
+    let i = unsafe { block_dots::<R, 1>((q, n), (&[k], dtype), &mut acc) };
+    for (r, [a]) in acc.iter().enumerate() {
         let mut s = _mm512_reduce_add_ps(*a);
         for j in i..n {
             // SAFETY: `j < n`: within `k` and row `r` of `q`.
@@ -258,54 +236,8 @@ unsafe fn qk_rows<const R: usize, const B: usize>(
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B);
         let mut acc = [[_mm512_setzero_ps(); B]; R];
-        // Thirty-two elements a step in `load_pair`'s order, as `dot_rows` takes them: each
-        // accumulator adds its key's first vector, then its second.
-        let mut i = 0;
-        while i + 32 <= n {
-            // SAFETY: `i + 32 <= n`: within every key and each of the `R` rows of `q`.
-            unsafe {
-                if B <= 4 {
-                    // Few keys: every key's pair in registers, each query vector loaded once.
-                    let mut ks = [(_mm512_setzero_ps(), _mm512_setzero_ps()); B];
-                    for (k, &key) in ks.iter_mut().zip(block) {
-                        *k = load_pair(key, dtype, i);
-                    }
-                    for (r, row) in acc.iter_mut().enumerate() {
-                        let q0 = _mm512_loadu_ps(q.add(r * n + i));
-                        for (a, k) in row.iter_mut().zip(&ks) {
-                            *a = _mm512_fmadd_ps(q0, k.0, *a);
-                        }
-                        let q1 = _mm512_loadu_ps(q.add(r * n + i + 16));
-                        for (a, k) in row.iter_mut().zip(&ks) {
-                            *a = _mm512_fmadd_ps(q1, k.1, *a);
-                        }
-                    }
-                } else {
-                    // Many keys (few rows): a key's pair at a time.
-                    for (t, &key) in block.iter().enumerate() {
-                        let (k0, k1) = load_pair(key, dtype, i);
-                        for (r, row) in acc.iter_mut().enumerate() {
-                            row[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), k0, row[t]);
-                            row[t] =
-                                _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i + 16)), k1, row[t]);
-                        }
-                    }
-                }
-            }
-            i += 32;
-        }
-        if i < n {
-            for (t, &key) in block.iter().enumerate() {
-                // SAFETY: `i + 16 <= n` (`n` is a multiple of 16): within every key and each
-                // of the `R` rows of `q`.
-                unsafe {
-                    let kv = load16(key, dtype, i);
-                    for (r, row) in acc.iter_mut().enumerate() {
-                        row[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * n + i)), kv, row[t]);
-                    }
-                }
-            }
-        }
+        // SAFETY: the caller's contract (`n` a multiple of 16, so whole vectors cover it).
+        unsafe { block_dots::<R, B>((q, n), (block, dtype), &mut acc) };
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
         }
@@ -348,6 +280,16 @@ fn sum_level(level: usize, u: __m512, w: __m512) -> __m512 {
         ),
     }
 }
+
+qk_block!(
+    16,
+    __m512,
+    _mm512_setzero_ps,
+    _mm512_fmadd_ps,
+    _mm512_loadu_ps,
+    load16,
+    4
+);
 
 chunk_axpy!(
     "avx512f",

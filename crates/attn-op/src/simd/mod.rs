@@ -487,6 +487,84 @@ const EXP_POLY: [f32; 6] = [
     0.5,
 ];
 
+/// The Q·K of one SIMD build over a block of keys, inside its module (`$w` f32 lanes of vector
+/// type `$v`; the build's intrinsics and widening load `$load`; the module's `load_pair` from
+/// [`chunk_axpy`]; `$few`, the most keys whose widened pairs stay in registers with the
+/// block's accumulators). `block_dots` adds `q_r · key_t` to accumulator `[r][t]`: `2 * $w`
+/// elements a step in `load_pair`'s order (so the rows in [`pair_order`] for bf16 keys), each
+/// accumulator its key's first vector, then its second; then one vector where one is left.
+/// Per-key dot products (`dot_rows`) and the chunk kernels (`qk_chunk`) both go through it, so
+/// their sums are the same bits.
+macro_rules! qk_block {
+    ($w:literal, $v:ty, $zero:ident, $fma:ident, $ldu:ident, $load:ident, $few:literal) => {
+        #[doc = concat!("Adds each key's dot products with the `R` rows of `q` (`n` f32 each) to ")]
+        #[doc = concat!("`acc`, over the elements whole vectors of ", $w, " cover; returns where ")]
+        #[doc = "they end."]
+        ///
+        /// # Safety
+        /// The CPU must support the build; `q` must hold `R` rows of `n` floats and each of the
+        /// `B` keys `n` elements of `dtype`.
+        #[inline(always)]
+        unsafe fn block_dots<const R: usize, const B: usize>(
+            (q, n): (*const f32, usize),
+            (keys, dtype): (&[*const u8], DType),
+            acc: &mut [[$v; B]; R],
+        ) -> usize {
+            debug_assert_eq!(keys.len(), B);
+            let mut i = 0;
+            while i + 2 * $w <= n {
+                // SAFETY: `i + 2 * $w <= n`: within every key and each of the `R` rows of `q`.
+                unsafe {
+                    if B <= $few {
+                        // Every key's pair in registers, each query vector loaded once.
+                        let mut ks = [($zero(), $zero()); B];
+                        for (k, &key) in ks.iter_mut().zip(keys) {
+                            *k = load_pair(key, dtype, i);
+                        }
+                        for (r, row) in acc.iter_mut().enumerate() {
+                            let q0 = $ldu(q.add(r * n + i));
+                            for (a, k) in row.iter_mut().zip(&ks) {
+                                *a = $fma(q0, k.0, *a);
+                            }
+                            let q1 = $ldu(q.add(r * n + i + $w));
+                            for (a, k) in row.iter_mut().zip(&ks) {
+                                *a = $fma(q1, k.1, *a);
+                            }
+                        }
+                    } else {
+                        // Many keys (few rows): a key's pair at a time.
+                        for (t, &key) in keys.iter().enumerate() {
+                            let (k0, k1) = load_pair(key, dtype, i);
+                            for (r, row) in acc.iter_mut().enumerate() {
+                                row[t] = $fma($ldu(q.add(r * n + i)), k0, row[t]);
+                                row[t] = $fma($ldu(q.add(r * n + i + $w)), k1, row[t]);
+                            }
+                        }
+                    }
+                }
+                i += 2 * $w;
+            }
+            if i + $w <= n {
+                for (t, &key) in keys.iter().enumerate() {
+                    // SAFETY: `i + $w <= n`: within every key and each of the `R` rows of `q`.
+                    unsafe {
+                        let kv = $load(key, dtype, i);
+                        for (r, row) in acc.iter_mut().enumerate() {
+                            row[t] = $fma($ldu(q.add(r * n + i)), kv, row[t]);
+                        }
+                    }
+                }
+                i += $w;
+            }
+            i
+        }
+    };
+}
+
+/// The builds expand it by path (`super::qk_block`), as [`chunk_axpy`].
+#[cfg(target_arch = "x86_64")]
+use qk_block;
+
 /// The chunked PV step of one SIMD build, inside its module (`$feat`: its target features,
 /// `$isa`: their names for the docs; `$w` f32 lanes of vector type `$v`; the build's
 /// intrinsics, its widening load `$load` and the module's `in_order`; `$blocks` the function
