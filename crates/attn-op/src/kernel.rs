@@ -496,7 +496,7 @@ fn attend_body<T: Element, const ISA: u8>(
                         scores[g * C + t] = simd::dot(&qb[g * d..(g + 1) * d], &kbuf[o..o + d]);
                     }
                 } else {
-                    ahead_k.part(t, 1);
+                    ahead_k.part(t, 1, bytes);
                     simd::dot_rows::<T, ISA>(qb, d, kv.k_at(slot, h), &mut wbuf);
                     (0..group).for_each(|g| scores[g * C + t] = wbuf[g]);
                 }

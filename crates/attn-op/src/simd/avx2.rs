@@ -112,7 +112,7 @@ unsafe fn dot_rows_r<const R: usize>(
 ) {
     let mut acc = [[_mm256_setzero_ps(); 1]; R];
     // SAFETY: the caller's contract.
-    let i = unsafe { block_dots::<R, 1>((q, n), (&[k], dtype), &mut acc) };
+    let i = unsafe { block_dots::<R, 1, 0>((q, n), (&[k], dtype), &mut acc) };
     for (r, [a]) in acc.iter().enumerate() {
         let mut s = hsum(*a);
         for j in i..n {
@@ -177,25 +177,29 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
-            match block {
-                4 => qk_rows::<T, 4, 2, 8>(q, n, &all, out, (live, ahead)),
-                3 => qk_rows::<T, 3, 2, 8>(q, n, &all, out, (live, ahead)),
-                2 => qk_rows::<T, 2, 4, 4>(q, n, &all, out, (live, ahead)),
-                _ => qk_rows::<T, 1, 8, 2>(q, n, &all, out, (live, ahead)),
+            // Blocks of 4 rows at head dim 128 (the shape of record: GQA 4 and 8) run with
+            // the head dim a constant, so that their loops unroll and address the rows at
+            // fixed offsets; other shapes pass it at run time (`N = 0`). The sums are the same.
+            match (block, n) {
+                (4, 128) => qk_rows::<T, 4, 2, 8, 128>(q, n, &all, out, (live, ahead)),
+                (4, _) => qk_rows::<T, 4, 2, 8, 0>(q, n, &all, out, (live, ahead)),
+                (3, _) => qk_rows::<T, 3, 2, 8, 0>(q, n, &all, out, (live, ahead)),
+                (2, _) => qk_rows::<T, 2, 4, 4, 0>(q, n, &all, out, (live, ahead)),
+                _ => qk_rows::<T, 1, 8, 2, 0>(q, n, &all, out, (live, ahead)),
             }
         }
     });
 }
 
 /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B <= 8` accumulators), in
-/// `H = 16 / B` blocks. A block of `B` aligned keys is a subtree of the first levels of
+/// `H = 16 / B` blocks; `N` is the head dim where it is a constant, else 0 (`n` then). A block of `B` aligned keys is a subtree of the first levels of
 /// [`super::fold`]; each half chunk's `8 / B` blocks (eight keys) go through the rest.
 ///
 /// # Safety
 /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
+unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize, const N: usize>(
     q: *const f32,
     n: usize,
     keys: &[*const u8; 16],
@@ -208,10 +212,10 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize>(
     let half_blocks = H / 2;
     let mut blocks = [[_mm256_setzero_ps(); H]; R];
     for (b, block) in keys.chunks_exact(B).enumerate() {
-        ahead.part(b, B);
+        ahead.part(b, B, n * size_of::<T>());
         let mut acc = [[_mm256_setzero_ps(); B]; R];
         // SAFETY: the caller's contract (`n` a multiple of 8, so whole vectors cover it).
-        unsafe { block_dots::<R, B>((q, n), (block, T::DTYPE), &mut acc) };
+        unsafe { block_dots::<R, B, N>((q, n), (block, T::DTYPE), &mut acc) };
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
         }

@@ -140,7 +140,7 @@ unsafe fn dot_rows_r<const R: usize>(
 ) {
     let mut acc = [[_mm512_setzero_ps(); 1]; R];
     // SAFETY: the caller's contract.
-    let i = unsafe { block_dots::<R, 1>((q, n), (&[k], dtype), &mut acc) };
+    let i = unsafe { block_dots::<R, 1, 0>((q, n), (&[k], dtype), &mut acc) };
     for (r, [a]) in acc.iter().enumerate() {
         let mut s = _mm512_reduce_add_ps(*a);
         for j in i..n {
@@ -204,17 +204,20 @@ pub(crate) unsafe fn qk_chunk(
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
-            match block {
-                8 => qk_rows::<8, 2>(q, n, (&all, dtype), out, (live, ahead)),
-                4 => qk_rows::<4, 4>(q, n, (&all, dtype), out, (live, ahead)),
-                2 => qk_rows::<2, 8>(q, n, (&all, dtype), out, (live, ahead)),
-                _ => qk_rows::<1, 16>(q, n, (&all, dtype), out, (live, ahead)),
+            // Head dim 128 with groups of 4 as a constant, as the AVX2 build does.
+            match (block, n) {
+                (4, 128) => qk_rows::<4, 4, 128>(q, n, (&all, dtype), out, (live, ahead)),
+                (8, _) => qk_rows::<8, 2, 0>(q, n, (&all, dtype), out, (live, ahead)),
+                (4, _) => qk_rows::<4, 4, 0>(q, n, (&all, dtype), out, (live, ahead)),
+                (2, _) => qk_rows::<2, 8, 0>(q, n, (&all, dtype), out, (live, ahead)),
+                _ => qk_rows::<1, 16, 0>(q, n, (&all, dtype), out, (live, ahead)),
             }
         }
     });
 }
 
-/// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators).
+/// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators); `N`
+/// is the head dim where it is a constant, else 0 (`n` then).
 /// A block of `B` aligned keys is a subtree of the first levels of [`super::fold`]; the
 /// blocks' results go through the rest.
 ///
@@ -222,7 +225,7 @@ pub(crate) unsafe fn qk_chunk(
 /// As [`qk_chunk`], for `R` rows of `q` and of the scores.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn qk_rows<const R: usize, const B: usize>(
+unsafe fn qk_rows<const R: usize, const B: usize, const N: usize>(
     q: *const f32,
     n: usize,
     (keys, dtype): (&[*const u8; 16], DType),
@@ -234,10 +237,10 @@ unsafe fn qk_rows<const R: usize, const B: usize>(
     // `B = 16 / R`, so each row has `R` blocks.
     let mut blocks = [[_mm512_setzero_ps(); R]; R];
     for (b, block) in keys.chunks_exact(B).enumerate() {
-        ahead.part(b, B);
+        ahead.part(b, B, n * dtype.size());
         let mut acc = [[_mm512_setzero_ps(); B]; R];
         // SAFETY: the caller's contract (`n` a multiple of 16, so whole vectors cover it).
-        unsafe { block_dots::<R, B>((q, n), (block, dtype), &mut acc) };
+        unsafe { block_dots::<R, B, N>((q, n), (block, dtype), &mut acc) };
         for r in 0..R {
             blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
         }

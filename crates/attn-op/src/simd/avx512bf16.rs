@@ -87,7 +87,7 @@ unsafe fn qk_sums<const R: usize, const B: usize>(
     // `B = 16 / R`, so each row has `R` blocks.
     let mut blocks = [[_mm512_setzero_ps(); R]; R];
     for (b, block) in keys.chunks_exact(B).enumerate() {
-        ahead.part(b, B);
+        ahead.part(b, B, 2 * n);
         // SAFETY: the caller's contract, for `B` of the keys.
         let sums = unsafe { qk_block::<R, B>(q, n, block) };
         for r in 0..R {
@@ -329,7 +329,7 @@ unsafe fn pv_rows<const R: usize>(
     let per = super::Ahead::per_step(n / 32);
     let mut i = 0;
     while i < n {
-        ahead.part(i / 32, per);
+        ahead.part(i / 32, per, 2 * n);
         let mut lo = [_mm512_setzero_ps(); R];
         let mut hi = [_mm512_setzero_ps(); R];
         for (p, pair) in vals.chunks(2).enumerate() {

@@ -108,21 +108,27 @@ impl<'a> Ahead<'a> {
     /// Asks for the rows of tokens `k * per .. (k + 1) * per` of the chunk's 16: a kernel
     /// that walks its work in `steps` steps calls this once a step, with `per` from
     /// [`Ahead::per_step`] (taken once: a division in every step cost more than the rest).
+    /// `row_bytes` is the rows' size as the kernel knows it (the `bytes` of [`Ahead::new`]),
+    /// a constant where the kernel's head dim and element are: then a whole step's share of
+    /// back-to-back rows is a fixed run of prefetches, with no loop to count.
     #[inline(always)]
-    pub(crate) fn part(&self, k: usize, per: usize) {
+    pub(crate) fn part(&self, k: usize, per: usize, row_bytes: usize) {
+        debug_assert!(self.rows.is_empty() || row_bytes == self.bytes);
         let (lo, hi) = (k * per, ((k + 1) * per).min(self.rows.len()));
         if lo >= hi {
             return;
         }
         if !self.run.is_null() {
-            fetch_lines(
-                self.run.wrapping_add(lo * self.bytes),
-                (hi - lo) * self.bytes,
-            );
+            let from = self.run.wrapping_add(lo * row_bytes);
+            if hi - lo == per {
+                fetch_lines(from, per * row_bytes);
+            } else {
+                fetch_lines(from, (hi - lo) * row_bytes);
+            }
         } else {
             self.rows[lo..hi]
                 .iter()
-                .for_each(|&p| fetch_lines(p, self.bytes));
+                .for_each(|&p| fetch_lines(p, row_bytes));
         }
     }
 }
@@ -142,11 +148,7 @@ fn fetch_lines(p: *const u8, bytes: usize) {
             unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast::<i8>()) };
         };
         let mut o = 0;
-        while o + 512 <= bytes {
-            (0..8).for_each(|k| line(o + 64 * k));
-            o += 512;
-        }
-        if o + 256 <= bytes {
+        while o + 256 <= bytes {
             (0..4).for_each(|k| line(o + 64 * k));
             o += 256;
         }
@@ -505,12 +507,13 @@ macro_rules! qk_block {
         /// The CPU must support the build; `q` must hold `R` rows of `n` floats and each of the
         /// `B` keys `n` elements of `dtype`.
         #[inline(always)]
-        unsafe fn block_dots<const R: usize, const B: usize>(
+        unsafe fn block_dots<const R: usize, const B: usize, const N: usize>(
             (q, n): (*const f32, usize),
             (keys, dtype): (&[*const u8], DType),
             acc: &mut [[$v; B]; R],
         ) -> usize {
-            debug_assert_eq!(keys.len(), B);
+            debug_assert!(keys.len() == B && (N == 0 || N == n));
+            let n = if N == 0 { n } else { N };
             let mut i = 0;
             while i + 2 * $w <= n {
                 // SAFETY: `i + 2 * $w <= n`: within every key and each of the `R` rows of `q`.
@@ -598,17 +601,70 @@ macro_rules! chunk_axpy {
             }
         }
 
+        /// Adds each value of `vs`, the `j`-th weighted by `w[r * stride + j]`, to the sums
+        /// `(a0, a1)` of row `r` (the two vectors from element `i`, in `load_pair`'s order),
+        /// token by token in order; tokens go `G` a loop step.
+        ///
+        /// # Safety
+        /// Every value of `vs` must hold the two vectors from element `i` of `T`, and `w`
+        /// rows `R` of `stride >= vs.len()` weights.
+        #[inline(always)]
+        unsafe fn weigh<T: Element, const R: usize, const G: usize>(
+            vs: &[*const u8],
+            (w, stride): (*const f32, usize),
+            i: usize,
+            (a0, a1): (&mut [$v; R], &mut [$v; R]),
+        ) {
+            let dtype = T::DTYPE;
+            // Tokens `G` at a time (one loop step for all), each row's sums still token by
+            // token in order; the `j`-th value weighs `w[r * stride + j]`.
+            let mut groups = vs.chunks_exact(G);
+            let mut j = 0;
+            for group in groups.by_ref() {
+                for (t, &v) in group.iter().enumerate() {
+                    // SAFETY: the caller's contract: the value holds the two vectors from
+                    // `i`; weight `r * stride + j + t` is within its `R` rows of `stride`.
+                    unsafe {
+                        let (v0, v1) = load_pair(v, dtype, i);
+                        for r in 0..R {
+                            let wr = $set1(*w.add(r * stride + j + t));
+                            a0[r] = $fma(wr, v0, a0[r]);
+                            a1[r] = $fma(wr, v1, a1[r]);
+                        }
+                    }
+                }
+                j += G;
+            }
+            for (t, &v) in groups.remainder().iter().enumerate() {
+                // SAFETY: as above, for the last values.
+                unsafe {
+                    let (v0, v1) = load_pair(v, dtype, i);
+                    for r in 0..R {
+                        let wr = $set1(*w.add(r * stride + j + t));
+                        a0[r] = $fma(wr, v0, a0[r]);
+                        a1[r] = $fma(wr, v1, a1[r]);
+                    }
+                }
+            }
+        }
+
+        /// Adds each chunk value's weighted rows to `acc` (`R` rows of `n`), two vectors of
+        /// each row at a time; `N` and `S` are `n` and `stride` where they are constants, else
+        /// 0 (the arguments then).
+        ///
         #[doc = concat!("# Safety\nThe CPU must support ", $isa, "; `acc` must hold `R * n` f32, ")]
         #[doc = "`w` rows `R` of `stride >= vs.len()` weights (the `j`-th value's in column `j`),"]
         #[doc = "and each value of `vs` `n` elements of `T`."]
         #[target_feature(enable = $feat)]
-        unsafe fn axpy_rows_r<T: Element, const R: usize>(
+        unsafe fn axpy_rows_r<T: Element, const R: usize, const N: usize, const S: usize>(
             acc: *mut f32,
             n: usize,
             (w, stride): (*const f32, usize),
             vs: &[*const u8],
             ahead: &super::Ahead<'_>,
         ) {
+            debug_assert!((N == 0 || N == n) && (S == 0 || S == stride));
+            let (n, stride) = (if N == 0 { n } else { N }, if S == 0 { stride } else { S });
             let dtype = T::DTYPE;
             let per = super::Ahead::per_step(n / (2 * $w));
             // Two vectors of each row at a time, summed over the tokens in registers.
@@ -616,39 +672,16 @@ macro_rules! chunk_axpy {
             while i + 2 * $w <= n {
                 let mut a0 = [$zero(); R];
                 let mut a1 = [$zero(); R];
-                ahead.part(i / (2 * $w), per);
-                // Tokens two at a time (one loop step for both), each row's sums still token
-                // by token in order; the `j`-th value weighs `w[r * stride + j]`.
-                let mut pairs = vs.chunks_exact(2);
-                let mut j = 0;
-                for pair in pairs.by_ref() {
-                    let (v, x) = (pair[0], pair[1]);
-                    // SAFETY: `i + 2 * $w <= n` elements of `v` and `x`; weights
-                    // `r * stride + j` and `r * stride + j + 1` are within the caller's `R`
-                    // rows of `stride`.
-                    unsafe {
-                        let (v0, v1) = load_pair(v, dtype, i);
-                        let (x0, x1) = load_pair(x, dtype, i);
-                        for r in 0..R {
-                            let wr = $set1(*w.add(r * stride + j));
-                            a0[r] = $fma(wr, v0, a0[r]);
-                            a1[r] = $fma(wr, v1, a1[r]);
-                            let wr = $set1(*w.add(r * stride + j + 1));
-                            a0[r] = $fma(wr, x0, a0[r]);
-                            a1[r] = $fma(wr, x1, a1[r]);
-                        }
-                    }
-                    j += 2;
-                }
-                if let &[v] = pairs.remainder() {
-                    // SAFETY: as above, for the last value.
-                    unsafe {
-                        let (v0, v1) = load_pair(v, dtype, i);
-                        for r in 0..R {
-                            let wr = $set1(*w.add(r * stride + j));
-                            a0[r] = $fma(wr, v0, a0[r]);
-                            a1[r] = $fma(wr, v1, a1[r]);
-                        }
+                ahead.part(i / (2 * $w), per, n * size_of::<T>());
+                // A full chunk's 16 tokens go eight a loop step, a slice of constant length
+                // (two steps, no count to keep); 16 a step spilled registers. Fewer go two a
+                // step. The sums are the same.
+                // SAFETY: the caller's contract.
+                unsafe {
+                    if let Some(all) = vs.first_chunk::<16>() {
+                        weigh::<T, R, 8>(all, (w, stride), i, (&mut a0, &mut a1));
+                    } else {
+                        weigh::<T, R, 2>(vs, (w, stride), i, (&mut a0, &mut a1));
                     }
                 }
                 for r in 0..R {
@@ -694,9 +727,13 @@ macro_rules! chunk_axpy {
                 // contract.
                 unsafe {
                     let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
-                    match block {
-                        $($r => axpy_rows_r::<T, $r>(acc, n, w, vs, ahead),)+
-                        _ => axpy_rows_r::<T, 1>(acc, n, w, vs, ahead),
+                    // Blocks of 4 rows at head dim 128 with the chunk's weights 16 apart (the
+                    // kernel's layout) take both as constants, so that the loops unroll and
+                    // address at fixed offsets; the sums are the same.
+                    match (block, n, stride) {
+                        (4, 128, 16) => axpy_rows_r::<T, 4, 128, 16>(acc, n, w, vs, ahead),
+                        $(($r, _, _) => axpy_rows_r::<T, $r, 0, 0>(acc, n, w, vs, ahead),)+
+                        _ => axpy_rows_r::<T, 1, 0, 0>(acc, n, w, vs, ahead),
                     }
                 }
             });
