@@ -4,8 +4,9 @@ use std::arch::x86_64::*;
 
 use crate::{DType, Element};
 
-use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
+use super::{EXP_CLAMP, EXP_POLY, FIXED_HEAD_DIM, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
 
+#[inline]
 #[target_feature(enable = "avx2,fma")]
 fn hsum(v: __m256) -> f32 {
     let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -155,8 +156,8 @@ pub(super) unsafe fn dot_rows(
 /// sums [`dot_rows`] makes, for a chunk at once. Rows go in blocks of up to 4 and keys 2, 2,
 /// 4 or 8 at a time (at most eight accumulators), so that each widened key slice serves the
 /// block's rows (8 rows of one key each would load 8 query slices for each key slice). Each
-/// row's sums are then reduced eight keys at a time in one tree ([`super::fold`] by [`sum_level`]) that adds lanes in the order [`hsum`]
-/// does.
+/// row's sums are then reduced eight keys at a time in one tree ([`super::fold`] by
+/// [`sum_level`]) that adds lanes in the order [`hsum`] does.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `q` must hold `rows * n` floats, each key `n` elements
@@ -177,11 +178,10 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
-            // Blocks of 4 rows at head dim 128 (the shape of record: GQA 4 and 8) run with
-            // the head dim a constant, so that their loops unroll and address the rows at
-            // fixed offsets; other shapes pass it at run time (`N = 0`). The sums are the same.
             match (block, n) {
-                (4, 128) => qk_rows::<T, 4, 2, 8, 128>(q, n, &all, out, (live, ahead)),
+                (4, FIXED_HEAD_DIM) => {
+                    qk_rows::<T, 4, 2, 8, FIXED_HEAD_DIM>(q, n, &all, out, (live, ahead));
+                }
                 (4, _) => qk_rows::<T, 4, 2, 8, 0>(q, n, &all, out, (live, ahead)),
                 (3, _) => qk_rows::<T, 3, 2, 8, 0>(q, n, &all, out, (live, ahead)),
                 (2, _) => qk_rows::<T, 2, 4, 4, 0>(q, n, &all, out, (live, ahead)),
@@ -192,8 +192,10 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
 }
 
 /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B <= 8` accumulators), in
-/// `H = 16 / B` blocks; `N` is the head dim where it is a constant, else 0 (`n` then). A block of `B` aligned keys is a subtree of the first levels of
-/// [`super::fold`]; each half chunk's `8 / B` blocks (eight keys) go through the rest.
+/// `H = 16 / B` blocks; `N` is the head dim where it is a constant
+/// ([`super::FIXED_HEAD_DIM`]), else 0 (`n` then). A block of `B` aligned keys is a subtree
+/// of the first levels of [`super::fold`]; each half chunk's `8 / B` blocks (eight keys) go
+/// through the rest.
 ///
 /// # Safety
 /// As [`qk_chunk`], for `R` rows of `q` and of the scores.

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use crate::{DType, Element};
 
-use super::{EXP_CLAMP, EXP_POLY, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
+use super::{EXP_CLAMP, EXP_POLY, FIXED_HEAD_DIM, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -204,9 +204,10 @@ pub(crate) unsafe fn qk_chunk(
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
-            // Head dim 128 with groups of 4 as a constant, as the AVX2 build does.
             match (block, n) {
-                (4, 128) => qk_rows::<4, 4, 128>(q, n, (&all, dtype), out, (live, ahead)),
+                (4, FIXED_HEAD_DIM) => {
+                    qk_rows::<4, 4, FIXED_HEAD_DIM>(q, n, (&all, dtype), out, (live, ahead));
+                }
                 (8, _) => qk_rows::<8, 2, 0>(q, n, (&all, dtype), out, (live, ahead)),
                 (4, _) => qk_rows::<4, 4, 0>(q, n, (&all, dtype), out, (live, ahead)),
                 (2, _) => qk_rows::<2, 8, 0>(q, n, (&all, dtype), out, (live, ahead)),
@@ -217,7 +218,7 @@ pub(crate) unsafe fn qk_chunk(
 }
 
 /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators); `N`
-/// is the head dim where it is a constant, else 0 (`n` then).
+/// is the head dim where it is a constant ([`super::FIXED_HEAD_DIM`]), else 0 (`n` then).
 /// A block of `B` aligned keys is a subtree of the first levels of [`super::fold`]; the
 /// blocks' results go through the rest.
 ///

@@ -120,6 +120,8 @@ impl<'a> Ahead<'a> {
         }
         if !self.run.is_null() {
             let from = self.run.wrapping_add(lo * row_bytes);
+            // The same call either way; the first has a length the compiler knows where
+            // `per` and `row_bytes` are constants (every step but a short chunk's last).
             if hi - lo == per {
                 fetch_lines(from, per * row_bytes);
             } else {
@@ -414,6 +416,13 @@ fn pad16<P: Copy>(keys: &[P]) -> ([P; 16], u16) {
     (all, first_lanes(keys.len()))
 }
 
+/// The head dim that the chunk kernels' blocks of 4 rows take as a constant (the shape of
+/// record: GQA 4 and 8 at head dim 128), so that their loops unroll and address rows at
+/// fixed offsets; other head dims run the same code with the head dim at run time (`N = 0`).
+/// The sums are the same bits either way.
+#[cfg(target_arch = "x86_64")]
+const FIXED_HEAD_DIM: usize = 128;
+
 /// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
 /// fused kernels run with a constant row count (accumulators in registers).
 #[inline(always)]
@@ -615,35 +624,43 @@ macro_rules! chunk_axpy {
             i: usize,
             (a0, a1): (&mut [$v; R], &mut [$v; R]),
         ) {
-            let dtype = T::DTYPE;
-            // Tokens `G` at a time (one loop step for all), each row's sums still token by
-            // token in order; the `j`-th value weighs `w[r * stride + j]`.
+            // Tokens `G` at a time (one loop step for all), then the rest, each row's sums
+            // token by token in order.
             let mut groups = vs.chunks_exact(G);
             let mut j = 0;
             for group in groups.by_ref() {
                 for (t, &v) in group.iter().enumerate() {
-                    // SAFETY: the caller's contract: the value holds the two vectors from
-                    // `i`; weight `r * stride + j + t` is within its `R` rows of `stride`.
-                    unsafe {
-                        let (v0, v1) = load_pair(v, dtype, i);
-                        for r in 0..R {
-                            let wr = $set1(*w.add(r * stride + j + t));
-                            a0[r] = $fma(wr, v0, a0[r]);
-                            a1[r] = $fma(wr, v1, a1[r]);
-                        }
-                    }
+                    // SAFETY: the caller's contract, for value `j + t`.
+                    unsafe { weigh_one::<T, R>(v, (w.add(j + t), stride), i, (a0, a1)) };
                 }
                 j += G;
             }
             for (t, &v) in groups.remainder().iter().enumerate() {
-                // SAFETY: as above, for the last values.
-                unsafe {
-                    let (v0, v1) = load_pair(v, dtype, i);
-                    for r in 0..R {
-                        let wr = $set1(*w.add(r * stride + j + t));
-                        a0[r] = $fma(wr, v0, a0[r]);
-                        a1[r] = $fma(wr, v1, a1[r]);
-                    }
+                // SAFETY: as above.
+                unsafe { weigh_one::<T, R>(v, (w.add(j + t), stride), i, (a0, a1)) };
+            }
+        }
+
+        /// Adds value `v`, weighted by `w[r * stride]` in row `r`, to the sums `(a0, a1)` of
+        /// the `R` rows (the two vectors from element `i`, in `load_pair`'s order).
+        ///
+        /// # Safety
+        /// `v` must hold the two vectors from element `i` of `T`, and `w` rows `R` of
+        /// `stride` weights.
+        #[inline(always)]
+        unsafe fn weigh_one<T: Element, const R: usize>(
+            v: *const u8,
+            (w, stride): (*const f32, usize),
+            i: usize,
+            (a0, a1): (&mut [$v; R], &mut [$v; R]),
+        ) {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let (v0, v1) = load_pair(v, T::DTYPE, i);
+                for r in 0..R {
+                    let wr = $set1(*w.add(r * stride));
+                    a0[r] = $fma(wr, v0, a0[r]);
+                    a1[r] = $fma(wr, v1, a1[r]);
                 }
             }
         }
@@ -727,11 +744,11 @@ macro_rules! chunk_axpy {
                 // contract.
                 unsafe {
                     let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
-                    // Blocks of 4 rows at head dim 128 with the chunk's weights 16 apart (the
-                    // kernel's layout) take both as constants, so that the loops unroll and
-                    // address at fixed offsets; the sums are the same.
+                    // The weights' stride is a constant too where it is the kernel's (16).
                     match (block, n, stride) {
-                        (4, 128, 16) => axpy_rows_r::<T, 4, 128, 16>(acc, n, w, vs, ahead),
+                        (4, super::FIXED_HEAD_DIM, 16) => {
+                            axpy_rows_r::<T, 4, { super::FIXED_HEAD_DIM }, 16>(acc, n, w, vs, ahead);
+                        }
                         $(($r, _, _) => axpy_rows_r::<T, $r, 0, 0>(acc, n, w, vs, ahead),)+
                         _ => axpy_rows_r::<T, 1, 0, 0>(acc, n, w, vs, ahead),
                     }

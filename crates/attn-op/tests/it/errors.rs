@@ -5,6 +5,8 @@ use attn_op::{
     compact_kv, gather_page_offsets, merge_attention, paged_attention, sparse_page_attention,
 };
 
+use crate::oracle::Rng;
+
 const LAYOUT: KvLayout = KvLayout {
     num_blocks: 4,
     block_size: 4,
@@ -334,17 +336,9 @@ fn tensors_start_on_a_cache_line_and_keep_their_elements() {
             num_blocks: blocks,
             ..LAYOUT
         };
-        let mut x = 0x9e37_79b9u32 ^ blocks as u32;
-        let mut tensor = || -> Vec<T> {
-            (0..layout.len())
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 17;
-                    x ^= x << 5;
-                    T::from_f32((x >> 8) as f32 / (1 << 24) as f32 - 0.5)
-                })
-                .collect()
-        };
+        let mut rng = Rng::new(0x9e37_79b9 ^ blocks as u64);
+        let mut tensor =
+            || -> Vec<T> { (0..layout.len()).map(|_| T::from_f32(rng.unit())).collect() };
         let (k, v) = (tensor(), tensor());
         let cache = PagedKv::from_tensors(layout, k.clone(), v.clone()).expect("consistent");
         let copy = cache.clone();
