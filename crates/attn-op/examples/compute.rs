@@ -11,7 +11,8 @@
 //! `L` the context (4096; f32 takes half, for the same bytes) and `ITERS` the calls (200).
 //! `TYPES` picks the caches (a comma list; all three by default).
 //! `Q` queries (1: a decode) attend as the last `Q` positions of the context, as a prefill's
-//! query tile does, and `GROUP` sets the query heads of each of the 8 KV heads (4).
+//! query tile does, `GROUP` sets the query heads of each KV head (4), `KV` the KV heads (8)
+//! and `D` the head dim (128): `KV=3 D=64 GROUP=3` is SmolLM2's attention.
 #![allow(
     clippy::print_stdout,
     reason = "an example that prints what it measured"
@@ -29,7 +30,7 @@ use half::{bf16, f16};
     reason = "the bench's pool module; this example uses part of it"
 )]
 mod pool;
-use pool::{D, KV_HEADS, Q_HEADS, kv_bytes, setup, values};
+use pool::{D, KV_HEADS, Q_HEADS, setup_shaped, values};
 
 fn main() -> Result<(), AttnError> {
     let var = |name: &str, default: usize| {
@@ -42,6 +43,8 @@ fn main() -> Result<(), AttnError> {
     let shape = Shape {
         queries: var("Q", 1).clamp(1, ctx / 2),
         group: var("GROUP", Q_HEADS / KV_HEADS).max(1),
+        kv_heads: var("KV", KV_HEADS).max(1),
+        d: var("D", D).max(1),
     };
     let simd = match std::env::var("SIMD").as_deref() {
         Ok("portable") => Simd::Portable,
@@ -72,6 +75,8 @@ fn main() -> Result<(), AttnError> {
 struct Shape {
     queries: usize,
     group: usize,
+    kv_heads: usize,
+    d: usize,
 }
 
 /// Times `iters` calls of one sequence at context `ctx` over one pool of `T`, its last
@@ -83,18 +88,19 @@ fn run<T: Element>(
     iters: usize,
     simd: Simd,
 ) -> Result<(), AttnError> {
-    let dec = setup::<T>(1, ctx);
-    let heads = KV_HEADS * shape.group;
+    let (kv_heads, d) = (shape.kv_heads, shape.d);
+    let dec = setup_shaped::<T>(1, ctx, (kv_heads, d));
+    let heads = kv_heads * shape.group;
     let rows = shape.queries * heads;
     let cu = [0, shape.queries as i32];
     let meta = BatchMeta {
         cu_seqlens_q: &cu,
         ..dec.meta()
     };
-    let q: Vec<T> = values(rows * D, 0x9e37_79b9);
-    let mut params = AttnParams::new(heads, D);
+    let q: Vec<T> = values(rows * d, 0x9e37_79b9);
+    let mut params = AttnParams::new(heads, d);
     params.simd = simd;
-    let (mut out, mut lse) = (vec![0.0; rows * D], vec![0.0; rows]);
+    let (mut out, mut lse) = (vec![0.0; rows * d], vec![0.0; rows]);
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
@@ -121,7 +127,7 @@ fn run<T: Element>(
         shape.queries,
         median * 1e6,
         times[0] * 1e6,
-        kv_bytes::<T>(1, ctx) as f64 / median / 1e9
+        (2 * ctx * kv_heads * d * size_of::<T>()) as f64 / median / 1e9
     );
     Ok(())
 }

@@ -699,14 +699,19 @@ fn job_rows<T: Element>(
 /// Pointers to a chunk's K and V rows for each KV head of a job, as the SIMD builds read them:
 /// head-major (head block `hb`'s rows at `hb * CHUNK ..`, one a token; entries past the
 /// chunk's tokens are stale and never read) for the math, and in address order (token by
-/// token, each token's heads in order) for the prefetches of the chunk before. Filled once a
-/// chunk, by additions only.
+/// token, each token's heads in order) for the prefetches of the chunk before. Where those
+/// rows lie back to back (a chunk inside one run of a job with every KV head: a decode's
+/// chunk of one page), the address order is the first row and a count, and no table is
+/// written. Filled once a chunk, by additions only.
 #[derive(Default)]
 struct ChunkRows {
     k: Vec<*const u8>,
     v: Vec<*const u8>,
     k_addr: Vec<*const u8>,
     v_addr: Vec<*const u8>,
+    /// The first K and V rows and the row count where the rows lie back to back (the
+    /// tables above are then empty).
+    span: Option<(*const u8, *const u8, usize)>,
 }
 
 impl ChunkRows {
@@ -720,14 +725,6 @@ impl ChunkRows {
     ) {
         const C: usize = CHUNK as usize;
         let tokens = chunk.iter().map(|run| run.len as usize).sum::<usize>();
-        // Every entry read is written below: no clearing.
-        let null = std::ptr::null();
-        for rows in [&mut self.k, &mut self.v] {
-            rows.resize(nh * C, null);
-        }
-        for rows in [&mut self.k_addr, &mut self.v_addr] {
-            rows.resize(tokens * nh, null);
-        }
         // A run's rows come from one slice of its tokens' rows of every head, so that each
         // pointer stays within the memory it was derived from; head `h` of the run's token
         // `i` lies `i * token + h * row` bytes into it.
@@ -735,21 +732,52 @@ impl ChunkRows {
             d * size_of::<T>(),
             kv.layout_ref().token_stride() * size_of::<T>(),
         );
+        let back_to_back = chunk.len() == 1 && nh * row == token;
+        // Every entry read is written below: no clearing.
+        let null = std::ptr::null();
+        for rows in [&mut self.k, &mut self.v] {
+            rows.resize(nh * C, null);
+        }
+        let table = if back_to_back { 0 } else { tokens * nh };
+        for rows in [&mut self.k_addr, &mut self.v_addr] {
+            rows.resize(table, null);
+        }
+        self.span = None;
         let mut t = 0;
         for run in chunk {
-            let (k, v) = kv.run_all_heads(run.slot as usize, run.len as usize);
+            let n = run.len as usize;
+            let (k, v) = kv.run_all_heads(run.slot as usize, n);
             let (k, v) = (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>());
-            for i in 0..run.len as usize {
-                let at = t * nh..(t + 1) * nh;
-                let (ka, va) = (&mut self.k_addr[at.clone()], &mut self.v_addr[at]);
-                for hb in 0..nh {
-                    let o = i * token + (h0 + hb) * row;
-                    let (kp, vp) = (k.wrapping_add(o), v.wrapping_add(o));
-                    (ka[hb], va[hb]) = (kp, vp);
-                    (self.k[hb * C + t], self.v[hb * C + t]) = (kp, vp);
-                }
-                t += 1;
+            if back_to_back {
+                // Head `h0` is 0: the job has every head.
+                self.span = Some((k, v, tokens * nh));
             }
+            // Head-major: each head's rows one token apart.
+            for hb in 0..nh {
+                let at = hb * C + t..hb * C + t + n;
+                let (ks, vs) = (&mut self.k[at.clone()], &mut self.v[at]);
+                let o = (h0 + hb) * row;
+                let (mut kp, mut vp) = (k.wrapping_add(o), v.wrapping_add(o));
+                for (kr, vr) in ks.iter_mut().zip(vs) {
+                    (*kr, *vr) = (kp, vp);
+                    (kp, vp) = (kp.wrapping_add(token), vp.wrapping_add(token));
+                }
+            }
+            if !back_to_back {
+                let at = t * nh..(t + n) * nh;
+                let (ka, va) = (&mut self.k_addr[at.clone()], &mut self.v_addr[at]);
+                for (i, (ka, va)) in ka
+                    .chunks_exact_mut(nh)
+                    .zip(va.chunks_exact_mut(nh))
+                    .enumerate()
+                {
+                    for hb in 0..nh {
+                        let o = i * token + (h0 + hb) * row;
+                        (ka[hb], va[hb]) = (k.wrapping_add(o), v.wrapping_add(o));
+                    }
+                }
+            }
+            t += n;
         }
     }
 
@@ -759,6 +787,7 @@ impl ChunkRows {
         self.v.clear();
         self.k_addr.clear();
         self.v_addr.clear();
+        self.span = None;
     }
 
     /// Head block `hb`'s rows of the chunk's first `len` tokens: keys, values.
@@ -774,9 +803,18 @@ impl ChunkRows {
     /// and for V (rows of `bytes`): its share of these rows in address order (block `hb`
     /// takes rows `16 hb .. 16 (hb + 1)` of the chunk's tokens times heads).
     fn share(&self, hb: usize, bytes: usize) -> (simd::Ahead<'_>, simd::Ahead<'_>) {
+        let from = hb * CHUNK as usize;
+        if let Some((k, v, rows)) = self.span {
+            let len = rows.saturating_sub(from).min(CHUNK as usize);
+            let skip = from.min(rows) * bytes;
+            return (
+                simd::Ahead::back_to_back(k.wrapping_add(skip), len, bytes),
+                simd::Ahead::back_to_back(v.wrapping_add(skip), len, bytes),
+            );
+        }
         // Both address tables hold a row per (token, head).
         let rows = self.k_addr.len();
-        let from = (hb * CHUNK as usize).min(rows);
+        let from = from.min(rows);
         let at = from..(from + CHUNK as usize).min(rows);
         (
             simd::Ahead::new(&self.k_addr[at.clone()], bytes),

@@ -76,12 +76,22 @@ impl<T: Element> Decode<T> {
 /// A decode batch of `batch` sequences of `ctx` tokens, its pool filled by tiling a random
 /// pattern (the values do not matter for speed, only that they are not zeros).
 pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> Decode<T> {
+    setup_shaped(batch, ctx, (KV_HEADS, D))
+}
+
+/// [`setup`] with `kv_heads` KV heads of head dim `d` (queries for `Q_HEADS` query heads of
+/// `d`; a caller with other query heads draws its own).
+pub(crate) fn setup_shaped<T: Element>(
+    batch: usize,
+    ctx: usize,
+    (kv_heads, d): (usize, usize),
+) -> Decode<T> {
     let blocks_per_seq = ctx / BS;
     let layout = KvLayout {
         num_blocks: batch * blocks_per_seq,
         block_size: BS,
-        kv_heads: KV_HEADS,
-        head_dim: D,
+        kv_heads,
+        head_dim: d,
     };
     let pattern: Vec<T> = values(1 << 20, 0x2545_f491);
     let tile = |n: usize, shift: usize| -> Vec<T> {
@@ -102,7 +112,7 @@ pub(crate) fn setup<T: Element>(batch: usize, ctx: usize) -> Decode<T> {
         kv,
         copies: Vec::new(),
         table,
-        q: tile(batch * Q_HEADS * D, 3),
+        q: tile(batch * Q_HEADS * d, 3),
         cu: (0..=batch as i32).collect(),
         lens: vec![ctx as i32; batch],
     }

@@ -1,10 +1,14 @@
 //! The AVX2 build (AVX2, FMA and F16C): eight f32 lanes, f16 widened by F16C and bf16 by a shift.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use crate::{DType, Element};
 
-use super::{EXP_CLAMP, EXP_POLY, FIXED_HEAD_DIM, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
+use super::{
+    EXP_CLAMP, EXP_POLY, FIXED_HEAD_DIM, LN2_HI, LN2_LO, SMALL_HEAD_DIM, chunk_axpy, exp_tail,
+    qk_block,
+};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -182,6 +186,12 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
                 (4, FIXED_HEAD_DIM) => {
                     qk_rows::<T, 4, 2, 8, FIXED_HEAD_DIM>(q, n, &all, out, (live, ahead));
                 }
+                (4, SMALL_HEAD_DIM) => {
+                    qk_rows::<T, 4, 2, 8, SMALL_HEAD_DIM>(q, n, &all, out, (live, ahead));
+                }
+                (3, SMALL_HEAD_DIM) => {
+                    qk_rows::<T, 3, 2, 8, SMALL_HEAD_DIM>(q, n, &all, out, (live, ahead));
+                }
                 (4, _) => qk_rows::<T, 4, 2, 8, 0>(q, n, &all, out, (live, ahead)),
                 (3, _) => qk_rows::<T, 3, 2, 8, 0>(q, n, &all, out, (live, ahead)),
                 (2, _) => qk_rows::<T, 2, 4, 4, 0>(q, n, &all, out, (live, ahead)),
@@ -212,16 +222,22 @@ unsafe fn qk_rows<T: Element, const R: usize, const B: usize, const H: usize, co
     let level = |k, u, w| sum_level(k, u, w);
     // Each row has `H` blocks, `H / 2` a half chunk.
     let half_blocks = H / 2;
-    let mut blocks = [[_mm256_setzero_ps(); H]; R];
+    debug_assert_eq!(H * B, 16);
+    // Each block's sums are written once below before any is read, so the array starts
+    // uninitialized: an array of zero vectors cost a `memset` a call.
+    let mut blocks = [[MaybeUninit::<__m256>::uninit(); H]; R];
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B, n * size_of::<T>());
         let mut acc = [[_mm256_setzero_ps(); B]; R];
         // SAFETY: the caller's contract (`n` a multiple of 8, so whole vectors cover it).
         unsafe { block_dots::<R, B, N>((q, n), (block, T::DTYPE), &mut acc) };
         for r in 0..R {
-            blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
+            blocks[r][b].write(super::fold(&mut acc[r], 0..split, level));
         }
     }
+    // SAFETY: the loop wrote every block of every row (`keys` holds `16 = H * B` keys, so
+    // `b` took every value below `H`), and `MaybeUninit<__m256>` has the layout of `__m256`.
+    let blocks = unsafe { &mut *(&raw mut blocks).cast::<[[__m256; H]; R]>() };
     // The tree leaves token `t` of a half in lane `t / 2` (even `t`) or `4 + t / 2` (odd).
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     let bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -336,6 +352,11 @@ chunk_axpy!(
     "AVX2, FMA and F16C",
     row_blocks4,
     [4, 3, 2],
+    [
+        (4, FIXED_HEAD_DIM),
+        (4, SMALL_HEAD_DIM),
+        (3, SMALL_HEAD_DIM)
+    ],
     8,
     __m256,
     _mm256_setzero_ps,

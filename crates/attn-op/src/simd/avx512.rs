@@ -2,10 +2,14 @@
 //! multiply-adds.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use crate::{DType, Element};
 
-use super::{EXP_CLAMP, EXP_POLY, FIXED_HEAD_DIM, LN2_HI, LN2_LO, chunk_axpy, exp_tail, qk_block};
+use super::{
+    EXP_CLAMP, EXP_POLY, FIXED_HEAD_DIM, LN2_HI, LN2_LO, SMALL_HEAD_DIM, chunk_axpy, exp_tail,
+    qk_block,
+};
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -208,6 +212,9 @@ pub(crate) unsafe fn qk_chunk(
                 (4, FIXED_HEAD_DIM) => {
                     qk_rows::<4, 4, FIXED_HEAD_DIM>(q, n, (&all, dtype), out, (live, ahead));
                 }
+                (4, SMALL_HEAD_DIM) => {
+                    qk_rows::<4, 4, SMALL_HEAD_DIM>(q, n, (&all, dtype), out, (live, ahead));
+                }
                 (8, _) => qk_rows::<8, 2, 0>(q, n, (&all, dtype), out, (live, ahead)),
                 (4, _) => qk_rows::<4, 4, 0>(q, n, (&all, dtype), out, (live, ahead)),
                 (2, _) => qk_rows::<2, 8, 0>(q, n, (&all, dtype), out, (live, ahead)),
@@ -236,16 +243,22 @@ unsafe fn qk_rows<const R: usize, const B: usize, const N: usize>(
     let split = B.trailing_zeros() as usize;
     let level = |k, u, w| sum_level(k, u, w);
     // `B = 16 / R`, so each row has `R` blocks.
-    let mut blocks = [[_mm512_setzero_ps(); R]; R];
+    debug_assert_eq!(R * B, 16);
+    // Each block's sums are written once below before any is read, so the array starts
+    // uninitialized (an array of zero vectors costs a `memset` a call).
+    let mut blocks = [[MaybeUninit::<__m512>::uninit(); R]; R];
     for (b, block) in keys.chunks_exact(B).enumerate() {
         ahead.part(b, B, n * dtype.size());
         let mut acc = [[_mm512_setzero_ps(); B]; R];
         // SAFETY: the caller's contract (`n` a multiple of 16, so whole vectors cover it).
         unsafe { block_dots::<R, B, N>((q, n), (block, dtype), &mut acc) };
         for r in 0..R {
-            blocks[r][b] = super::fold(&mut acc[r], 0..split, level);
+            blocks[r][b].write(super::fold(&mut acc[r], 0..split, level));
         }
     }
+    // SAFETY: the loop wrote every block of every row (`keys` holds `16 = R * B` keys, so
+    // `b` took every value below `R`), and `MaybeUninit<__m512>` has the layout of `__m512`.
+    let blocks = unsafe { &mut *(&raw mut blocks).cast::<[[__m512; R]; R]>() };
     // The tree leaves token `t` in lane `4 (t % 4) + t / 4`.
     let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     for (r, row) in blocks.iter_mut().enumerate() {
@@ -300,6 +313,7 @@ chunk_axpy!(
     "AVX-512F",
     row_blocks,
     [8, 4, 2],
+    [(4, FIXED_HEAD_DIM), (4, SMALL_HEAD_DIM)],
     16,
     __m512,
     _mm512_setzero_ps,

@@ -63,8 +63,11 @@ fn detect() -> u8 {
 /// level 1 for the next head's rows as well cost more than it saved (session 33).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ahead<'a> {
-    /// Rows of a later chunk, by token of the current chunk.
+    /// Rows of a later chunk, by token of the current chunk (none where `run` alone
+    /// describes them).
     rows: &'a [*const u8],
+    /// How many rows.
+    len: usize,
     /// Bytes of each row.
     bytes: usize,
     /// The first row where the rows lie back to back (one range of lines), else null.
@@ -81,9 +84,21 @@ impl<'a> Ahead<'a> {
     /// Asks for nothing.
     pub(crate) const NONE: Ahead<'static> = Ahead {
         rows: &[],
+        len: 0,
         bytes: 0,
         run: std::ptr::null(),
     };
+
+    /// Asks for `len` rows of `bytes` that lie back to back from `first`, one with the work
+    /// on each token.
+    pub(crate) fn back_to_back(first: *const u8, len: usize, bytes: usize) -> Self {
+        Ahead {
+            rows: &[],
+            len,
+            bytes,
+            run: if len == 0 { std::ptr::null() } else { first },
+        }
+    }
 
     /// Asks for `rows[t]` (`bytes` from each) with the work on token `t`. Rows whose first
     /// and last lie as far apart as back-to-back rows would (a decode's every head of
@@ -95,7 +110,12 @@ impl<'a> Ahead<'a> {
             [only] => *only,
             _ => std::ptr::null(),
         };
-        Ahead { rows, bytes, run }
+        Ahead {
+            rows,
+            len: rows.len(),
+            bytes,
+            run,
+        }
     }
 
     /// What the block of rows from `first_row` asks for: the first block of a chunk kernel's
@@ -113,8 +133,8 @@ impl<'a> Ahead<'a> {
     /// back-to-back rows is a fixed run of prefetches, with no loop to count.
     #[inline(always)]
     pub(crate) fn part(&self, k: usize, per: usize, row_bytes: usize) {
-        debug_assert!(self.rows.is_empty() || row_bytes == self.bytes);
-        let (lo, hi) = (k * per, ((k + 1) * per).min(self.rows.len()));
+        debug_assert!(self.len == 0 || row_bytes == self.bytes);
+        let (lo, hi) = (k * per, ((k + 1) * per).min(self.len));
         if lo >= hi {
             return;
         }
@@ -423,6 +443,13 @@ fn pad16<P: Copy>(keys: &[P]) -> ([P; 16], u16) {
 #[cfg(target_arch = "x86_64")]
 const FIXED_HEAD_DIM: usize = 128;
 
+/// The small Llama-family models' head dim (SmolLM2 with groups of 3, Llama-3.2-1B and
+/// TinyLlama with groups of 4 and 8), which the chunk kernels take as a constant too, for
+/// blocks of 4 rows and, in the AVX2 build, of 3. At this head dim a key's fixed costs weigh
+/// on half as many multiply-adds, so the loop counters cost twice as much a multiply-add.
+#[cfg(target_arch = "x86_64")]
+const SMALL_HEAD_DIM: usize = 64;
+
 /// Splits `rows` into blocks of 8, 4, 2 and 1 and calls `f(first_row, block)` for each, so the
 /// fused kernels run with a constant row count (accumulators in registers).
 #[inline(always)]
@@ -585,7 +612,7 @@ use qk_block;
 /// vectors' worth of a value, `axpy_rows_r` keeps two vectors of each of `R` rows in
 /// registers over a chunk's tokens, and `axpy_rows` runs it over row blocks.
 macro_rules! chunk_axpy {
-    ($feat:literal, $isa:literal, $blocks:ident, [$($r:literal),+], $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
+    ($feat:literal, $isa:literal, $blocks:ident, [$($r:literal),+], [$(($fr:literal, $fd:path)),+], $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
      $ldu:ident, $stu:ident, $add:ident, $load:ident,
      ($vi:ty, $ldi:ident, $andi:ident, $set1i:ident, $slli:ident, $cast:ident)) => {
         #[doc = concat!("Elements `i .. i + 2 * ", $w, "` of a buffer of `dtype`, widened to f32")]
@@ -746,9 +773,9 @@ macro_rules! chunk_axpy {
                     let (acc, w) = (acc.add(r * n), (w.add(r * stride), stride));
                     // The weights' stride is a constant too where it is the kernel's (16).
                     match (block, n, stride) {
-                        (4, super::FIXED_HEAD_DIM, 16) => {
-                            axpy_rows_r::<T, 4, { super::FIXED_HEAD_DIM }, 16>(acc, n, w, vs, ahead);
-                        }
+                        $(($fr, $fd, 16) => {
+                            axpy_rows_r::<T, $fr, { $fd }, 16>(acc, n, w, vs, ahead);
+                        })+
                         $(($r, _, _) => axpy_rows_r::<T, $r, 0, 0>(acc, n, w, vs, ahead),)+
                         _ => axpy_rows_r::<T, 1, 0, 0>(acc, n, w, vs, ahead),
                     }

@@ -32,7 +32,7 @@ fn shape() -> impl Strategy<Value = Shape> {
         1..4usize,
         prop::sample::select(vec![2usize, 4, 16]),
         1..3usize,
-        prop::sample::select(vec![1usize, 4, 8]),
+        prop::sample::select(vec![1usize, 3, 4, 8]),
         prop::sample::select(vec![4usize, 12, 24, 64, 128]),
         1..70usize,
         0..3u8,
