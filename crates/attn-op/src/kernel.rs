@@ -763,21 +763,20 @@ impl ChunkRows {
                     (kp, vp) = (kp.wrapping_add(token), vp.wrapping_add(token));
                 }
             }
-            if !back_to_back {
-                let at = t * nh..(t + n) * nh;
-                let (ka, va) = (&mut self.k_addr[at.clone()], &mut self.v_addr[at]);
-                for (i, (ka, va)) in ka
-                    .chunks_exact_mut(nh)
-                    .zip(va.chunks_exact_mut(nh))
-                    .enumerate()
-                {
-                    for hb in 0..nh {
-                        let o = i * token + (h0 + hb) * row;
-                        (ka[hb], va[hb]) = (k.wrapping_add(o), v.wrapping_add(o));
-                    }
+            t += n;
+        }
+        if !back_to_back {
+            // The same rows in address order: token by token, each token's heads in order.
+            for (i, (ka, va)) in self
+                .k_addr
+                .chunks_exact_mut(nh)
+                .zip(self.v_addr.chunks_exact_mut(nh))
+                .enumerate()
+            {
+                for hb in 0..nh {
+                    (ka[hb], va[hb]) = (self.k[hb * C + i], self.v[hb * C + i]);
                 }
             }
-            t += n;
         }
     }
 

@@ -182,6 +182,7 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
+            // The constant shapes are those of this build's `chunk_axpy!` list (P·V).
             match (block, n) {
                 (4, FIXED_HEAD_DIM) => {
                     qk_rows::<T, 4, 2, 8, FIXED_HEAD_DIM>(q, n, &all, out, (live, ahead));
@@ -203,7 +204,7 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
 
 /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B <= 8` accumulators), in
 /// `H = 16 / B` blocks; `N` is the head dim where it is a constant
-/// ([`super::FIXED_HEAD_DIM`]), else 0 (`n` then). A block of `B` aligned keys is a subtree
+/// ([`super::FIXED_HEAD_DIM`], [`super::SMALL_HEAD_DIM`]), else 0 (`n` then). A block of `B` aligned keys is a subtree
 /// of the first levels of [`super::fold`]; each half chunk's `8 / B` blocks (eight keys) go
 /// through the rest.
 ///

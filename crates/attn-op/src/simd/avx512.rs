@@ -208,6 +208,7 @@ pub(crate) unsafe fn qk_chunk(
         // `scores` alike.
         unsafe {
             let (q, out) = (q.add(r0 * n), (scores.add(r0 * stride), stride));
+            // The constant shapes are those of this build's `chunk_axpy!` list (P·V).
             match (block, n) {
                 (4, FIXED_HEAD_DIM) => {
                     qk_rows::<4, 4, FIXED_HEAD_DIM>(q, n, (&all, dtype), out, (live, ahead));
@@ -225,7 +226,8 @@ pub(crate) unsafe fn qk_chunk(
 }
 
 /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B = 16` accumulators); `N`
-/// is the head dim where it is a constant ([`super::FIXED_HEAD_DIM`]), else 0 (`n` then).
+/// is the head dim where it is a constant ([`super::FIXED_HEAD_DIM`],
+/// [`super::SMALL_HEAD_DIM`]), else 0 (`n` then).
 /// A block of `B` aligned keys is a subtree of the first levels of [`super::fold`]; the
 /// blocks' results go through the rest.
 ///
