@@ -32,10 +32,13 @@ pub enum Simd {
     Avx512,
     /// For bf16 caches with a head dim that is a multiple of 32, where the CPU has AVX-512 BF16:
     /// bf16 dot products (`vdpbf16ps`, f32 accumulation) with the queries and the softmax
-    /// weights rounded to bf16, as tensor cores round them. About twice the speed of
-    /// [`Simd::Avx512`] at a bf16 rounding of those two operands (relative 2^-9), so it is
-    /// never chosen by [`Simd::Auto`]. Other caches, and CPUs without it, run
-    /// [`Simd::Avx512`] (or what the CPU has).
+    /// weights rounded to bf16, as tensor cores round them: half the multiply-add
+    /// instructions of [`Simd::Avx512`], at a bf16 rounding of those two operands (relative
+    /// 2^-9), so it is never chosen by [`Simd::Auto`]. Whether that is faster depends on the
+    /// CPU: on the Emerald Rapids Xeon we measured, `vdpbf16ps` issues at half the rate of
+    /// an f32 multiply-add, so this build computes no faster than [`Simd::Avx512`]
+    /// (BENCHMARKS.md). Other caches, and CPUs without it, run [`Simd::Avx512`] (or what the
+    /// CPU has).
     Avx512Bf16,
     /// The widest of the f32-exact builds the CPU has (not [`Simd::Avx512Bf16`]).
     #[default]
