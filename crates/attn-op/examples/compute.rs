@@ -5,8 +5,9 @@
 //! must keep above that core's share of the read bandwidth to stay memory-bound.
 //!
 //! `cargo run --release -p attn-op --example compute` prints, for bf16, f16 and f32 caches,
-//! the median, fastest and ninetieth-percentile call and the KV bytes a second at the median, with a hash of the
-//! outputs (two builds that print the same hash computed the same bits). In the environment,
+//! the median, fastest and ninetieth-percentile call and the KV bytes a second at the median,
+//! with a hash of the outputs (two builds that print the same hash computed the same bits).
+//! In the environment,
 //! `SIMD` picks the build (`portable`, `avx2`, `avx512`, `bf16-dot`; the default is `auto`),
 //! `L` the context (4096; f32 takes half, for the same bytes) and `ITERS` the calls (200).
 //! `TYPES` picks the caches (a comma list; all three by default).
