@@ -7,10 +7,9 @@
 //! `cargo run --release -p attn-op --example compute` prints, for bf16, f16 and f32 caches,
 //! the median, fastest and ninetieth-percentile call and the KV bytes a second at the median,
 //! with a hash of the outputs (two builds that print the same hash computed the same bits).
-//! In the environment,
-//! `SIMD` picks the build (`portable`, `avx2`, `avx512`, `bf16-dot`; the default is `auto`),
-//! `L` the context (4096; f32 takes half, for the same bytes) and `ITERS` the calls (200).
-//! `TYPES` picks the caches (a comma list; all three by default).
+//! In the environment, `SIMD` picks the build (`portable`, `avx2`, `avx512`, `bf16-dot`; the
+//! default is `auto`), `L` the context (4096; f32 takes half, for the same bytes) and `ITERS`
+//! the calls (200). `TYPES` picks the caches (a comma list; all three by default).
 //! `Q` queries (1: a decode) attend as the last `Q` positions of the context, as a prefill's
 //! query tile does, `GROUP` sets the query heads of each KV head (4), `KV` the KV heads (8)
 //! and `D` the head dim (128): `KV=3 D=64 GROUP=3` is SmolLM2's attention. `SAME=1` makes every
@@ -33,7 +32,7 @@ use half::{bf16, f16};
     reason = "the bench's pool module; this example uses part of it"
 )]
 mod pool;
-use pool::{D, KV_HEADS, Q_HEADS, setup_shaped, values};
+use pool::{D, KV_HEADS, Q_HEADS, kv_bytes_shaped, setup_shaped, values};
 
 fn main() -> Result<(), AttnError> {
     let var = |name: &str, default: usize| {
@@ -139,7 +138,7 @@ fn run<T: Element>(
         median * 1e6,
         times[0] * 1e6,
         p90 * 1e6,
-        (2 * ctx * kv_heads * d * size_of::<T>()) as f64 / median / 1e9
+        kv_bytes_shaped::<T>(1, ctx, (kv_heads, d)) as f64 / median / 1e9
     );
     Ok(())
 }

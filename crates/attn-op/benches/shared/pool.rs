@@ -133,7 +133,16 @@ pub(crate) fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
 
 /// The KV bytes a dense decode of `batch` sequences of `ctx` tokens reads.
 pub(crate) fn kv_bytes<T: Element>(batch: usize, ctx: usize) -> u64 {
-    (2 * batch * ctx * KV_HEADS * D * T::DTYPE.size()) as u64
+    kv_bytes_shaped::<T>(batch, ctx, (KV_HEADS, D))
+}
+
+/// [`kv_bytes`] with `kv_heads` KV heads of head dim `d`.
+pub(crate) fn kv_bytes_shaped<T: Element>(
+    batch: usize,
+    ctx: usize,
+    (kv_heads, d): (usize, usize),
+) -> u64 {
+    (2 * batch * ctx * kv_heads * d * T::DTYPE.size()) as u64
 }
 
 /// The stream read's 1 GiB of data.

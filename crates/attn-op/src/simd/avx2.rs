@@ -204,9 +204,9 @@ pub(crate) unsafe fn qk_chunk<T: Element>(
 
 /// [`qk_chunk`] for `R` rows, the keys taken `B` at a time (`R * B <= 8` accumulators), in
 /// `H = 16 / B` blocks; `N` is the head dim where it is a constant
-/// ([`super::FIXED_HEAD_DIM`], [`super::SMALL_HEAD_DIM`]), else 0 (`n` then). A block of `B` aligned keys is a subtree
-/// of the first levels of [`super::fold`]; each half chunk's `8 / B` blocks (eight keys) go
-/// through the rest.
+/// ([`super::FIXED_HEAD_DIM`], [`super::SMALL_HEAD_DIM`]), else 0 (`n` then). A block of `B`
+/// aligned keys is a subtree of the first levels of [`super::fold`]; each half chunk's `8 / B`
+/// blocks (eight keys) go through the rest.
 ///
 /// # Safety
 /// As [`qk_chunk`], for `R` rows of `q` and of the scores.

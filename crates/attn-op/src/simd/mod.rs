@@ -612,7 +612,9 @@ use qk_block;
 /// vectors' worth of a value, `axpy_rows_r` keeps two vectors of each of `R` rows in
 /// registers over a chunk's tokens, and `axpy_rows` runs it over row blocks.
 macro_rules! chunk_axpy {
-    ($feat:literal, $isa:literal, $blocks:ident, [$($r:literal),+], [$(($fr:literal, $fd:path)),+], $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
+    ($feat:literal, $isa:literal, $blocks:ident, [$($r:literal),+],
+     [$(($fr:literal, $fd:path)),+],
+     $w:literal, $v:ty, $zero:ident, $set1:ident, $fma:ident,
      $ldu:ident, $stu:ident, $add:ident, $load:ident,
      ($vi:ty, $ldi:ident, $andi:ident, $set1i:ident, $slli:ident, $cast:ident)) => {
         #[doc = concat!("Elements `i .. i + 2 * ", $w, "` of a buffer of `dtype`, widened to f32")]
