@@ -49,7 +49,7 @@ fn main() -> Result<(), attn_op::AttnError> {
     let data = stream_data();
     let read_bytes = (data.len() * size_of::<u64>()) as f64;
     let kv_bytes = kv_bytes::<bf16>(batch, ctx) as f64;
-    println!("pair | stream read (ms) | decode (ms) | fraction of the read");
+    println!("pair | stream read (ms) | decode (µs) | fraction of the read");
     let mut fractions = Vec::with_capacity(pairs);
     for pair in 0..pairs {
         let t = Instant::now();
@@ -71,7 +71,7 @@ fn main() -> Result<(), attn_op::AttnError> {
         println!(
             "{pair} | {:.1} | {:.1} | {fraction:.3}",
             read * 1e3,
-            decode * 1e3
+            decode * 1e6
         );
         fractions.push(fraction);
     }
