@@ -1,7 +1,8 @@
 //! Decode attention benches, with this machine's read bandwidth measured in the same run.
 //!
-//! - `stream_read`: a parallel integer sum over 1 GiB, the STREAM-like ceiling for reading KV,
-//!   measured before the decode benches (`sum_1GiB`) and after them (`sum_1GiB_after`).
+//! - `stream_read`: a parallel integer sum over 1 GiB (on huge pages where Linux grants them, as
+//!   the pools are), the STREAM-like ceiling for reading KV, measured before the decode benches
+//!   (`sum_1GiB`) and after them (`sum_1GiB_after`).
 //! - `decode/{dtype}/B{b}/L{ctx}`: dense paged decode, 32 query / 8 KV heads, head dim 128,
 //!   pages of 32 tokens. Throughput is the KV bytes the step must read. Each call takes the
 //!   next of enough copies of the KV pool that together they pass 640 MiB
