@@ -50,6 +50,16 @@ impl<T: Copy + Default> Aligned<T> {
     }
 }
 
+/// Asks Linux to back `buf`'s allocation (its whole capacity) with transparent huge pages, as
+/// [`PagedKv`](crate::PagedKv) does for its tensors: a buffer read from end to end, or in
+/// scattered rows, then takes a TLB miss every 2 MiB instead of every 4 KiB. Call it on an
+/// empty vector with capacity, before filling it: pages touched before the advice stay small
+/// until the kernel's background merger gets to them. A hint only: where huge pages are off,
+/// or off Linux, nothing changes.
+pub fn advise_huge_pages<T>(buf: &Vec<T>) {
+    advise_huge(buf.as_ptr(), buf.capacity() * size_of::<T>());
+}
+
 /// Asks Linux to back the whole 2 MiB pages among the `bytes` bytes from `start`, within one
 /// allocation (a vector's capacity, initialized or not), with transparent huge pages
 /// (`MADV_HUGEPAGE`; by default the kernel does so only where asked). A decode step reads a
@@ -112,7 +122,7 @@ impl<T: Copy + Default> Clone for Aligned<T> {
         let mut buf = Vec::with_capacity(self.len + pad::<T>());
         // Advised before its pages are touched, as a new tensor's are: a copy of a pool reads
         // as fast as the pool.
-        advise_huge(buf.as_ptr(), buf.capacity() * size_of::<T>());
+        advise_huge_pages(&buf);
         // An empty vector with capacity already has its allocation: its window start is known.
         let at = skip(&buf);
         buf.resize(at, T::default());

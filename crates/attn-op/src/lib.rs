@@ -50,6 +50,7 @@ mod ops;
 mod phase;
 mod simd;
 
+pub use aligned::advise_huge_pages;
 pub use crew::set_linger;
 pub use dtype::{DType, Element};
 pub use error::AttnError;

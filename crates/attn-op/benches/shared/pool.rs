@@ -145,29 +145,15 @@ pub(crate) fn kv_bytes_shaped<T: Element>(
     (2 * batch * ctx * kv_heads * d * T::DTYPE.size()) as u64
 }
 
-/// The stream read's 1 GiB of data, backed by transparent huge pages where Linux grants them,
-/// as the decode's pools are (`PagedKv` advises its tensors): the read is this machine's best,
-/// not one slowed by a TLB miss every 4 KiB. Measured in session 63 (the same sum, alternated):
-/// with the advice the read was about 5 % faster on the dev box and 6-7 % on the 16-core Xeon
-/// (BENCHMARKS.md), so fractions measured before then are that much too high.
+/// The stream read's 1 GiB of data, backed by transparent huge pages where Linux grants them
+/// ([`attn_op::advise_huge_pages`]), as the decode's pools are: the read is this machine's
+/// best, not one slowed by a TLB miss every 4 KiB. Measured in session 63 (the same sum,
+/// alternated): with the advice the read was about 5 % faster on the dev box and 6-7 % on the
+/// 16-core Xeon (BENCHMARKS.md), so fractions measured before then are that much too high.
 pub(crate) fn stream_data() -> Vec<u64> {
     const LEN: usize = 1 << 27;
     let mut data: Vec<u64> = Vec::with_capacity(LEN);
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = data.as_ptr() as usize;
-        let (from, to) = (
-            start.next_multiple_of(HUGE),
-            (start + LEN * size_of::<u64>()) / HUGE * HUGE,
-        );
-        if to > from {
-            // SAFETY: `from..to` lies inside `data`'s allocation, which outlives the call, and
-            // MADV_HUGEPAGE changes only how the kernel backs those pages, never their
-            // contents. The result is ignored: the advice is a hint.
-            unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
-        }
-    }
+    attn_op::advise_huge_pages(&data);
     data.extend((0..LEN as u64).map(|i| i.wrapping_mul(0x9e37_79b9)));
     data
 }
