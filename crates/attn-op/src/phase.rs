@@ -2,7 +2,7 @@
 //! pool, and a job's [`Tree`] merges its units' partial results as they arrive, in a fixed
 //! order that no thread's timing changes.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::crew;
@@ -23,8 +23,8 @@ pub(crate) struct Tree {
     slots: Vec<Mutex<Option<Partial>>>,
     /// Children arrived at each inner node, by heap index.
     arrived: Vec<AtomicU8>,
-    /// The merged and normalized result.
-    root: Mutex<Option<Partial>>,
+    /// Whether the whole has reached the root and been finished.
+    finished: AtomicBool,
 }
 
 impl Tree {
@@ -35,7 +35,7 @@ impl Tree {
             units,
             slots: (0..2 * leaves).map(|_| Mutex::new(None)).collect(),
             arrived: (0..leaves).map(|_| AtomicU8::new(0)).collect(),
-            root: Mutex::new(None),
+            finished: AtomicBool::new(false),
         }
     }
 
@@ -48,14 +48,14 @@ impl Tree {
     /// Takes unit `k`'s partial up the tree: at each node with a sibling, the first of the two
     /// to arrive leaves its partial there, and the second merges the pair (the right into the
     /// left) and climbs on with it, so every call adds the same pairs whoever arrives first.
-    /// Whoever reaches the root runs `finish` on the whole and stores it.
+    /// Whoever reaches the root hands the whole to `finish`, on its own thread.
     pub(crate) fn arrive(
         &self,
         k: usize,
         part: Partial,
         d: usize,
         isa: u8,
-        finish: impl Fn(&mut Partial),
+        finish: impl FnOnce(Partial),
     ) {
         let mut h = self.leaves + k;
         let mut acc = part;
@@ -85,15 +85,13 @@ impl Tree {
             acc = left;
             h /= 2;
         }
-        finish(&mut acc);
-        *lock(&self.root) = Some(acc);
+        finish(acc);
+        self.finished.store(true, Ordering::Release);
     }
 
-    /// The merged and finished result, once every unit arrived.
-    pub(crate) fn into_root(self) -> Option<Partial> {
-        self.root
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// Whether every unit has arrived and the whole has been finished.
+    pub(crate) fn finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
     }
 }
 
@@ -203,9 +201,10 @@ pub(crate) fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::{TASK_SHARE, Tree, guided, share};
+    use super::{TASK_SHARE, Tree, guided, lock, share};
     use crate::kernel::Partial;
     use crate::simd;
 
@@ -278,12 +277,20 @@ mod tests {
                 .collect();
             for order in [(0..n).collect(), (0..n).rev().collect(), interleaved] {
                 let tree = Tree::new(n);
+                let root = Mutex::new(None);
                 for &k in &order {
-                    tree.arrive(k, parts[k].clone(), D, isa, |_| {});
+                    assert!(
+                        !tree.finished(),
+                        "n = {n}: finished before unit {k} arrived"
+                    );
+                    tree.arrive(k, parts[k].clone(), D, isa, |whole| {
+                        *lock(&root) = Some(whole);
+                    });
                 }
-                let got = tree
-                    .into_root()
-                    .expect("every unit arrived, so the root holds the result");
+                assert!(tree.finished(), "n = {n}: every unit arrived");
+                let got = lock(&root)
+                    .take()
+                    .expect("every unit arrived, so the root was finished");
                 assert!(same(&got, &want), "n = {n}, arrival order {order:?}");
             }
         }
