@@ -191,9 +191,9 @@ pub(crate) fn wait_until(count: &AtomicUsize, n: usize) {
 /// Spins before [`wait_until`] yields its core.
 const WAIT_SPINS: u32 = 1 << 10;
 
-/// Locks a tree node's slot, a job's result or the lingering helpers' panic slot. Nothing
-/// panics while one is held (the locks only guard moves in and out; merges run outside them),
-/// so a poisoned lock cannot hide a half-written value.
+/// Locks a tree node's slot, a job's output rows or the lingering helpers' panic slot. Nothing
+/// panics while one is held (the locks only guard moves in and out, and copies between rows of
+/// one length; merges run outside them), so a poisoned lock cannot hide a half-written value.
 pub(crate) fn lock<T>(slot: &Mutex<T>) -> MutexGuard<'_, T> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
