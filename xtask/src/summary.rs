@@ -67,6 +67,20 @@ pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
                 );
             }
         }
+        // The decode over KV the caches hold: where this is below the goal, the CPU's
+        // arithmetic bounds the decode, whatever its memory does.
+        for (id, b) in benches
+            .iter()
+            .filter(|(id, _)| id.starts_with("decode_cached/"))
+        {
+            if let Some(g) = gibs(b) {
+                let _ = writeln!(
+                    derived,
+                    "| {id}: rate from cache over the read bandwidth (the decode's ceiling on this CPU) | {:.2} |",
+                    g / stream
+                );
+            }
+        }
     }
     // Both sparse groups: per-head selections, and one selection a sequence's heads share.
     for (id, sparse) in benches.iter().filter(|(id, _)| {
