@@ -75,30 +75,7 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
         for &ctx in contexts {
             let mut dec = setup::<T>(batch, ctx);
             dec.rotate();
-            let (q, meta) = (&dec.q, dec.meta());
-            let (mut out, mut lse) = dec.outputs();
-            let mut g = c.benchmark_group(format!("decode/{name}"));
-            g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
-            g.sample_size(10);
-            let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
-            let mut call = 0;
-            g.bench_function(id, |b| {
-                b.iter(|| {
-                    call += 1;
-                    paged_attention(
-                        q,
-                        dec.kv_for(call),
-                        &meta,
-                        &params,
-                        AttnOut {
-                            out: &mut out,
-                            lse: Some(&mut lse),
-                        },
-                    )
-                    .expect("valid bench batch");
-                });
-            });
-            g.finish();
+            dense(c, &format!("decode/{name}"), &dec, &params, 10);
             if ctx == 32768 || sweep {
                 sparse::<T>(c, (name, batch, ctx), &dec, &params, false);
             }
@@ -107,6 +84,43 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
             }
         }
     }
+}
+
+/// Dense decode of `dec`'s batch in `group` (`B{batch}/L{ctx}`, `samples` samples), each call
+/// over the next of the pool's copies ([`pool::Decode::rotate`]; the pool itself every call
+/// where it has none).
+fn dense<T: Element>(
+    c: &mut Criterion,
+    group: &str,
+    dec: &pool::Decode<T>,
+    params: &AttnParams,
+    samples: usize,
+) {
+    let (batch, ctx) = (dec.lens.len(), dec.lens.first().map_or(0, |&l| l as usize));
+    let (q, meta) = (&dec.q, dec.meta());
+    let (mut out, mut lse) = dec.outputs();
+    let mut g = c.benchmark_group(group);
+    g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
+    g.sample_size(samples);
+    let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
+    let mut call = 0;
+    g.bench_function(id, |b| {
+        b.iter(|| {
+            call += 1;
+            paged_attention(
+                q,
+                dec.kv_for(call),
+                &meta,
+                params,
+                AttnOut {
+                    out: &mut out,
+                    lse: Some(&mut lse),
+                },
+            )
+            .expect("valid bench batch");
+        });
+    });
+    g.finish();
 }
 
 /// The step over a 2048-token budget: 64 random pages per (sequence, KV head), or with
@@ -177,32 +191,14 @@ fn sparse<T: Element>(
 /// The decode's compute rate: the bench's shape at a context small enough (8 MiB of bf16 KV)
 /// for the last-level caches, the same pool every call.
 fn decode_cached(c: &mut Criterion) {
-    const CACHED: (usize, usize) = (8, 256);
-    let (batch, ctx) = CACHED;
-    let dec = setup::<bf16>(batch, ctx);
-    let (q, meta) = (&dec.q, dec.meta());
-    let (mut out, mut lse) = dec.outputs();
-    let params = AttnParams::new(Q_HEADS, D);
-    let mut g = c.benchmark_group("decode_cached/bf16");
-    g.throughput(Throughput::Bytes(kv_bytes::<bf16>(batch, ctx)));
-    g.sample_size(20);
-    let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
-    g.bench_function(id, |b| {
-        b.iter(|| {
-            paged_attention(
-                q,
-                &dec.kv,
-                &meta,
-                &params,
-                AttnOut {
-                    out: &mut out,
-                    lse: Some(&mut lse),
-                },
-            )
-            .expect("valid bench batch");
-        });
-    });
-    g.finish();
+    let dec = setup::<bf16>(8, 256);
+    dense(
+        c,
+        "decode_cached/bf16",
+        &dec,
+        &AttnParams::new(Q_HEADS, D),
+        20,
+    );
 }
 
 fn decode(c: &mut Criterion) {
