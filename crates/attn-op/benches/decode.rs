@@ -16,10 +16,11 @@
 //!   sequence that all its KV heads share (Quest's `shared_heads`, the engine's default).
 //! - bf16 at batch 1 sweeps the context from 4K to 128K, dense and sparse at each, for the
 //!   report's speedup-against-context plot.
-//! - `decode_cached/bf16/B8/L256`: dense bf16 decode over one 8 MiB pool, called back to back
-//!   without copies, so that each call finds the KV the call before left in the caches. Its
-//!   rate over the read bandwidth is the decode's ceiling on this CPU: where it is below the
-//!   0.8 goal, the decode is bound by its arithmetic here, not by memory.
+//! - `decode_cached/bf16/B{b}/L256`: dense bf16 decode over one pool of 1 MiB a sequence (two
+//!   sequences a thread, at least 8), called back to back without copies, so that each call
+//!   finds the KV the call before left in the caches. Its rate over the read bandwidth is the
+//!   decode's ceiling on this CPU: where it is below the 0.8 goal, the decode is bound by its
+//!   arithmetic here, not by memory.
 //! - `decode/bf16-dot` and `sparse_decode/bf16-dot`: bf16 with `Simd::Avx512Bf16` (bf16 dot
 //!   products where the CPU has them; the same as bf16 elsewhere).
 //!
@@ -188,10 +189,12 @@ fn sparse<T: Element>(
     g.finish();
 }
 
-/// The decode's compute rate: the bench's shape at a context small enough (8 MiB of bf16 KV)
-/// for the last-level caches, the same pool every call.
+/// The decode's compute rate: the bench's shape at a context small enough for the last-level
+/// caches (1 MiB of bf16 KV a sequence), the same pool every call. Two sequences a thread, and
+/// at least 8 (8 MiB): a sequence of 256 tokens is one unit of work, so fewer would leave
+/// threads idle and understate the rate.
 fn decode_cached(c: &mut Criterion) {
-    let dec = setup::<bf16>(8, 256);
+    let dec = setup::<bf16>((2 * rayon::current_num_threads()).max(8), 256);
     dense(
         c,
         "decode_cached/bf16",
