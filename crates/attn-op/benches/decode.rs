@@ -18,9 +18,10 @@
 //!   report's speedup-against-context plot.
 //! - `decode_cached/bf16/B{b}/L256`: dense bf16 decode over one pool of 1 MiB a sequence (two
 //!   sequences a thread, at least 8), called back to back without copies, so that each call
-//!   finds the KV the call before left in the caches. Its rate over the read bandwidth is the
-//!   decode's ceiling on this CPU: where it is below the 0.8 goal, the decode is bound by its
-//!   arithmetic here, not by memory.
+//!   finds the KV the call before left in the caches. Where its rate over the read bandwidth
+//!   is well below the 0.8 goal, the decode is bound by its arithmetic on this CPU, not by
+//!   memory alone. (Its short sequences pay a unit's costs over 256 tokens, so a long decode
+//!   from memory may exceed it.)
 //! - `decode/bf16-dot` and `sparse_decode/bf16-dot`: bf16 with `Simd::Avx512Bf16` (bf16 dot
 //!   products where the CPU has them; the same as bf16 elsewhere).
 //!
