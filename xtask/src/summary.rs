@@ -76,7 +76,7 @@ pub(crate) fn render(root: &Path, peers: &Path) -> Result<String, String> {
             if let Some(g) = gibs(b) {
                 let _ = writeln!(
                     derived,
-                    "| {id}: rate from cache over the read bandwidth (well under 0.80: the arithmetic bounds the decode) | {:.2} |",
+                    "| {id}: rate from cache over the read bandwidth (well under 0.80 where the arithmetic bounds the decode) | {:.2} |",
                     g / stream
                 );
             }
