@@ -201,3 +201,48 @@ fn mean(estimates: &str) -> Option<f64> {
     let at = estimates.find("\"mean\":")?;
     number_after(&estimates[at..], "\"point_estimate\":")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes one criterion result (`new/benchmark.json` and `new/estimates.json`) under `root`.
+    fn result(root: &Path, id: &str, bytes: u64, mean_ns: f64) {
+        let dir = root.join(id.replace('/', "_")).join("new");
+        std::fs::create_dir_all(&dir).expect("the temporary directory is writable");
+        let meta = format!("{{\"full_id\":\"{id}\",\"throughput\":{{\"Bytes\":{bytes}}}}}");
+        let est =
+            format!("{{\"mean\":{{\"confidence_interval\":{{}},\"point_estimate\":{mean_ns}}}}}");
+        std::fs::write(dir.join("benchmark.json"), meta).expect("writable");
+        std::fs::write(dir.join("estimates.json"), est).expect("writable");
+    }
+
+    #[test]
+    fn derived_rows_divide_by_the_better_read() {
+        let root = std::env::temp_dir().join(format!("xtask-summary-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let gib = 1u64 << 30;
+        // Reads of 10 and 8 GiB/s: fractions are of the better one.
+        result(&root, "stream_read/sum_1GiB", gib, 1e8);
+        result(&root, "stream_read/sum_1GiB_after", gib, 1.25e8);
+        result(&root, "decode/bf16/B8/L32768", gib, 2e8);
+        result(&root, "sparse_decode/bf16/B8/L32768", gib, 2e7);
+        // 8 MiB in 1 ms: 7.81 GiB/s, 0.78 of the better read.
+        result(&root, "decode_cached/bf16/B8/L256", 8 << 20, 1e6);
+        let md = render(&root, &root.join("no-peers.json")).expect("a summary of valid results");
+        let _ = std::fs::remove_dir_all(&root);
+        for row in [
+            "| decode/bf16/B8/L32768: fraction of read bandwidth (10.0 GiB/s, the better of two \
+             reads) | 0.50 (goal 0.80) |",
+            "| decode_cached/bf16/B8/L256: rate from cache over the read bandwidth (well under \
+             0.80 where the arithmetic bounds the decode) | 0.78 |",
+            "| sparse_decode/bf16/B8/L32768: speedup over dense | 10.0x |",
+        ] {
+            assert!(md.contains(row), "{row:?} missing from\n{md}");
+        }
+        assert!(
+            !md.contains("decode_cached/bf16/B8/L256: fraction"),
+            "the cached decode is not a decode row:\n{md}"
+        );
+    }
+}
