@@ -31,8 +31,8 @@
 use std::hint::black_box;
 
 use attn_op::{
-    AttnOut, AttnParams, Element, Selection, Simd, gather_page_offsets, paged_attention,
-    sparse_page_attention,
+    AttnError, AttnOut, AttnParams, Element, PagedKv, Selection, Simd, gather_page_offsets,
+    paged_attention, sparse_page_attention,
 };
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::{bf16, f16};
@@ -88,9 +88,7 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
     }
 }
 
-/// Dense decode of `dec`'s batch in `group` (`B{batch}/L{ctx}`, `samples` samples), each call
-/// over the next of the pool's copies ([`pool::Decode::rotate`]; the pool itself every call
-/// where it has none).
+/// Dense decode of `dec`'s batch in `group` ([`rotated`]).
 fn dense<T: Element>(
     c: &mut Criterion,
     group: &str,
@@ -98,8 +96,24 @@ fn dense<T: Element>(
     params: &AttnParams,
     samples: usize,
 ) {
+    let meta = dec.meta();
+    rotated(c, group, dec, samples, |kv, out| {
+        paged_attention(&dec.q, kv, &meta, params, out)
+    });
+}
+
+/// Times `step` on `dec`'s batch in `group` as `B{batch}/L{ctx}` (`samples` samples, throughput
+/// the dense step's KV bytes), each call over the next of the pool's copies
+/// ([`pool::Decode::rotate`]; the pool itself every call where it has none) into the batch's
+/// output and LSE buffers.
+fn rotated<T: Element>(
+    c: &mut Criterion,
+    group: &str,
+    dec: &pool::Decode<T>,
+    samples: usize,
+    mut step: impl FnMut(&PagedKv<T>, AttnOut<'_>) -> Result<(), AttnError>,
+) {
     let (batch, ctx) = (dec.lens.len(), dec.lens.first().map_or(0, |&l| l as usize));
-    let (q, meta) = (&dec.q, dec.meta());
     let (mut out, mut lse) = dec.outputs();
     let mut g = c.benchmark_group(group);
     g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
@@ -109,11 +123,8 @@ fn dense<T: Element>(
     g.bench_function(id, |b| {
         b.iter(|| {
             call += 1;
-            paged_attention(
-                q,
+            step(
                 dec.kv_for(call),
-                &meta,
-                params,
                 AttnOut {
                     out: &mut out,
                     lse: Some(&mut lse),
@@ -158,36 +169,15 @@ fn sparse<T: Element>(
         max_len: pages,
     };
     let gathered = gather_page_offsets(&sel, BS, &dec.lens, BS, KV_HEADS).expect("valid selection");
-    let (q, meta) = (&dec.q, dec.meta());
-    let (mut out, mut lse) = dec.outputs();
+    let meta = dec.meta();
     let group = if shared {
         "sparse_decode_shared"
     } else {
         "sparse_decode"
     };
-    let mut g = c.benchmark_group(format!("{group}/{name}"));
-    g.throughput(Throughput::Bytes(kv_bytes::<T>(batch, ctx)));
-    g.sample_size(10);
-    let id = BenchmarkId::new(format!("B{batch}"), format!("L{ctx}"));
-    let mut call = 0;
-    g.bench_function(id, |b| {
-        b.iter(|| {
-            call += 1;
-            sparse_page_attention(
-                q,
-                dec.kv_for(call),
-                &meta,
-                &gathered.as_selection(),
-                params,
-                AttnOut {
-                    out: &mut out,
-                    lse: Some(&mut lse),
-                },
-            )
-            .expect("valid bench selection");
-        });
+    rotated(c, &format!("{group}/{name}"), dec, 10, |kv, out| {
+        sparse_page_attention(&dec.q, kv, &meta, &gathered.as_selection(), params, out)
     });
-    g.finish();
 }
 
 /// The decode's compute rate: the bench's shape at a context small enough for the last-level
