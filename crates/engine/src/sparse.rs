@@ -29,6 +29,9 @@ pub struct SparseAttention<'a, T: Element> {
     /// When set, the attention-mass recall of every sparse row's selection (per query head)
     /// is measured against `store`, which must then hold those requests' every token.
     pub recall: Option<Vec<f64>>,
+    /// Seconds spent measuring `recall`: work the forward does only to be evaluated, which a
+    /// caller timing the decode takes out.
+    pub recall_seconds: f64,
     /// When set, each layer's input gives the next layer's estimated queries
     /// ([`Model::query`](crate::Model::query)), whose selection the coordinator loads
     /// before that layer's step ([`SparseCoordinator::prefetch`]).
@@ -127,6 +130,7 @@ impl<T: Element> Attention for SparseAttention<'_, T> {
                 out[r * qs..(r + 1) * qs].copy_from_slice(&so[j * qs..(j + 1) * qs]);
             }
             if let Some(recall) = self.recall.as_mut() {
+                let t0 = std::time::Instant::now();
                 let sub = sub_batch(self.batch, &by_row);
                 let qf: Vec<f32> = order
                     .iter()
@@ -155,6 +159,7 @@ impl<T: Element> Attention for SparseAttention<'_, T> {
                     mass_recall(&step, sel, params.scale)
                         .map_err(|e| EngineError::Invalid(format!("recall: {e}")))?,
                 );
+                self.recall_seconds += t0.elapsed().as_secs_f64();
             }
         }
         self.coord.attention_end(layer, &kt, &vt)?;
@@ -255,6 +260,7 @@ pub(crate) fn forward_one<T: Element>(
         requests: &[(id, tokens.len())],
         stats: StepStats::default(),
         recall: recall.then(Vec::new),
+        recall_seconds: 0.0,
         prefetch: None,
         prefetched: StepStats::default(),
     };
@@ -262,12 +268,14 @@ pub(crate) fn forward_one<T: Element>(
         sa.prefetch = Some(model);
     }
     let logits = model.forward(tokens, positions, &mut sa, logits_for)?;
-    let (stats, recall, prefetched) = (sa.stats, sa.recall, sa.prefetched);
+    let (stats, recall, recall_seconds, prefetched) =
+        (sa.stats, sa.recall, sa.recall_seconds, sa.prefetched);
     coord.forward_end()?;
     Ok(OneForward {
         logits,
         stats,
         recall,
+        recall_seconds,
         prefetched,
     })
 }
@@ -280,6 +288,8 @@ pub(crate) struct OneForward {
     pub(crate) stats: StepStats,
     /// The selections' mass recall, when asked.
     pub(crate) recall: Option<Vec<f64>>,
+    /// Seconds the recall's measurement took ([`SparseAttention::recall_seconds`]).
+    pub(crate) recall_seconds: f64,
     /// What the prefetches loaded (the configuration's `prefetch`).
     pub(crate) prefetched: StepStats,
 }

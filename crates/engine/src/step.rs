@@ -114,6 +114,7 @@ impl<T: Element> Attention for StepAttention<'_, T> {
                     requests: &g.requests,
                     stats: StepStats::default(),
                     recall: None,
+                    recall_seconds: 0.0,
                     prefetch: None,
                     prefetched: StepStats::default(),
                 }
