@@ -86,47 +86,118 @@ pub(crate) unsafe fn tile_dot(
     let (_, bytes) = dtype.block();
     let blocks = x.cols / 32;
     assert!(
-        x.q.len() >= n * x.cols && blocks * bytes <= row_bytes,
+        x.q.len() >= n * x.cols
+            && x.d.len() >= n * blocks
+            && x.s.len() >= n * blocks
+            && blocks * bytes <= row_bytes
+            && bytes >= 4,
         "qdot::tile_dot: the caller sizes x and rows from the layer's shape"
     );
+    let rows = w.len() / row_bytes;
+    assert!(
+        n == 0 || dst.len() >= (n - 1) * stride + rows,
+        "qdot::tile_dot: the caller sizes dst from the tile"
+    );
+    let mut t = Tile {
+        dtype,
+        w,
+        row_bytes,
+        x,
+        dst,
+        stride,
+    };
+    // SAFETY: the CPU has AVX2, FMA and F16C (this function's contract), and the asserts above
+    // are what `rows_dot` reads and writes within.
+    unsafe {
+        match n {
+            1 => rows_dot::<1>(&mut t),
+            2 => rows_dot::<2>(&mut t),
+            3 => rows_dot::<3>(&mut t),
+            4 => rows_dot::<4>(&mut t),
+            5 => rows_dot::<5>(&mut t),
+            6 => rows_dot::<6>(&mut t),
+            7 => rows_dot::<7>(&mut t),
+            _ => {}
+        }
+    }
+}
+
+/// What [`tile_dot`] hands its body.
+#[cfg(target_arch = "x86_64")]
+struct Tile<'a> {
+    dtype: DType,
+    w: &'a [u8],
+    row_bytes: usize,
+    x: &'a Q8Rows,
+    dst: &'a mut [f32],
+    stride: usize,
+}
+
+/// [`tile_dot`] for `N` input rows, whose accumulators then stay in registers. Each row adds
+/// its blocks in order into one accumulator, as ggml's AVX2 kernel does, so the sums keep
+/// their bits whatever `N` is.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `t.x` holds `N` rows (their `q`, `d` and `s`), each weight row holds
+/// `x.cols / 32` whole blocks of at least 4 bytes, and `t.dst` holds `(N - 1) × stride + rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_dot<const N: usize>(t: &mut Tile<'_>) {
+    let (_, bytes) = t.dtype.block();
+    let x = t.x;
+    let blocks = x.cols / 32;
     let ones = _mm256_set1_epi16(1);
-    for (r, row) in w.chunks_exact(row_bytes).enumerate() {
-        let mut acc = [_mm256_setzero_ps(); MAX_ROWS];
-        let mut mins = [0.0f32; MAX_ROWS];
+    // Q4_1's nibbles are unsigned: maddubs takes them as they are. Signed weights multiply as
+    // |w| · (x with w's sign). Only Q4_1 has a minimum.
+    let unsigned = t.dtype == DType::Q4_1;
+    for (r, row) in t.w.chunks_exact(t.row_bytes).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut mins = [0.0f32; N];
         for b in 0..blocks {
             let blk = &row[b * bytes..(b + 1) * bytes];
-            let h = |i: usize| half::f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
-            let dw = h(0);
-            // Q4_1's minimum (the others have none).
-            let mw = if dtype == DType::Q4_1 { h(2) } else { 0.0 };
+            // The block's f16 scale and (Q4_1) minimum, widened together: exact, as a
+            // scalar conversion is. A block has at least 4 bytes (asserted by the caller).
+            // SAFETY: `blk` holds `bytes >= 4` bytes; the read is unaligned.
+            let head = unsafe { std::ptr::read_unaligned(blk.as_ptr().cast::<i32>()) };
+            let head = _mm_cvtph_ps(_mm_cvtsi32_si128(head));
+            let dw = _mm_cvtss_f32(head);
+            let mw = if unsigned {
+                _mm_cvtss_f32(_mm_movehdup_ps(head))
+            } else {
+                0.0
+            };
             // SAFETY: `blk` is one whole block of `dtype`, which is all `weights` reads.
-            let wq = unsafe { weights(dtype, blk) };
-            // Q4_1's nibbles are unsigned: maddubs takes them as they are. Signed weights
-            // multiply as |w| · (x with w's sign).
-            let unsigned = dtype == DType::Q4_1;
+            let wq = unsafe { weights(t.dtype, blk) };
             let wabs = if unsigned {
                 wq
             } else {
                 _mm256_sign_epi8(wq, wq)
             };
-            for i in 0..n {
-                let at = i * x.cols + b * 32;
-                // SAFETY: `at + 32 ≤ n × cols ≤ x.q.len()` (asserted above).
-                let xq = unsafe { _mm256_loadu_si256(x.q.as_ptr().add(at).cast()) };
-                let xs = if unsigned {
+            for i in 0..N {
+                let k = i * blocks + b;
+                // SAFETY: row `i < N` of `x` holds `blocks` blocks (the contract), so `k` is
+                // within `d` and `s`, and `32 k + 32` within `q`.
+                let (xq, xd, xs) = unsafe {
+                    (
+                        _mm256_loadu_si256(x.q.as_ptr().add(32 * k).cast()),
+                        *x.d.get_unchecked(k),
+                        *x.s.get_unchecked(k),
+                    )
+                };
+                let xs_signed = if unsigned {
                     xq
                 } else {
                     _mm256_sign_epi8(xq, wq)
                 };
-                let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
-                let k = i * blocks + b;
-                let scale = _mm256_set1_ps(dw * x.d[k]);
+                let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs_signed), ones);
+                let scale = _mm256_set1_ps(dw * xd);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
-                mins[i] += mw * x.s[k];
+                mins[i] += mw * xs;
             }
         }
-        for i in 0..n {
-            dst[i * stride + r] = hsum(acc[i]) + mins[i];
+        for i in 0..N {
+            // SAFETY: `i < N` and `r < rows`, within the contract's `dst`.
+            unsafe { *t.dst.get_unchecked_mut(i * t.stride + r) = hsum(acc[i]) + mins[i] };
         }
     }
 }
@@ -250,12 +321,15 @@ mod tests {
 
     #[test]
     fn both_bodies_compute_the_integer_dot_products() {
-        let (n_rows, cols, n) = (5, 128, 3);
-        let x: Vec<f32> = (0..n * cols)
+        let (n_rows, cols) = (5, 128);
+        let x: Vec<f32> = (0..MAX_ROWS * cols)
             .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 37.0)
             .collect();
-        let q = Q8Rows::new(&x, n, cols, false);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let q = Q8Rows::new(&x, MAX_ROWS, cols, false);
+        // Every row count the AVX2 body has a build for, and every weight type.
+        let cases =
+            (1..=MAX_ROWS).flat_map(|n| [(n, DType::Q8_0), (n, DType::Q4_0), (n, DType::Q4_1)]);
+        for (n, dtype) in cases {
             let (_, bytes) = dtype.block();
             let row_bytes = cols / 32 * bytes;
             let w = rows(dtype, n_rows, cols, 7);
