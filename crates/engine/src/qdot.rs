@@ -177,22 +177,22 @@ unsafe fn rows_dot<const N: usize>(t: &mut Tile<'_>) {
                 let k = i * blocks + b;
                 // SAFETY: row `i < N` of `x` holds `blocks` blocks (the contract), so `k` is
                 // within `d` and `s`, and `32 k + 32` within `q`.
-                let (xq, xd, xs) = unsafe {
+                let (xq, xd, xsum) = unsafe {
                     (
                         _mm256_loadu_si256(x.q.as_ptr().add(32 * k).cast()),
                         *x.d.get_unchecked(k),
                         *x.s.get_unchecked(k),
                     )
                 };
-                let xs_signed = if unsigned {
+                let xsigned = if unsigned {
                     xq
                 } else {
                     _mm256_sign_epi8(xq, wq)
                 };
-                let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs_signed), ones);
+                let sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xsigned), ones);
                 let scale = _mm256_set1_ps(dw * xd);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[i]);
-                mins[i] += mw * xs;
+                mins[i] += mw * xsum;
             }
         }
         for i in 0..N {
