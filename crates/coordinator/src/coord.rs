@@ -129,8 +129,9 @@ impl<T: Element> SparseCoordinator<T> {
             if let Some(p) = p {
                 sparse_layers.push(layer);
                 let shape = p.algo.rep_shape(model.kv_heads, model.head_dim);
-                pools.push(RepPool::new(
+                pools.push(RepPool::with_elem(
                     shape,
+                    p.algo.rep_elem(T::DTYPE),
                     1,
                     capacity.max_requests,
                     capacity.max_tokens,

@@ -2,7 +2,8 @@
 //!
 //! - `topk/{algo}/L{ctx}`: one `retrieve_topk` for one sequence of `ctx` tokens, 32 query /
 //!   8 KV heads, head dim 128, pages of 16, budget 2048 tokens (RocketKV with every channel),
-//!   representations built beforehand.
+//!   representations built beforehand in an f32 pool; `topk/{algo}-bf16/L{ctx}`: the same
+//!   from a bf16 pool (half the bytes, the same selections for this bf16 cache).
 //! - `topk_dense/bf16/L{ctx}`: attn-op's dense paged decode of the same sequence (bf16 KV,
 //!   pages of 16), the time a selection step must be small against.
 //!
@@ -15,7 +16,8 @@ use attn_op::{AttnOut, AttnParams, BatchMeta, KvLayout, PagedKv, paged_attention
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use half::bf16;
 use sparse_algo::{
-    Decode, PagedKeys, Quest, QuestConfig, RepPool, RocketConfig, RocketKv, SparseAlgorithm,
+    Decode, PagedKeys, Quest, QuestConfig, RepElem, RepPool, RocketConfig, RocketKv,
+    SparseAlgorithm,
 };
 
 const Q_HEADS: usize = 32;
@@ -117,9 +119,12 @@ fn bench(c: &mut Criterion) {
     for (ctx, kv, table, q) in &cases {
         let lens = [*ctx as i32];
         let keys = PagedKeys::new(kv, &lens, table, table.len()).expect("valid table");
-        for (name, algo) in &algos {
-            let mut pool =
-                RepPool::new(algo.rep_shape(KV_HEADS, D), 1, 1, *ctx).expect("pool fits");
+        for ((name, algo), (suffix, elem)) in algos
+            .iter()
+            .flat_map(|a| [("", RepElem::F32), ("-bf16", RepElem::Bf16)].map(|e| (a, e)))
+        {
+            let mut pool = RepPool::with_elem(algo.rep_shape(KV_HEADS, D), elem, 1, 1, *ctx)
+                .expect("pool fits");
             algo.construct_representations(0, &keys, &[0], &mut pool)
                 .expect("valid construction");
             let step = Decode {
@@ -132,7 +137,8 @@ fn bench(c: &mut Criterion) {
                 slots: &[0],
                 keys: None,
             };
-            group.bench_function(BenchmarkId::new(*name, format!("L{ctx}")), |b| {
+            let id = BenchmarkId::new(format!("{name}{suffix}"), format!("L{ctx}"));
+            group.bench_function(id, |b| {
                 b.iter(|| black_box(algo.retrieve_topk(&step, &pool).expect("valid step")));
             });
         }

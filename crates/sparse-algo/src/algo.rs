@@ -1,7 +1,9 @@
 //! The algorithm trait and the inputs of its phases.
 
 use crate::error::check_len;
-use crate::{AlgoError, KeySource, RepPool, RepShape, TopK};
+use attn_op::DType;
+
+use crate::{AlgoError, KeySource, RepElem, RepPool, RepShape, TopK};
 
 /// One pluggable sparse-attention algorithm (SGLang's BaseSparseAlgorithm, TensorRT-LLM's
 /// predict hooks, nano-vllm's SparsePolicy). The lifecycle for one layer of a request:
@@ -30,6 +32,14 @@ pub trait SparseAlgorithm: Send + Sync {
     fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {
         let _ = (kv_heads, head_dim);
         RepShape::NONE
+    }
+
+    /// The narrowest element type that holds the representations exactly for a KV cache of
+    /// `kv` (for Quest and RocketKV, the KV's own 16-bit type, whose min/max bounds are its
+    /// values, so that the pool selects as an f32 pool does); [`RepElem::F32`] by default.
+    fn rep_elem(&self, kv: DType) -> RepElem {
+        let _ = kv;
+        RepElem::F32
     }
 
     /// Builds the representations of every token of each sequence of `keys` into its pool slot

@@ -7,10 +7,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::algo::{check_batch, check_pool};
 use crate::exact::logits;
+use crate::pool::f32_only;
 use crate::score::dots;
 use crate::select::{Plan, top_k};
 use crate::{
-    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, TopK,
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, Reps, SparseAlgorithm,
+    TopK,
 };
 
 /// A model's trained indexer: small per-token keys and per-step queries with head weights.
@@ -121,7 +123,10 @@ impl Dsa {
         let mut q = vec![0.0f32; heads * dim];
         let mut w = vec![0.0f32; heads];
         ix.queries(step.layer, s, &mut q, &mut w);
-        let keys = &pool.pages(step.layer, step.slots[s])?[mid.start * dim..mid.end * dim];
+        let Reps::F32(keys) = pool.reps(step.layer, step.slots[s])? else {
+            return Err(f32_only("DSA's indexer keys"));
+        };
+        let keys = &keys[mid.start * dim..mid.end * dim];
         let scores = keys
             .par_chunks(256 * dim)
             .flat_map_iter(|chunk| {
@@ -187,7 +192,7 @@ impl SparseAlgorithm for Dsa {
         let dim = ix.dim();
         for (s, &slot) in slots.iter().enumerate() {
             let len = keys.seq_len(s);
-            let (row, built) = pool.row_mut(layer, slot, len)?;
+            let (row, built) = pool.row_mut_f32(layer, slot, len, "DSA's indexer keys")?;
             let from = (*built).min(len);
             ix.keys(layer, s, from, &mut row[from * dim..len * dim]);
             *built = len;

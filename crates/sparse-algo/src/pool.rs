@@ -1,5 +1,9 @@
-//! The representation pool: per (layer, request slot, page) metadata in one flat f32 array.
+//! The representation pool: per (layer, request slot, page) metadata in one flat array, of f32
+//! or, for min/max bounds, of bf16 or f16.
 
+use std::borrow::Cow;
+
+use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
 use crate::AlgoError;
@@ -30,6 +34,71 @@ impl RepShape {
     }
 }
 
+/// The element type a [`RepPool`] stores its values in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RepElem {
+    /// f32: any representation, exactly.
+    #[default]
+    F32,
+    /// bf16, half the bytes: only Quest's and RocketKV's `[kmax ‖ kmin]` bounds, each rounded
+    /// outward (`kmax` up, `kmin` down) so that it still bounds every key of its page. The
+    /// rounding changes nothing for keys of a bf16 cache (their minima and maxima are bf16
+    /// values) nor for [`crate::Summary::E4m3`] bounds (every scaled E4M3 value is a bf16
+    /// value), so there the scores, and the selections, are those of an f32 pool bit for bit.
+    Bf16,
+    /// f16, half the bytes: as [`RepElem::Bf16`], exact for keys of an f16 cache.
+    F16,
+}
+
+impl RepElem {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            RepElem::F32 => size_of::<f32>(),
+            RepElem::Bf16 => size_of::<bf16>(),
+            RepElem::F16 => size_of::<f16>(),
+        }
+    }
+}
+
+/// Values as a pool stores them: the whole pool ([`RepPool::data`]) or one (layer, slot)'s
+/// pages ([`RepPool::reps`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Reps<'a> {
+    /// An f32 pool's values.
+    F32(&'a [f32]),
+    /// A bf16 pool's values.
+    Bf16(&'a [bf16]),
+    /// An f16 pool's values.
+    F16(&'a [f16]),
+}
+
+impl<'a> Reps<'a> {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            Reps::F32(v) => v.len(),
+            Reps::Bf16(v) => v.len(),
+            Reps::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether no element is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as f32: borrowed from an f32 pool, widened (exactly) from a 16-bit one.
+    pub fn to_f32(&self) -> Cow<'a, [f32]> {
+        match *self {
+            Reps::F32(v) => Cow::Borrowed(v),
+            Reps::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+            Reps::F16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+}
+
 /// Representations of every (layer, request slot), preallocated as one flat array
 /// `[layers, slots, max_pages, heads, width]` (the layout a device copy of the pool keeps), plus
 /// how many tokens each (layer, slot) currently summarizes. Request slots are small integers
@@ -40,14 +109,46 @@ pub struct RepPool {
     layers: usize,
     slots: usize,
     max_pages: usize,
-    data: Vec<f32>,
+    data: Store,
     tokens: Vec<usize>,
 }
 
+/// A pool's values, in its element type.
+#[derive(Clone, Debug)]
+enum Store {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+/// One (layer, slot)'s row of a pool for writing, `[max_pages, heads, width]`, in the pool's
+/// element type.
+pub(crate) enum RowMut<'a> {
+    /// An f32 pool's row.
+    F32(&'a mut [f32]),
+    /// A bf16 pool's row.
+    Bf16(&'a mut [bf16]),
+    /// An f16 pool's row.
+    F16(&'a mut [f16]),
+}
+
 impl RepPool {
-    /// A pool for `layers` layers and `slots` requests of up to `max_tokens` tokens each.
+    /// An f32 pool for `layers` layers and `slots` requests of up to `max_tokens` tokens each.
     pub fn new(
         shape: RepShape,
+        layers: usize,
+        slots: usize,
+        max_tokens: usize,
+    ) -> Result<Self, AlgoError> {
+        Self::with_elem(shape, RepElem::F32, layers, slots, max_tokens)
+    }
+
+    /// A pool of `elem` values for `layers` layers and `slots` requests of up to `max_tokens`
+    /// tokens each. Only the algorithms that keep min/max bounds (Quest, RocketKV) take a 16-bit
+    /// pool; the others reject it with [`AlgoError::Invalid`].
+    pub fn with_elem(
+        shape: RepShape,
+        elem: RepElem,
         layers: usize,
         slots: usize,
         max_tokens: usize,
@@ -58,7 +159,11 @@ impl RepPool {
             layers,
             slots,
             max_pages,
-            data: vec![0.0; len],
+            data: match elem {
+                RepElem::F32 => Store::F32(vec![0.0; len]),
+                RepElem::Bf16 => Store::Bf16(vec![bf16::ZERO; len]),
+                RepElem::F16 => Store::F16(vec![f16::ZERO; len]),
+            },
             tokens: vec![0; layers * slots],
         })
     }
@@ -83,14 +188,27 @@ impl RepPool {
         self.max_pages * self.shape.page_size
     }
 
+    /// The element type of the pool's values.
+    pub fn elem(&self) -> RepElem {
+        match self.data {
+            Store::F32(_) => RepElem::F32,
+            Store::Bf16(_) => RepElem::Bf16,
+            Store::F16(_) => RepElem::F16,
+        }
+    }
+
     /// Bytes the pool holds.
     pub fn bytes(&self) -> usize {
-        self.data.len() * size_of::<f32>()
+        self.data().len() * self.elem().size()
     }
 
     /// The whole flat array `[layers, slots, max_pages, heads, width]`.
-    pub fn data(&self) -> &[f32] {
-        &self.data
+    pub fn data(&self) -> Reps<'_> {
+        match &self.data {
+            Store::F32(v) => Reps::F32(v),
+            Store::Bf16(v) => Reps::Bf16(v),
+            Store::F16(v) => Reps::F16(v),
+        }
     }
 
     fn index(&self, layer: usize, slot: usize) -> Result<usize, AlgoError> {
@@ -108,12 +226,23 @@ impl RepPool {
         Ok(self.tokens[self.index(layer, slot)?])
     }
 
-    /// The summarized pages of (layer, slot), `[pages, heads, width]`.
-    pub fn pages(&self, layer: usize, slot: usize) -> Result<&[f32], AlgoError> {
+    /// The summarized pages of (layer, slot), `[pages, heads, width]`, as the pool stores them.
+    pub fn reps(&self, layer: usize, slot: usize) -> Result<Reps<'_>, AlgoError> {
         let i = self.index(layer, slot)?;
         let row = self.max_pages * self.shape.page_len();
         let pages = self.tokens[i].div_ceil(self.shape.page_size);
-        Ok(&self.data[i * row..i * row + pages * self.shape.page_len()])
+        let at = i * row..i * row + pages * self.shape.page_len();
+        Ok(match &self.data {
+            Store::F32(v) => Reps::F32(&v[at]),
+            Store::Bf16(v) => Reps::Bf16(&v[at]),
+            Store::F16(v) => Reps::F16(&v[at]),
+        })
+    }
+
+    /// The summarized pages of (layer, slot), `[pages, heads, width]`, as f32 (widened from a
+    /// 16-bit pool).
+    pub fn pages(&self, layer: usize, slot: usize) -> Result<Cow<'_, [f32]>, AlgoError> {
+        Ok(self.reps(layer, slot)?.to_f32())
     }
 
     /// Forgets what (layer, slot) summarizes, for a new request in the slot.
@@ -138,7 +267,7 @@ impl RepPool {
         layer: usize,
         slot: usize,
         upto: usize,
-    ) -> Result<(&mut [f32], &mut usize), AlgoError> {
+    ) -> Result<(RowMut<'_>, &mut usize), AlgoError> {
         let i = self.index(layer, slot)?;
         if upto > self.max_tokens() {
             return Err(AlgoError::Invalid(format!(
@@ -147,8 +276,37 @@ impl RepPool {
             )));
         }
         let row = self.max_pages * self.shape.page_len();
-        Ok((&mut self.data[i * row..(i + 1) * row], &mut self.tokens[i]))
+        let at = i * row..(i + 1) * row;
+        let values = match &mut self.data {
+            Store::F32(v) => RowMut::F32(&mut v[at]),
+            Store::Bf16(v) => RowMut::Bf16(&mut v[at]),
+            Store::F16(v) => RowMut::F16(&mut v[at]),
+        };
+        Ok((values, &mut self.tokens[i]))
     }
+
+    /// The row of (layer, slot) for writing as f32 (see [`Self::row_mut`]), for the
+    /// representations that only an f32 pool holds; `who` names them in the error a 16-bit
+    /// pool gets.
+    pub(crate) fn row_mut_f32(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        upto: usize,
+        who: &str,
+    ) -> Result<(&mut [f32], &mut usize), AlgoError> {
+        match self.row_mut(layer, slot, upto)? {
+            (RowMut::F32(row), built) => Ok((row, built)),
+            (RowMut::Bf16(_) | RowMut::F16(_), _) => Err(f32_only(who)),
+        }
+    }
+}
+
+/// The error of a 16-bit pool given to representations that only an f32 pool holds.
+pub(crate) fn f32_only(who: &str) -> AlgoError {
+    AlgoError::Invalid(format!(
+        "{who} needs an f32 representation pool (16-bit pools hold min/max bounds only)"
+    ))
 }
 
 /// Pages per (layer, slot) and elements of a pool of `layers` x `slots` rows of `max_tokens`

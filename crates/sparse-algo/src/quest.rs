@@ -1,5 +1,6 @@
 //! Quest: per-page key min/max and the per-dimension upper bound of `q · k`.
 
+use attn_op::DType;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -7,8 +8,8 @@ use crate::algo::check_pool;
 use crate::score::{Rows, Weights, page_scores, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::{
-    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, Summary,
-    TopK, minmax,
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepElem, RepPool, RepShape, SparseAlgorithm,
+    Summary, TopK, minmax,
 };
 
 /// Quest (Tang et al., 2024): each page is summarized by the elementwise maximum and minimum of
@@ -128,6 +129,16 @@ impl SparseAlgorithm for Quest {
         minmax::shape(self.config.page_size, kv_heads, head_dim)
     }
 
+    fn rep_elem(&self, kv: DType) -> RepElem {
+        // Every scaled E4M3 value is a bf16 value, and a 16-bit key's min and max are values
+        // of its type.
+        match (self.config.summary, kv) {
+            (Summary::E4m3, _) | (Summary::Exact, DType::BF16) => RepElem::Bf16,
+            (Summary::Exact, DType::F16) => RepElem::F16,
+            (Summary::Exact, DType::F32) => RepElem::F32,
+        }
+    }
+
     fn update_representations(
         &self,
         layer: usize,
@@ -164,7 +175,7 @@ impl SparseAlgorithm for Quest {
                 .iter()
                 .map(|(wmax, wmin)| Weights { wmax, wmin, g, d })
                 .collect();
-            let reps = pool.pages(step.layer, step.slots[s])?;
+            let reps = pool.reps(step.layer, step.slots[s])?;
             // The best bound of each KV head's group, or of every query head.
             let which = if self.config.shared_heads {
                 Rows::Max

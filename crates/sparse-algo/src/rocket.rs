@@ -1,5 +1,6 @@
 //! RocketKV: SnapKV-like eviction at prefill, then top-r-channel page selection at decode.
 
+use attn_op::DType;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -8,8 +9,8 @@ use crate::score::{Rows, Weights, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::snap::{Pooling, check_votes, keep_by_votes};
 use crate::{
-    AlgoError, AlwaysInclude, Caps, Decode, KeySource, Prompt, RepPool, RepShape, SparseAlgorithm,
-    TopK, minmax,
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, Prompt, RepElem, RepPool, RepShape,
+    SparseAlgorithm, TopK, minmax,
 };
 
 /// RocketKV (Behnam et al., 2025), as TensorRT-LLM runs it.
@@ -98,6 +99,15 @@ impl SparseAlgorithm for RocketKv {
         minmax::shape(self.config.page_size, kv_heads, head_dim)
     }
 
+    fn rep_elem(&self, kv: DType) -> RepElem {
+        // A 16-bit key's min and max are values of its type.
+        match kv {
+            DType::BF16 => RepElem::Bf16,
+            DType::F16 => RepElem::F16,
+            DType::F32 => RepElem::F32,
+        }
+    }
+
     fn update_representations(
         &self,
         layer: usize,
@@ -148,7 +158,7 @@ impl SparseAlgorithm for RocketKv {
                 .collect();
             // Every summarized page is scored: the softmax runs over all of them.
             let n = plan.mid.end;
-            let reps = pool.pages(step.layer, step.slots[s])?;
+            let reps = pool.reps(step.layer, step.slots[s])?;
             let scores = sweep(&w, reps, d, 0..n, Rows::All);
             let tokens = |p: usize| ((len - p * ps).min(ps)) as f32;
             let per_head: Vec<Vec<i32>> = (0..kvh)

@@ -3,6 +3,11 @@
 //! Both builds add the same products in the same order (16 lanes, then the lanes in order), so
 //! they give bit-identical scores: selections do not depend on the machine.
 
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::Reps;
+
 /// Scores pages against a group of weighted queries: for every page `p` of `pages` and every
 /// query head `j < g`, `out[j * pages.len() + i] = wmax_j · kmax + wmin_j · kmin`, where the
 /// page's `[kmax ‖ kmin]` vector (`2 * d` floats) sits at `reps[p * page_len + head_off..]`.
@@ -87,6 +92,43 @@ fn lanes(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> [f32; 16] {
     acc
 }
 
+/// An element type representations are stored in, widened exactly to f32 for scoring.
+pub(crate) trait Widen: Copy + Send + Sync {
+    /// `row` as f32: itself, or widened into `scratch` (once, for every query head that
+    /// scores it).
+    fn widen_row<'a>(row: &'a [Self], scratch: &'a mut Vec<f32>) -> &'a [f32];
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen_row<'a>(row: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+        row
+    }
+}
+
+impl Widen for bf16 {
+    #[inline(always)]
+    fn widen_row<'a>(row: &'a [bf16], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        scratch.clear();
+        // A shift, not `bf16::to_f32`, so that the loop vectorizes.
+        scratch.extend(
+            row.iter()
+                .map(|x| f32::from_bits(u32::from(x.to_bits()) << 16)),
+        );
+        scratch
+    }
+}
+
+impl Widen for f16 {
+    #[inline(always)]
+    fn widen_row<'a>(row: &'a [f16], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        scratch.resize(row.len(), 0.0);
+        // `half`'s slice conversion, which uses the CPU's F16C instructions where it has them.
+        row.convert_to_f32_slice(scratch);
+        scratch
+    }
+}
+
 /// `a · b` with 16 independent lanes, same build choice and order rules as [`page_scores`].
 pub(crate) fn dots(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
     dispatch!(dots_generic(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]));
@@ -133,11 +175,27 @@ pub(crate) enum Rows {
 /// Scores pages `pages` of one sequence for every KV head at once, walking the representations
 /// in memory order (page by page, every head of a page together): `w[h]` holds KV head `h`'s
 /// group weights and `reps` is `[pages, kv_heads, 2 * d]`. The result holds `rows`, each
-/// `pages.len()` long. Every score has the bits [`page_scores`] gives it, and a maximum is
+/// `pages.len()` long. Every score has the bits [`page_scores`] gives it (over the values
+/// widened to f32: a bf16 pool scores as an f32 pool of the same values), and a maximum is
 /// taken over the query heads in order, `best = best.max(next)`.
 pub(crate) fn sweep(
     w: &[Weights<'_>],
-    reps: &[f32],
+    reps: Reps<'_>,
+    d: usize,
+    pages: std::ops::Range<usize>,
+    rows: Rows,
+) -> Vec<f32> {
+    match reps {
+        Reps::F32(reps) => sweep_in(w, reps, d, pages, rows),
+        Reps::Bf16(reps) => sweep_in(w, reps, d, pages, rows),
+        Reps::F16(reps) => sweep_in(w, reps, d, pages, rows),
+    }
+}
+
+/// [`sweep`] over values of one element type.
+fn sweep_in<E: SweepChunk>(
+    w: &[Weights<'_>],
+    reps: &[E],
     d: usize,
     pages: std::ops::Range<usize>,
     rows: Rows,
@@ -159,7 +217,7 @@ pub(crate) fn sweep(
             let b = (a + SWEEP_CHUNK).min(pages.end);
             let m = b - a;
             let mut local = vec![0.0f32; kvh * g * m];
-            sweep_chunk(w, reps, d, a..b, &mut local);
+            E::sweep_chunk(w, reps, d, a..b, &mut local);
             if per == 1 {
                 return local;
             }
@@ -186,71 +244,102 @@ pub(crate) fn sweep(
     out
 }
 
-/// One task of [`sweep`]: pages `pages` into `local` (`[kv_heads, g, pages.len()]`), through
-/// one build choice for the whole chunk.
-fn sweep_chunk(
-    w: &[Weights<'_>],
-    reps: &[f32],
-    d: usize,
-    pages: std::ops::Range<usize>,
-    local: &mut [f32],
-) {
-    dispatch!(sweep_chunk_generic(
+/// One task of [`sweep`] per element type (the build chosen at run time is not generic).
+trait SweepChunk: Widen {
+    /// Pages `pages` into `local` (`[kv_heads, g, pages.len()]`), through one build choice
+    /// for the whole chunk.
+    fn sweep_chunk(
         w: &[Weights<'_>],
-        reps: &[f32],
+        reps: &[Self],
         d: usize,
         pages: std::ops::Range<usize>,
-        local: &mut [f32]
-    ));
+        local: &mut [f32],
+    );
 }
+
+/// Implements [`SweepChunk`] for element types.
+macro_rules! sweep_chunk_for {
+    ($($t:ty),*) => {$(
+        impl SweepChunk for $t {
+            fn sweep_chunk(
+                w: &[Weights<'_>],
+                reps: &[$t],
+                d: usize,
+                pages: std::ops::Range<usize>,
+                local: &mut [f32],
+            ) {
+                dispatch!(sweep_chunk_generic(
+                    w: &[Weights<'_>],
+                    reps: &[$t],
+                    d: usize,
+                    pages: std::ops::Range<usize>,
+                    local: &mut [f32]
+                ));
+            }
+        }
+    )*};
+}
+sweep_chunk_for!(f32, bf16, f16);
 
 /// The body of [`sweep_chunk`]. A page's `[kmax ‖ kmin]` is scored for four query heads of
 /// its group at a time, whose final sums of lanes then run side by side; each head's sum takes
 /// exactly the steps of [`page_scores`]'s, so the bits match.
 #[inline(always)]
-fn sweep_chunk_generic(
+fn sweep_chunk_generic<E: Widen>(
     w: &[Weights<'_>],
-    reps: &[f32],
+    reps: &[E],
     d: usize,
     pages: std::ops::Range<usize>,
     local: &mut [f32],
 ) {
     let page_len = w.len() * 2 * d;
     let m = pages.len();
-    for (i, p) in pages.enumerate() {
+    let mut scratch = Vec::with_capacity(2 * d);
+    // Pages go in blocks of `BLOCK`, each KV head's rows of a block one after another, so
+    // that the head's query weights (`4 g d` bytes) are read from level 1 once a block.
+    let first = pages.start;
+    for block in (first..pages.end).step_by(BLOCK) {
+        let block = block..(block + BLOCK).min(pages.end);
         for (h, wh) in w.iter().enumerate() {
-            let base = p * page_len + h * 2 * d;
-            // The same head's rows `AHEAD` pages on, asked of level 2 now: the hardware's
-            // prefetchers alone left the walk at a fraction of the read bandwidth.
-            let ahead = base + AHEAD * page_len;
-            if let Some(rows) = reps.get(ahead..ahead + 2 * d) {
-                fetch_lines(rows);
-            }
-            let (kmax, kmin) = reps[base..base + 2 * d].split_at(d);
-            let g = wh.g;
-            let mut j = 0;
-            while j < g {
-                let row = |t: usize| (h * g + j + t) * m + i;
-                if j + 4 <= g {
-                    for (t, x) in dot2::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
-                        local[row(t)] = x;
+            for p in block.clone() {
+                let i = p - first;
+                let base = p * page_len + h * 2 * d;
+                // The same head's rows `AHEAD` pages on, asked of level 2 now: the hardware's
+                // prefetchers alone left the walk at a fraction of the read bandwidth.
+                let ahead = base + AHEAD * page_len;
+                if let Some(rows) = reps.get(ahead..ahead + 2 * d) {
+                    fetch_lines(rows);
+                }
+                let row = E::widen_row(&reps[base..base + 2 * d], &mut scratch);
+                let (kmax, kmin) = row.split_at(d);
+                let g = wh.g;
+                let mut j = 0;
+                while j < g {
+                    let row = |t: usize| (h * g + j + t) * m + i;
+                    if j + 4 <= g {
+                        for (t, x) in dot2::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
+                            local[row(t)] = x;
+                        }
+                        j += 4;
+                    } else {
+                        local[row(0)] = dot2::<1>(wh, j, kmax, kmin)[0];
+                        j += 1;
                     }
-                    j += 4;
-                } else {
-                    local[row(0)] = dot2::<1>(wh, j, kmax, kmin)[0];
-                    j += 1;
                 }
             }
         }
     }
 }
 
+/// Pages a KV head scores in a row before the next head's turn ([`sweep_chunk`]).
+const BLOCK: usize = 4;
+
 /// How many pages ahead of its scoring [`sweep_chunk`] asks for a page's rows.
 const AHEAD: usize = 8;
 
 /// Asks the CPU to bring `rows` (each 64-byte line) into its level-2 cache.
 #[inline(always)]
-fn fetch_lines(rows: &[f32]) {
+fn fetch_lines<E>(rows: &[E]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
@@ -330,7 +419,7 @@ mod tests {
             let reps: Vec<f32> = (0..pages * kvh * 2 * d).map(|_| 8.0 * next()).collect();
             let range = 1..pages;
             let n = range.len();
-            let got = sweep(&w, &reps, d, range.clone(), Rows::All);
+            let got = sweep(&w, Reps::F32(&reps), d, range.clone(), Rows::All);
             for (h, wh) in w.iter().enumerate() {
                 let mut want = vec![0.0f32; g * n];
                 for (i, p) in range.clone().enumerate() {
@@ -357,10 +446,23 @@ mod tests {
                 bits(&best)
             };
             let groups: Vec<u32> = (0..kvh).flat_map(|h| max_of(h * g..(h + 1) * g)).collect();
-            let grouped = sweep(&w, &reps, d, range.clone(), Rows::GroupMax);
+            let grouped = sweep(&w, Reps::F32(&reps), d, range.clone(), Rows::GroupMax);
             assert_eq!(bits(&grouped), groups);
-            let all = sweep(&w, &reps, d, range.clone(), Rows::Max);
+            let all = sweep(&w, Reps::F32(&reps), d, range.clone(), Rows::Max);
             assert_eq!(bits(&all), max_of(0..kvh * g));
+            // A 16-bit pool scores as an f32 pool of its values, in every row form.
+            let brain: Vec<bf16> = reps.iter().map(|&x| bf16::from_f32(x)).collect();
+            let half: Vec<f16> = reps.iter().map(|&x| f16::from_f32(x)).collect();
+            for (name, narrow) in [("bf16", Reps::Bf16(&brain)), ("f16", Reps::F16(&half))] {
+                let wide = narrow.to_f32();
+                for rows in [Rows::All, Rows::GroupMax, Rows::Max] {
+                    assert_eq!(
+                        bits(&sweep(&w, narrow, d, range.clone(), rows)),
+                        bits(&sweep(&w, Reps::F32(&wide), d, range.clone(), rows)),
+                        "kv heads {kvh}, group {g}, dim {d}: {rows:?} over {name}"
+                    );
+                }
+            }
         }
     }
 }

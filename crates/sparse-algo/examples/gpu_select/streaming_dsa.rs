@@ -334,7 +334,12 @@ pub(crate) fn check_dsa<T: CudaElement>(
     let layer = 1;
     dsa.update_representations(layer, &Lengths(c.lens), &slots, &mut pool)?;
     let mut dev_pool = DeviceRepPool::<T>::new(gpu, shape, LAYERS, n, max_len)?;
-    let host: Vec<T> = pool.data().iter().map(|&x| T::from_f32(x)).collect();
+    let host: Vec<T> = pool
+        .data()
+        .to_f32()
+        .iter()
+        .map(|&x| T::from_f32(x))
+        .collect();
     gpu.stream()
         .memcpy_htod(&host, dev_pool.data_mut())
         .map_err(AttnError::from)?;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use half::bf16;
 use sparse_algo::metrics::{mass_recall, mean, output_error, topk_recall};
 use sparse_algo::{
-    AlgoConfig, Dsa, DsaConfig, Indexer, OracleConfig, Prompt, QuestConfig, RepPool, RocketConfig,
-    SnapKvConfig, SparseAlgorithm, StreamingConfig, TopK,
+    AlgoConfig, AlgoError, Dsa, DsaConfig, Indexer, OracleConfig, Prompt, QuestConfig, RepElem,
+    RepPool, RocketConfig, SnapKvConfig, SparseAlgorithm, StreamingConfig, TopK,
 };
 
 use crate::util::{Case, Rng};
@@ -214,6 +214,14 @@ fn a_trained_indexer_finds_the_needles() {
     let mut pool = RepPool::new(dsa.rep_shape(KV_HEADS, D), 1, 2, LEN).expect("pool");
     dsa.construct_representations(0, &keys, &n.case.slots, &mut pool)
         .expect("construct");
+    // Indexer keys are not bounds: a bf16 pool is refused with a typed error.
+    let mut narrow =
+        RepPool::with_elem(dsa.rep_shape(KV_HEADS, D), RepElem::Bf16, 1, 2, LEN).expect("pool");
+    let refused = dsa.construct_representations(0, &keys, &n.case.slots, &mut narrow);
+    assert!(
+        matches!(refused, Err(AlgoError::Invalid(_))),
+        "a bf16 pool for indexer keys: {refused:?}"
+    );
     let top = dsa
         .retrieve_topk(&n.case.step(None), &pool)
         .expect("select");

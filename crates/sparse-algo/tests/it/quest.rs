@@ -5,7 +5,7 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 use sparse_algo::summary::{self, Summary};
 use sparse_algo::{
-    AlwaysInclude, KeySource, Quest, QuestConfig, RepPool, SparseAlgorithm, quest_bound,
+    AlwaysInclude, KeySource, Quest, QuestConfig, RepElem, RepPool, SparseAlgorithm, quest_bound,
 };
 
 use crate::util::{Case, Rng};
@@ -66,12 +66,17 @@ fn case<T: Element>(sh: Shape, seed: u64) -> Case<T> {
     )
 }
 
-/// Builds Quest's pool for a case, constructing over the first `split` tokens of each
-/// sequence and updating over the rest when `split` is given.
+/// Builds Quest's f32 pool for a case.
 fn built<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape) -> RepPool {
+    built_in(quest, c, sh, RepElem::F32)
+}
+
+/// Builds Quest's pool of `elem` values for a case.
+fn built_in<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape, elem: RepElem) -> RepPool {
     let keys = c.keys();
-    let mut pool = RepPool::new(
+    let mut pool = RepPool::with_elem(
         quest.rep_shape(sh.kv_heads, sh.head_dim),
+        elem,
         1,
         sh.seqs,
         sh.max_len,
@@ -248,6 +253,89 @@ fn check_selection(
     Ok(())
 }
 
+/// A 16-bit pool against the f32 pool of the same keys: each `kmax` is the least value of the
+/// pool's type at or above the f32 pool's, each `kmin` the greatest at or below (a brute-force
+/// walk over the neighbours of the nearest value), in half the bytes. Where the bounds are
+/// values of that type already (keys of that type, or E4M3 summaries in bf16), the values and
+/// the selections are the f32 pool's; elsewhere the outward rounding keeps them bounds.
+fn check_half_pool<T: Element>(
+    sh: Shape,
+    seed: u64,
+    budget_pages: usize,
+    summary: Summary,
+    elem: RepElem,
+) -> Result<(), TestCaseError> {
+    let c = case::<T>(sh, seed);
+    let ps = sh.page_size;
+    let quest = Quest::new(QuestConfig {
+        page_size: ps,
+        budget_tokens: budget_pages * ps,
+        summary,
+        ..Default::default()
+    })
+    .expect("valid config");
+    let (wide, narrow) = (built(&quest, &c, sh), built_in(&quest, &c, sh, elem));
+    prop_assert_eq!(narrow.elem(), elem);
+    prop_assert_eq!(2 * narrow.bytes(), wide.bytes());
+    // The type's value of bits `b`, and the bits of its nearest value to `x`.
+    let value = |b: u16| match elem {
+        RepElem::Bf16 => bf16::from_bits(b).to_f32(),
+        _ => f16::from_bits(b).to_f32(),
+    };
+    let nearest = |x: f32| match elem {
+        RepElem::Bf16 => bf16::from_f32(x).to_bits(),
+        _ => f16::from_f32(x).to_bits(),
+    };
+    // The least (`up`) or greatest value at or beyond `x`, among the neighbours of its nearest.
+    let outward = |x: f32, up: bool| -> f32 {
+        let n = nearest(x);
+        let near = [
+            n.wrapping_sub(1),
+            n,
+            n.wrapping_add(1),
+            0x0001,
+            0x8001,
+            0,
+            0x8000,
+        ];
+        near.into_iter()
+            .map(value)
+            .filter(|v| !v.is_nan() && if up { *v >= x } else { *v <= x })
+            .reduce(|a, b| if up == (b < a) { b } else { a })
+            .expect("a neighbour lies on each side")
+    };
+    let d = sh.head_dim;
+    let own_type = match elem {
+        RepElem::Bf16 => attn_op::DType::BF16,
+        _ => attn_op::DType::F16,
+    };
+    let exact = T::DTYPE == own_type || (summary == Summary::E4m3 && elem == RepElem::Bf16);
+    for s in 0..sh.seqs {
+        let (w, n) = (
+            wide.pages(0, s).expect("slot"),
+            narrow.pages(0, s).expect("slot"),
+        );
+        prop_assert_eq!(w.len(), n.len());
+        for (i, (&x, &y)) in w.iter().zip(n.iter()).enumerate() {
+            let up = i % (2 * d) < d;
+            prop_assert_eq!(y, outward(x, up), "seq {} value {}: {} from {}", s, i, y, x);
+            prop_assert!(!exact || x == y, "seq {} value {}: {} from {}", s, i, y, x);
+        }
+    }
+    let (top_w, top_n) = (
+        quest
+            .retrieve_topk(&c.step(None), &wide)
+            .expect("valid step"),
+        quest
+            .retrieve_topk(&c.step(None), &narrow)
+            .expect("valid step"),
+    );
+    if exact {
+        prop_assert_eq!(top_w, top_n);
+    }
+    Ok(())
+}
+
 /// 64 cases by default; `PROPTEST_CASES` raises it for soak runs.
 fn cases() -> u32 {
     std::env::var("PROPTEST_CASES")
@@ -276,6 +364,19 @@ proptest! {
         let summary = if e4m3 { Summary::E4m3 } else { Summary::Exact };
         check_selection(sh, seed, budget, shared, summary)?;
         check_selection(sh, seed, sh.max_len.div_ceil(sh.page_size), shared, summary)?;
+    }
+
+    #[test]
+    fn a_16_bit_pool_rounds_outward_and_selects_alike_where_exact(
+        sh in shape(), seed in any::<u64>(), budget in 1..12usize,
+    ) {
+        for summary in [Summary::Exact, Summary::E4m3] {
+            for elem in [RepElem::Bf16, RepElem::F16] {
+                check_half_pool::<f32>(sh, seed, budget, summary, elem)?;
+                check_half_pool::<f16>(sh, seed, budget, summary, elem)?;
+                check_half_pool::<bf16>(sh, seed, budget, summary, elem)?;
+            }
+        }
     }
 
     #[test]
