@@ -3,7 +3,6 @@
 //! Both builds add the same products in the same order (16 lanes, then the lanes in order), so
 //! they give bit-identical scores: selections do not depend on the machine.
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::Reps;
@@ -123,9 +122,41 @@ impl Widen for f16 {
     #[inline(always)]
     fn widen_row<'a>(row: &'a [f16], scratch: &'a mut Vec<f32>) -> &'a [f32] {
         scratch.resize(row.len(), 0.0);
-        // `half`'s slice conversion, which uses the CPU's F16C instructions where it has them.
-        row.convert_to_f32_slice(scratch);
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("f16c") {
+            // SAFETY: the CPU has F16C (and so AVX), checked just above.
+            unsafe { widen_f16c(row, scratch) };
+            return scratch;
+        }
+        for (o, x) in scratch.iter_mut().zip(row) {
+            *o = x.to_f32();
+        }
         scratch
+    }
+}
+
+/// `out[i] = row[i]` as f32 through F16C, eight at a time (`half`'s own slice conversion
+/// measured slower here than the f32 rows it replaces).
+///
+/// # Safety
+/// The CPU must support AVX and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn widen_f16c(row: &[f16], out: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    let n = row.len().min(out.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n`: 8 halves readable at `row[i..]` and 8 floats writable at
+        // `out[i..]`; unaligned loads and stores.
+        unsafe {
+            let h = _mm_loadu_si128(row.as_ptr().add(i).cast::<__m128i>());
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for (o, x) in out[i..n].iter_mut().zip(&row[i..n]) {
+        *o = x.to_f32();
     }
 }
 
