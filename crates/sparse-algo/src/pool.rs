@@ -89,6 +89,24 @@ impl<'a> Reps<'a> {
         self.len() == 0
     }
 
+    /// The element type of the values.
+    pub fn elem(&self) -> RepElem {
+        match self {
+            Reps::F32(_) => RepElem::F32,
+            Reps::Bf16(_) => RepElem::Bf16,
+            Reps::F16(_) => RepElem::F16,
+        }
+    }
+
+    /// Elements `at` of the values.
+    fn at(self, at: std::ops::Range<usize>) -> Reps<'a> {
+        match self {
+            Reps::F32(v) => Reps::F32(&v[at]),
+            Reps::Bf16(v) => Reps::Bf16(&v[at]),
+            Reps::F16(v) => Reps::F16(&v[at]),
+        }
+    }
+
     /// The values as f32: borrowed from an f32 pool, widened (exactly) from a 16-bit one.
     pub fn to_f32(&self) -> Cow<'a, [f32]> {
         match *self {
@@ -190,11 +208,7 @@ impl RepPool {
 
     /// The element type of the pool's values.
     pub fn elem(&self) -> RepElem {
-        match self.data {
-            Store::F32(_) => RepElem::F32,
-            Store::Bf16(_) => RepElem::Bf16,
-            Store::F16(_) => RepElem::F16,
-        }
+        self.data().elem()
     }
 
     /// Bytes the pool holds.
@@ -231,12 +245,9 @@ impl RepPool {
         let i = self.index(layer, slot)?;
         let row = self.max_pages * self.shape.page_len();
         let pages = self.tokens[i].div_ceil(self.shape.page_size);
-        let at = i * row..i * row + pages * self.shape.page_len();
-        Ok(match &self.data {
-            Store::F32(v) => Reps::F32(&v[at]),
-            Store::Bf16(v) => Reps::Bf16(&v[at]),
-            Store::F16(v) => Reps::F16(&v[at]),
-        })
+        Ok(self
+            .data()
+            .at(i * row..i * row + pages * self.shape.page_len()))
     }
 
     /// The summarized pages of (layer, slot), `[pages, heads, width]`, as f32 (widened from a

@@ -207,7 +207,7 @@ pub(crate) enum Rows {
 /// in memory order (page by page, every head of a page together): `w[h]` holds KV head `h`'s
 /// group weights and `reps` is `[pages, kv_heads, 2 * d]`. The result holds `rows`, each
 /// `pages.len()` long. Every score has the bits [`page_scores`] gives it (over the values
-/// widened to f32: a bf16 pool scores as an f32 pool of the same values), and a maximum is
+/// widened to f32: a 16-bit pool scores as an f32 pool of the same values), and a maximum is
 /// taken over the query heads in order, `best = best.max(next)`.
 pub(crate) fn sweep(
     w: &[Weights<'_>],
@@ -312,9 +312,9 @@ macro_rules! sweep_chunk_for {
 }
 sweep_chunk_for!(f32, bf16, f16);
 
-/// The body of [`sweep_chunk`]. A page's `[kmax ‖ kmin]` is scored for four query heads of
-/// its group at a time, whose final sums of lanes then run side by side; each head's sum takes
-/// exactly the steps of [`page_scores`]'s, so the bits match.
+/// The body of [`SweepChunk::sweep_chunk`]. A page's `[kmax ‖ kmin]` is scored for four query
+/// heads of its group at a time, whose final sums of lanes then run side by side; each head's
+/// sum takes exactly the steps of [`page_scores`]'s, so the bits match.
 #[inline(always)]
 fn sweep_chunk_generic<E: Widen>(
     w: &[Weights<'_>],
@@ -362,10 +362,11 @@ fn sweep_chunk_generic<E: Widen>(
     }
 }
 
-/// Pages a KV head scores in a row before the next head's turn ([`sweep_chunk`]).
+/// Pages a KV head scores in a row before the next head's turn
+/// ([`SweepChunk::sweep_chunk`]).
 const BLOCK: usize = 4;
 
-/// How many pages ahead of its scoring [`sweep_chunk`] asks for a page's rows.
+/// How many pages ahead of its scoring [`SweepChunk::sweep_chunk`] asks for a page's rows.
 const AHEAD: usize = 8;
 
 /// Asks the CPU to bring `rows` (each 64-byte line) into its level-2 cache.
