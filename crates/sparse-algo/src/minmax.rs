@@ -140,35 +140,26 @@ trait Half16: Copy + Send + Sync {
     fn of_bits(bits: u16) -> Self;
 }
 
-impl Half16 for bf16 {
-    fn nearest(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    fn value(self) -> f32 {
-        self.to_f32()
-    }
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn of_bits(bits: u16) -> Self {
-        bf16::from_bits(bits)
-    }
+/// Implements [`Half16`] through `half`'s inherent methods, which both types share.
+macro_rules! half16 {
+    ($($t:ty),*) => {$(
+        impl Half16 for $t {
+            fn nearest(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn value(self) -> f32 {
+                self.to_f32()
+            }
+            fn bits(self) -> u16 {
+                self.to_bits()
+            }
+            fn of_bits(bits: u16) -> Self {
+                <$t>::from_bits(bits)
+            }
+        }
+    )*};
 }
-
-impl Half16 for f16 {
-    fn nearest(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    fn value(self) -> f32 {
-        self.to_f32()
-    }
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn of_bits(bits: u16) -> Self {
-        f16::from_bits(bits)
-    }
-}
+half16!(bf16, f16);
 
 /// The 16-bit value next to `x` upward (`up`) or downward: `x` itself where it is one, else
 /// the nearest in that direction (past the largest finite, an infinity); NaN stays NaN.
