@@ -18,6 +18,10 @@
 //! | [`Dsa`] | token | indexer `sum_j w_j relu(q_j · k)` | |
 //! | [`Oracle`] | page or token | exact attention mass | |
 //!
+//! A pool stores f32, or, for min/max bounds, the KV's own 16-bit type at half the bytes with
+//! the same selections: build it with [`RepPool::with_elem`] and the algorithm's
+//! [`SparseAlgorithm::rep_elem`] for the cache's dtype, as the coordinator does.
+//!
 //! [`metrics`] measures mass recall, top-k recall and output error against dense attention
 //! computed by attn-op. Selection is deterministic: ties between equal scores go to the lower
 //! id, NaN scores rank last, and no result depends on the thread count.

@@ -151,7 +151,9 @@ pub(crate) enum RowMut<'a> {
 }
 
 impl RepPool {
-    /// An f32 pool for `layers` layers and `slots` requests of up to `max_tokens` tokens each.
+    /// An f32 pool for `layers` layers and `slots` requests of up to `max_tokens` tokens each
+    /// ([`Self::with_elem`] with [`crate::SparseAlgorithm::rep_elem`] gives the narrowest exact
+    /// one).
     pub fn new(
         shape: RepShape,
         layers: usize,
