@@ -18,7 +18,7 @@ pub(crate) fn shape(page_size: usize, kv_heads: usize, head_dim: usize) -> RepSh
 
 /// Extends every slot's min/max pages to its sequence's length, recomputing the last page it
 /// had (which may have been partial) from the keys, and storing the bounds as `summary` says,
-/// in the pool's element type (a bf16 pool's rounded outward, [`round_out`]). Checks the batch
+/// in the pool's element type (a 16-bit pool's rounded outward, [`round_out`]). Checks the batch
 /// against the pool first.
 pub(crate) fn update(
     layer: usize,
