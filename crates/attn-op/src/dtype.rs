@@ -79,6 +79,12 @@ impl Element for f16 {
     }
     #[inline(always)]
     fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("f16c") {
+            // SAFETY: the CPU has F16C (and so AVX), checked just above.
+            unsafe { f16c_to_f32(src, dst) };
+            return;
+        }
         src.convert_to_f32_slice(dst);
     }
     fn zeros(n: usize) -> Vec<Self> {
@@ -107,6 +113,33 @@ impl Element for bf16 {
     }
 }
 
+/// `dst[i] = src[i]` as f32 through F16C, eight at a time: `half`'s own slice conversion made
+/// sparse-algo's scoring of f16 bounds slower than of f32 ones (7.6 against 7.0 ms for Quest
+/// at 128K; 5.7 with this).
+///
+/// # Safety
+/// The CPU must support AVX and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn f16c_to_f32(src: &[f16], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    assert_eq!(src.len(), dst.len(), "slice_to_f32: slices of one length");
+    let n = src.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: `i + 8 <= n`: 8 halves readable at `src[i..]` and 8 floats writable at
+        // `dst[i..]`; unaligned loads and stores.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for (d, s) in dst[i..].iter_mut().zip(&src[i..]) {
+        *d = s.to_f32();
+    }
+}
+
 mod sealed {
     /// Keeps [`Element`](super::Element) closed, so that `DTYPE` identifies the type (the SIMD
     /// widening relies on it).
@@ -114,4 +147,30 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every f16 bit pattern (NaNs included, compared by bits) widens through the slice
+    /// conversion as it does one at a time, over lengths that leave a tail past the 8-wide
+    /// steps.
+    #[test]
+    fn f16_slices_widen_as_single_values() {
+        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        for len in [all.len(), 8 * 1000 + 5, 7, 1, 0] {
+            let src = &all[all.len() - len..];
+            let mut dst = vec![0.0f32; len];
+            f16::slice_to_f32(src, &mut dst);
+            for (x, y) in src.iter().zip(&dst) {
+                assert_eq!(
+                    y.to_bits(),
+                    x.to_f32().to_bits(),
+                    "{:#06x} over {len}",
+                    x.to_bits()
+                );
+            }
+        }
+    }
 }

@@ -12,12 +12,11 @@
 
 use std::hint::black_box;
 
-use attn_op::{AttnOut, AttnParams, BatchMeta, KvLayout, PagedKv, paged_attention};
+use attn_op::{AttnOut, AttnParams, BatchMeta, DType, KvLayout, PagedKv, paged_attention};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use half::bf16;
 use sparse_algo::{
-    Decode, PagedKeys, Quest, QuestConfig, RepElem, RepPool, RocketConfig, RocketKv,
-    SparseAlgorithm,
+    Decode, PagedKeys, Quest, QuestConfig, RepPool, RocketConfig, RocketKv, SparseAlgorithm,
 };
 
 const Q_HEADS: usize = 32;
@@ -121,7 +120,7 @@ fn bench(c: &mut Criterion) {
         let keys = PagedKeys::new(kv, &lens, table, table.len()).expect("valid table");
         for ((name, algo), (suffix, elem)) in algos
             .iter()
-            .flat_map(|a| [("", RepElem::F32), ("-bf16", RepElem::Bf16)].map(|e| (a, e)))
+            .flat_map(|a| [("", DType::F32), ("-bf16", DType::BF16)].map(|e| (a, e)))
         {
             let mut pool = RepPool::with_elem(algo.rep_shape(KV_HEADS, D), elem, 1, 1, *ctx)
                 .expect("pool fits");

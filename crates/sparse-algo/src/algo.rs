@@ -3,7 +3,7 @@
 use crate::error::check_len;
 use attn_op::DType;
 
-use crate::{AlgoError, KeySource, RepElem, RepPool, RepShape, TopK};
+use crate::{AlgoError, KeySource, RepPool, RepShape, TopK};
 
 /// One pluggable sparse-attention algorithm (SGLang's BaseSparseAlgorithm, TensorRT-LLM's
 /// predict hooks, nano-vllm's SparsePolicy). The lifecycle for one layer of a request:
@@ -35,11 +35,11 @@ pub trait SparseAlgorithm: Send + Sync {
     }
 
     /// The narrowest element type that holds the representations exactly for a KV cache of
-    /// `kv` (for Quest and RocketKV, the KV's own 16-bit type, whose min/max bounds are its
-    /// values, so that the pool selects as an f32 pool does); [`RepElem::F32`] by default.
-    fn rep_elem(&self, kv: DType) -> RepElem {
+    /// `kv` ([`RepPool::with_elem`]; for Quest and RocketKV the KV's own type, whose min/max
+    /// bounds are its values, so that the pool selects as an f32 pool does); f32 by default.
+    fn rep_elem(&self, kv: DType) -> DType {
         let _ = kv;
-        RepElem::F32
+        DType::F32
     }
 
     /// Builds the representations of every token of each sequence of `keys` into its pool slot

@@ -79,7 +79,7 @@ pub use dsa::{Dsa, DsaConfig, Indexer};
 pub use error::AlgoError;
 pub use keys::{KeySource, PagedKeys};
 pub use oracle::{Oracle, OracleConfig};
-pub use pool::{RepElem, RepPool, RepShape, Reps};
+pub use pool::{RepPool, RepShape, Reps};
 pub use quest::{Quest, QuestConfig, quest_bound};
 pub use rocket::{RocketConfig, RocketKv};
 pub use select::{AlwaysInclude, TopK};

@@ -1,5 +1,6 @@
 //! Per-page elementwise key minimum and maximum, the representation Quest and RocketKV share.
 
+use attn_op::Element;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -128,12 +129,9 @@ fn round_out<H: Half16>(wide: &[f32], width: usize, dst: &mut [H]) {
     }
 }
 
-/// A 16-bit float type (sign bit on top, then exponent and mantissa) a pool stores bounds in.
-trait Half16: Copy + Send + Sync {
-    /// `x` rounded to the nearest value (NaN to NaN).
-    fn nearest(x: f32) -> Self;
-    /// The value as f32 (exact).
-    fn value(self) -> f32;
+/// A 16-bit float type (sign bit on top, then exponent and mantissa) a pool stores bounds in:
+/// its bits, beside [`Element`]'s conversions.
+trait Half16: Element {
     /// The bit pattern.
     fn bits(self) -> u16;
     /// The value of a bit pattern.
@@ -144,12 +142,6 @@ trait Half16: Copy + Send + Sync {
 macro_rules! half16 {
     ($($t:ty),*) => {$(
         impl Half16 for $t {
-            fn nearest(x: f32) -> Self {
-                <$t>::from_f32(x)
-            }
-            fn value(self) -> f32 {
-                self.to_f32()
-            }
             fn bits(self) -> u16 {
                 self.to_bits()
             }
@@ -164,8 +156,9 @@ half16!(bf16, f16);
 /// The 16-bit value next to `x` upward (`up`) or downward: `x` itself where it is one, else
 /// the nearest in that direction (past the largest finite, an infinity); NaN stays NaN.
 fn toward<H: Half16>(x: f32, up: bool) -> H {
-    let n = H::nearest(x);
-    let v = n.value();
+    // `from_f32` rounds to the nearest value, NaN to NaN.
+    let n = H::from_f32(x);
+    let v = n.to_f32();
     if v.is_nan() || v == x || (v > x) == up {
         return n;
     }

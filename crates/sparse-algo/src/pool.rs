@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 
+use attn_op::{DType, Element};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
@@ -34,34 +35,6 @@ impl RepShape {
     }
 }
 
-/// The element type a [`RepPool`] stores its values in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RepElem {
-    /// f32: any representation, exactly.
-    #[default]
-    F32,
-    /// bf16, half the bytes: only Quest's and RocketKV's `[kmax ‖ kmin]` bounds, each rounded
-    /// outward (`kmax` up, `kmin` down) so that it still bounds every key of its page. The
-    /// rounding changes nothing for keys of a bf16 cache (their minima and maxima are bf16
-    /// values) nor for [`crate::Summary::E4m3`] bounds (every scaled E4M3 value is a bf16
-    /// value), so there the scores, and the selections, are those of an f32 pool bit for bit.
-    Bf16,
-    /// f16, half the bytes: as [`RepElem::Bf16`], exact for keys of an f16 cache.
-    F16,
-}
-
-impl RepElem {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            RepElem::F32 => size_of::<f32>(),
-            RepElem::Bf16 => size_of::<bf16>(),
-            RepElem::F16 => size_of::<f16>(),
-        }
-    }
-}
-
 /// Values as a pool stores them: the whole pool ([`RepPool::data`]) or one (layer, slot)'s
 /// pages ([`RepPool::reps`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -90,11 +63,11 @@ impl<'a> Reps<'a> {
     }
 
     /// The element type of the values.
-    pub fn elem(&self) -> RepElem {
+    pub fn elem(&self) -> DType {
         match self {
-            Reps::F32(_) => RepElem::F32,
-            Reps::Bf16(_) => RepElem::Bf16,
-            Reps::F16(_) => RepElem::F16,
+            Reps::F32(_) => DType::F32,
+            Reps::Bf16(_) => DType::BF16,
+            Reps::F16(_) => DType::F16,
         }
     }
 
@@ -109,10 +82,16 @@ impl<'a> Reps<'a> {
 
     /// The values as f32: borrowed from an f32 pool, widened (exactly) from a 16-bit one.
     pub fn to_f32(&self) -> Cow<'a, [f32]> {
+        /// `v` widened by its element type's own slice conversion.
+        fn wide<E: Element>(v: &[E]) -> Vec<f32> {
+            let mut out = vec![0.0; v.len()];
+            E::slice_to_f32(v, &mut out);
+            out
+        }
         match *self {
             Reps::F32(v) => Cow::Borrowed(v),
-            Reps::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
-            Reps::F16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+            Reps::Bf16(v) => Cow::Owned(wide(v)),
+            Reps::F16(v) => Cow::Owned(wide(v)),
         }
     }
 }
@@ -160,15 +139,20 @@ impl RepPool {
         slots: usize,
         max_tokens: usize,
     ) -> Result<Self, AlgoError> {
-        Self::with_elem(shape, RepElem::F32, layers, slots, max_tokens)
+        Self::with_elem(shape, DType::F32, layers, slots, max_tokens)
     }
 
     /// A pool of `elem` values for `layers` layers and `slots` requests of up to `max_tokens`
-    /// tokens each. Only the algorithms that keep min/max bounds (Quest, RocketKV) take a 16-bit
-    /// pool; the others reject it with [`AlgoError::Invalid`].
+    /// tokens each. f32 holds any representation exactly. bf16 and f16 take half the bytes and
+    /// hold only Quest's and RocketKV's `[kmax ‖ kmin]` bounds, each rounded outward (`kmax`
+    /// up, `kmin` down) so that it still bounds every key of its page; the other algorithms
+    /// reject them with [`AlgoError::Invalid`]. The rounding changes nothing for keys of the
+    /// pool's own type (their minima and maxima are its values), nor for
+    /// [`crate::Summary::E4m3`] bounds in bf16 (every scaled E4M3 value is a bf16 value), so
+    /// there the scores, and the selections, are those of an f32 pool bit for bit.
     pub fn with_elem(
         shape: RepShape,
-        elem: RepElem,
+        elem: DType,
         layers: usize,
         slots: usize,
         max_tokens: usize,
@@ -180,9 +164,9 @@ impl RepPool {
             slots,
             max_pages,
             data: match elem {
-                RepElem::F32 => Store::F32(vec![0.0; len]),
-                RepElem::Bf16 => Store::Bf16(vec![bf16::ZERO; len]),
-                RepElem::F16 => Store::F16(vec![f16::ZERO; len]),
+                DType::F32 => Store::F32(vec![0.0; len]),
+                DType::BF16 => Store::Bf16(vec![bf16::ZERO; len]),
+                DType::F16 => Store::F16(vec![f16::ZERO; len]),
             },
             tokens: vec![0; layers * slots],
         })
@@ -209,7 +193,7 @@ impl RepPool {
     }
 
     /// The element type of the pool's values.
-    pub fn elem(&self) -> RepElem {
+    pub fn elem(&self) -> DType {
         self.data().elem()
     }
 

@@ -8,8 +8,8 @@ use crate::algo::check_pool;
 use crate::score::{Rows, Weights, page_scores, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::{
-    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepElem, RepPool, RepShape, SparseAlgorithm,
-    Summary, TopK, minmax,
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, Summary,
+    TopK, minmax,
 };
 
 /// Quest (Tang et al., 2024): each page is summarized by the elementwise maximum and minimum of
@@ -129,13 +129,12 @@ impl SparseAlgorithm for Quest {
         minmax::shape(self.config.page_size, kv_heads, head_dim)
     }
 
-    fn rep_elem(&self, kv: DType) -> RepElem {
-        // Every scaled E4M3 value is a bf16 value, and a 16-bit key's min and max are values
-        // of its type.
-        match (self.config.summary, kv) {
-            (Summary::E4m3, _) | (Summary::Exact, DType::BF16) => RepElem::Bf16,
-            (Summary::Exact, DType::F16) => RepElem::F16,
-            (Summary::Exact, DType::F32) => RepElem::F32,
+    fn rep_elem(&self, kv: DType) -> DType {
+        // Every scaled E4M3 value is a bf16 value, and a key's min and max are values of its
+        // type.
+        match self.config.summary {
+            Summary::E4m3 => DType::BF16,
+            Summary::Exact => kv,
         }
     }
 

@@ -9,8 +9,8 @@ use crate::score::{Rows, Weights, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::snap::{Pooling, check_votes, keep_by_votes};
 use crate::{
-    AlgoError, AlwaysInclude, Caps, Decode, KeySource, Prompt, RepElem, RepPool, RepShape,
-    SparseAlgorithm, TopK, minmax,
+    AlgoError, AlwaysInclude, Caps, Decode, KeySource, Prompt, RepPool, RepShape, SparseAlgorithm,
+    TopK, minmax,
 };
 
 /// RocketKV (Behnam et al., 2025), as TensorRT-LLM runs it.
@@ -99,13 +99,9 @@ impl SparseAlgorithm for RocketKv {
         minmax::shape(self.config.page_size, kv_heads, head_dim)
     }
 
-    fn rep_elem(&self, kv: DType) -> RepElem {
-        // A 16-bit key's min and max are values of its type.
-        match kv {
-            DType::BF16 => RepElem::Bf16,
-            DType::F16 => RepElem::F16,
-            DType::F32 => RepElem::F32,
-        }
+    fn rep_elem(&self, kv: DType) -> DType {
+        // A key's min and max are values of its type.
+        kv
     }
 
     fn update_representations(

@@ -3,6 +3,7 @@
 //! Both builds add the same products in the same order (16 lanes, then the lanes in order), so
 //! they give bit-identical scores: selections do not depend on the machine.
 
+use attn_op::Element;
 use half::{bf16, f16};
 
 use crate::Reps;
@@ -92,7 +93,7 @@ fn lanes(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> [f32; 16] {
 }
 
 /// An element type representations are stored in, widened exactly to f32 for scoring.
-pub(crate) trait Widen: Copy + Send + Sync {
+pub(crate) trait Widen: Element {
     /// `row` as f32: itself, or widened into `scratch` (once, for every query head that
     /// scores it).
     fn widen_row<'a>(row: &'a [Self], scratch: &'a mut Vec<f32>) -> &'a [f32];
@@ -108,56 +109,23 @@ impl Widen for f32 {
 impl Widen for bf16 {
     #[inline(always)]
     fn widen_row<'a>(row: &'a [bf16], scratch: &'a mut Vec<f32>) -> &'a [f32] {
-        scratch.clear();
-        // A shift, not `bf16::to_f32`, so that the loop vectorizes.
-        scratch.extend(
-            row.iter()
-                .map(|x| f32::from_bits(u32::from(x.to_bits()) << 16)),
-        );
-        scratch
+        widened(row, scratch)
     }
 }
 
 impl Widen for f16 {
     #[inline(always)]
     fn widen_row<'a>(row: &'a [f16], scratch: &'a mut Vec<f32>) -> &'a [f32] {
-        scratch.resize(row.len(), 0.0);
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("f16c") {
-            // SAFETY: the CPU has F16C (and so AVX), checked just above.
-            unsafe { widen_f16c(row, scratch) };
-            return scratch;
-        }
-        for (o, x) in scratch.iter_mut().zip(row) {
-            *o = x.to_f32();
-        }
-        scratch
+        widened(row, scratch)
     }
 }
 
-/// `out[i] = row[i]` as f32 through F16C, eight at a time (`half`'s own slice conversion
-/// measured slower here than the f32 rows it replaces).
-///
-/// # Safety
-/// The CPU must support AVX and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-unsafe fn widen_f16c(row: &[f16], out: &mut [f32]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
-    let n = row.len().min(out.len());
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: `i + 8 <= n`: 8 halves readable at `row[i..]` and 8 floats writable at
-        // `out[i..]`; unaligned loads and stores.
-        unsafe {
-            let h = _mm_loadu_si128(row.as_ptr().add(i).cast::<__m128i>());
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-        }
-        i += 8;
-    }
-    for (o, x) in out[i..n].iter_mut().zip(&row[i..n]) {
-        *o = x.to_f32();
-    }
+/// `row` widened into `scratch` by its element type's own slice conversion.
+#[inline(always)]
+fn widened<'a, E: Element>(row: &[E], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    scratch.resize(row.len(), 0.0);
+    E::slice_to_f32(row, scratch);
+    scratch
 }
 
 /// `a · b` with 16 independent lanes, same build choice and order rules as [`page_scores`].

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
+use attn_op::DType;
 use half::bf16;
 use sparse_algo::metrics::{mass_recall, mean, output_error, topk_recall};
 use sparse_algo::{
-    AlgoConfig, AlgoError, Dsa, DsaConfig, Indexer, OracleConfig, Prompt, QuestConfig, RepElem,
-    RepPool, RocketConfig, SnapKvConfig, SparseAlgorithm, StreamingConfig, TopK,
+    AlgoConfig, AlgoError, Dsa, DsaConfig, Indexer, OracleConfig, Prompt, QuestConfig, RepPool,
+    RocketConfig, SnapKvConfig, SparseAlgorithm, StreamingConfig, TopK,
 };
 
 use crate::util::{Case, Rng};
@@ -216,7 +217,7 @@ fn a_trained_indexer_finds_the_needles() {
         .expect("construct");
     // Indexer keys are not bounds: a bf16 pool is refused with a typed error.
     let mut narrow =
-        RepPool::with_elem(dsa.rep_shape(KV_HEADS, D), RepElem::Bf16, 1, 2, LEN).expect("pool");
+        RepPool::with_elem(dsa.rep_shape(KV_HEADS, D), DType::BF16, 1, 2, LEN).expect("pool");
     let refused = dsa.construct_representations(0, &keys, &n.case.slots, &mut narrow);
     assert!(
         matches!(refused, Err(AlgoError::Invalid(_))),

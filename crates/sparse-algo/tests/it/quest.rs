@@ -1,11 +1,11 @@
 //! Quest's bound, its representations and its selection, as properties over random data.
 
-use attn_op::Element;
+use attn_op::{DType, Element};
 use half::{bf16, f16};
 use proptest::prelude::*;
 use sparse_algo::summary::{self, Summary};
 use sparse_algo::{
-    AlwaysInclude, KeySource, Quest, QuestConfig, RepElem, RepPool, SparseAlgorithm, quest_bound,
+    AlwaysInclude, KeySource, Quest, QuestConfig, RepPool, SparseAlgorithm, quest_bound,
 };
 
 use crate::util::{Case, Rng};
@@ -68,11 +68,11 @@ fn case<T: Element>(sh: Shape, seed: u64) -> Case<T> {
 
 /// Builds Quest's f32 pool for a case.
 fn built<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape) -> RepPool {
-    built_in(quest, c, sh, RepElem::F32)
+    built_in(quest, c, sh, DType::F32)
 }
 
 /// Builds Quest's pool of `elem` values for a case.
-fn built_in<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape, elem: RepElem) -> RepPool {
+fn built_in<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape, elem: DType) -> RepPool {
     let keys = c.keys();
     let mut pool = RepPool::with_elem(
         quest.rep_shape(sh.kv_heads, sh.head_dim),
@@ -263,7 +263,7 @@ fn check_half_pool<T: Element>(
     seed: u64,
     budget_pages: usize,
     summary: Summary,
-    elem: RepElem,
+    elem: DType,
 ) -> Result<(), TestCaseError> {
     let c = case::<T>(sh, seed);
     let ps = sh.page_size;
@@ -279,11 +279,11 @@ fn check_half_pool<T: Element>(
     prop_assert_eq!(2 * narrow.bytes(), wide.bytes());
     // The type's value of bits `b`, and the bits of its nearest value to `x`.
     let value = |b: u16| match elem {
-        RepElem::Bf16 => bf16::from_bits(b).to_f32(),
+        DType::BF16 => bf16::from_bits(b).to_f32(),
         _ => f16::from_bits(b).to_f32(),
     };
     let nearest = |x: f32| match elem {
-        RepElem::Bf16 => bf16::from_f32(x).to_bits(),
+        DType::BF16 => bf16::from_f32(x).to_bits(),
         _ => f16::from_f32(x).to_bits(),
     };
     // The least (`up`) or greatest value at or beyond `x`, among the neighbours of its nearest.
@@ -305,11 +305,7 @@ fn check_half_pool<T: Element>(
             .expect("a neighbour lies on each side")
     };
     let d = sh.head_dim;
-    let own_type = match elem {
-        RepElem::Bf16 => attn_op::DType::BF16,
-        _ => attn_op::DType::F16,
-    };
-    let exact = T::DTYPE == own_type || (summary == Summary::E4m3 && elem == RepElem::Bf16);
+    let exact = T::DTYPE == elem || (summary == Summary::E4m3 && elem == DType::BF16);
     for s in 0..sh.seqs {
         let (w, n) = (
             wide.pages(0, s).expect("slot"),
@@ -371,7 +367,7 @@ proptest! {
         sh in shape(), seed in any::<u64>(), budget in 1..12usize,
     ) {
         for summary in [Summary::Exact, Summary::E4m3] {
-            for elem in [RepElem::Bf16, RepElem::F16] {
+            for elem in [DType::BF16, DType::F16] {
                 check_half_pool::<f32>(sh, seed, budget, summary, elem)?;
                 check_half_pool::<f16>(sh, seed, budget, summary, elem)?;
                 check_half_pool::<bf16>(sh, seed, budget, summary, elem)?;
