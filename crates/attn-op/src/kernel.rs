@@ -392,12 +392,16 @@ fn attend_body<T: Element, const ISA: u8>(
             && all_visible
             && odd_group
             && (chunk_dots || (ISA == simd::AVX512_BF16 && group > 2));
-        let mut next_block = 0;
+        // Block `k` (from 0) starts at row `b`, of KV head `hb = k % nh` (rows are ordered
+        // (query, KV head, head in group)); counted rather than divided for.
+        let (mut next_block, mut k, mut next_hb) = (0, 0, 0);
         while next_block < rows {
-            let b = next_block;
+            let (b, hb) = (next_block, next_hb);
             let span = if multi { rows - b } else { group };
             next_block += span;
-            let (p, hb) = (pos[b], (b / group) % nh);
+            next_hb = if hb + 1 == nh { 0 } else { hb + 1 };
+            k += 1;
+            let p = pos[b];
             let h = h0 + hb;
             let qb = &q[b * d..(b + span) * d];
             let mut any = false;
@@ -405,7 +409,7 @@ fn attend_body<T: Element, const ISA: u8>(
             let (keys, vals_at) = this.head(hb, len);
             // The first query's head blocks ask for the next chunk's rows, each a share of
             // them in address order.
-            let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b / group < nh {
+            let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && k <= nh {
                 next.share(hb, bytes)
             } else {
                 (simd::Ahead::NONE, simd::Ahead::NONE)
@@ -504,10 +508,11 @@ fn attend_body<T: Element, const ISA: u8>(
             if !any {
                 continue;
             }
+            // Three passes over the rows: every row's maximum, the rescales, then every
+            // row's exponentials, so that the rows' independent chains overlap.
             for g in 0..span {
                 let r = b + g;
-                let row = &mut scores[g * C..g * C + len];
-                let mx = simd::row_max::<ISA>(row);
+                let mx = simd::row_max::<ISA>(&scores[g * C..g * C + len]);
                 let m_new = part.m[r].max(mx);
                 if part.m[r] != m_new {
                     let alpha = (part.m[r] - m_new).exp();
@@ -516,9 +521,14 @@ fn attend_body<T: Element, const ISA: u8>(
                         .for_each(|a| *a *= alpha);
                     part.l[r] *= alpha;
                 }
-                part.l[r] += simd::exp_weights::<ISA>(row, m_new);
                 part.m[r] = m_new;
             }
+            simd::exp_rows::<ISA>(
+                &mut scores,
+                (C, len),
+                &part.m[b..b + span],
+                &mut part.l[b..b + span],
+            );
             let accs = &mut part.acc[b * d..(b + span) * d];
             if ISA == simd::PORTABLE {
                 for t in 0..len {

@@ -224,6 +224,42 @@ pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
     exp_tail(scores, m)
 }
 
+/// [`exp_weights`] of each of the `m.len()` rows of `scores` (`len` scores, `stride` apart)
+/// against `m[r]`, its sum added to `l[r]`. The AVX2 build takes full rows (16 scores) four at
+/// a time, with the same bits.
+#[inline(always)]
+pub(crate) fn exp_rows<const ISA: u8>(
+    scores: &mut [f32],
+    (stride, len): (usize, usize),
+    m: &[f32],
+    l: &mut [f32],
+) {
+    debug_assert!(len <= stride && m.len() == l.len());
+    let mut r = 0;
+    #[cfg(target_arch = "x86_64")]
+    if ISA == AVX2 && len == 16 {
+        while r + 4 <= m.len() {
+            assert!(
+                scores.len() >= (r + 3) * stride + 16,
+                "a row of 16 past the scores"
+            );
+            // SAFETY: see the module doc; rows `r..r + 4` hold 16 scores each (asserted).
+            unsafe {
+                avx2::exp_rows4(
+                    scores.as_mut_ptr().add(r * stride),
+                    stride,
+                    &m[r..r + 4],
+                    &mut l[r..r + 4],
+                );
+            }
+            r += 4;
+        }
+    }
+    for r in r..m.len() {
+        l[r] += exp_weights::<ISA>(&mut scores[r * stride..r * stride + len], m[r]);
+    }
+}
+
 /// The mask of the first `len` of 16 lanes (`len <= 16`).
 #[inline(always)]
 pub(crate) fn first_lanes(len: usize) -> u16 {

@@ -1,8 +1,8 @@
-//! The chunk kernels against the per-key ones they stand for, bit for bit.
+//! The chunk kernels against the per-key (and per-row) ones they stand for, bit for bit.
 
 use half::{bf16, f16};
 
-use super::{AVX2, AVX512, avx2, avx512, detect, dot_rows};
+use super::{AVX2, AVX512, avx2, avx512, detect, dot_rows, exp_rows, exp_weights};
 use crate::Element;
 
 /// A fixed-seed stream of values in `[-1, 1)`, never all zero.
@@ -95,5 +95,49 @@ fn chunk_dots_equal_per_key_dots() {
     }
     if isa >= AVX512 {
         check_all::<AVX512>(16);
+    }
+}
+
+/// `exp_rows` of `rows` rows of `len` scores (some masked, -inf) against each row's
+/// `exp_weights`, weights and sums bit for bit.
+fn check_exp_rows<const ISA: u8>(rows: usize, len: usize, seed: u64) {
+    const STRIDE: usize = 16;
+    let mut v = Values(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let scores: Vec<f32> = (0..rows * STRIDE)
+        .map(|_| match v.next() {
+            x if x < -0.8 => f32::NEG_INFINITY,
+            x => 30.0 * x,
+        })
+        .collect();
+    let m: Vec<f32> = (0..rows).map(|_| 30.0 + v.next()).collect();
+    let l0: Vec<f32> = (0..rows).map(|_| 2.0 + v.next()).collect();
+    let (mut got, mut got_l) = (scores.clone(), l0.clone());
+    exp_rows::<ISA>(&mut got, (STRIDE, len), &m, &mut got_l);
+    let (mut want, mut want_l) = (scores, l0);
+    for r in 0..rows {
+        want_l[r] += exp_weights::<ISA>(&mut want[r * STRIDE..r * STRIDE + len], m[r]);
+    }
+    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let at = format!("build {ISA}, {rows} rows of {len}");
+    assert_eq!(bits(&got), bits(&want), "weights, {at}");
+    assert_eq!(bits(&got_l), bits(&want_l), "sums, {at}");
+}
+
+/// Row counts below, at and past the blocks of 4, full rows and short ones.
+#[test]
+fn exp_rows_equal_per_row_weights() {
+    let isa = detect();
+    let mut seed = 1;
+    for rows in 1..=9 {
+        for len in [1, 7, 15, 16] {
+            seed += 1;
+            if isa >= AVX2 {
+                check_exp_rows::<AVX2>(rows, len, seed);
+            }
+            if isa >= AVX512 {
+                check_exp_rows::<AVX512>(rows, len, seed);
+            }
+            check_exp_rows::<{ super::PORTABLE }>(rows, len, seed);
+        }
     }
 }
