@@ -508,8 +508,8 @@ fn attend_body<T: Element, const ISA: u8>(
             if !any {
                 continue;
             }
-            // Three passes over the rows: every row's maximum, the rescales, then every
-            // row's exponentials, so that the rows' independent chains overlap.
+            // Two passes over the rows: each row's maximum and rescale, then the rows'
+            // exponentials, side by side where the build can (`exp_rows`).
             for g in 0..span {
                 let r = b + g;
                 let mx = simd::row_max::<ISA>(&scores[g * C..g * C + len]);
