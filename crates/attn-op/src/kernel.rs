@@ -392,8 +392,9 @@ fn attend_body<T: Element, const ISA: u8>(
             && all_visible
             && odd_group
             && (chunk_dots || (ISA == simd::AVX512_BF16 && group > 2));
-        // Block `k` (from 0) starts at row `b`, of KV head `hb = k % nh` (rows are ordered
-        // (query, KV head, head in group)); counted rather than divided for.
+        // `k` counts the blocks taken (this one included) and `hb` is this block's KV head,
+        // `(k - 1) % nh` since rows are ordered (query, KV head, head in group): both counted
+        // rather than divided for.
         let (mut next_block, mut k, mut next_hb) = (0, 0, 0);
         while next_block < rows {
             let (b, hb) = (next_block, next_hb);
