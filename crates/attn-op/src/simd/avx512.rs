@@ -40,21 +40,55 @@ pub(super) fn exp16(x: __m512) -> __m512 {
 pub(super) unsafe fn exp_weights(scores: &mut [f32], m: f32) -> f32 {
     let n = scores.len();
     let p = scores.as_mut_ptr();
-    let (mv, ninf) = (_mm512_set1_ps(m), _mm512_set1_ps(f32::NEG_INFINITY));
+    let mv = _mm512_set1_ps(m);
     let mut sum = _mm512_setzero_ps();
     let mut i = 0;
     while i + 16 <= n {
         // SAFETY: `i + 16 <= n`: 16 floats read-writable at `p + i`.
         unsafe {
-            let s = _mm512_loadu_ps(p.add(i));
-            let keep = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, ninf);
-            let w = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s, mv)));
+            let w = weigh16(_mm512_loadu_ps(p.add(i)), mv);
             _mm512_storeu_ps(p.add(i), w);
             sum = _mm512_add_ps(sum, w);
         }
         i += 16;
     }
     _mm512_reduce_add_ps(sum) + exp_tail(&mut scores[i..], m)
+}
+
+/// `exp(s - m)` of 16 scores, exactly 0 where a score is -inf (masked).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn weigh16(s: __m512, m: __m512) -> __m512 {
+    let keep = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, _mm512_set1_ps(f32::NEG_INFINITY));
+    _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s, m)))
+}
+
+/// [`exp_weights`] of 4 rows of 16 scores (`stride` apart from `scores`; row `r` against
+/// `m[r]`, its sum added to `l[r]`), the rows' exponentials side by side: the same operations,
+/// so the same bits (the AVX2 build's `exp_rows4`).
+///
+/// # Safety
+/// The CPU must support AVX-512F; `scores` must hold `3 * stride + 16` floats.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_rows4(scores: *mut f32, stride: usize, m: &[f32], l: &mut [f32]) {
+    debug_assert!(m.len() == 4 && l.len() == 4);
+    let mut w = [_mm512_setzero_ps(); 4];
+    for (r, w) in w.iter_mut().enumerate() {
+        // SAFETY: row `r < 4` holds 16 floats (the caller's contract).
+        *w = weigh16(
+            unsafe { _mm512_loadu_ps(scores.add(r * stride)) },
+            _mm512_set1_ps(m[r]),
+        );
+    }
+    for (r, w) in w.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_ps(scores.add(r * stride), *w) };
+    }
+    for (l, w) in l.iter_mut().zip(w) {
+        // `exp_weights`' sum of a row of 16: its one vector across the lanes.
+        *l += _mm512_reduce_add_ps(w);
+    }
 }
 
 /// # Safety

@@ -225,8 +225,8 @@ pub(crate) fn exp_weights<const ISA: u8>(scores: &mut [f32], m: f32) -> f32 {
 }
 
 /// [`exp_weights`] of each of the `m.len()` rows of `scores` (`len` scores, `stride` apart)
-/// against `m[r]`, its sum added to `l[r]`. The AVX2 build takes full rows (16 scores) four at
-/// a time, with the same bits.
+/// against `m[r]`, its sum added to `l[r]`. The AVX2 and AVX-512 builds take full rows (16
+/// scores) four at a time, with the same bits.
 #[inline(always)]
 pub(crate) fn exp_rows<const ISA: u8>(
     scores: &mut [f32],
@@ -237,20 +237,24 @@ pub(crate) fn exp_rows<const ISA: u8>(
     debug_assert!(len <= stride && m.len() == l.len());
     let mut r = 0;
     #[cfg(target_arch = "x86_64")]
-    if ISA == AVX2 && len == 16 {
+    if ISA >= AVX2 && len == 16 {
         while r + 4 <= m.len() {
             assert!(
                 scores.len() >= (r + 3) * stride + 16,
                 "a row of 16 past the scores"
             );
+            let (rows, m, l) = (
+                scores.as_mut_ptr().wrapping_add(r * stride),
+                &m[r..r + 4],
+                &mut l[r..r + 4],
+            );
             // SAFETY: see the module doc; rows `r..r + 4` hold 16 scores each (asserted).
             unsafe {
-                avx2::exp_rows4(
-                    scores.as_mut_ptr().add(r * stride),
-                    stride,
-                    &m[r..r + 4],
-                    &mut l[r..r + 4],
-                );
+                if ISA == AVX2 {
+                    avx2::exp_rows4(rows, stride, m, l);
+                } else {
+                    avx512::exp_rows4(rows, stride, m, l);
+                }
             }
             r += 4;
         }
