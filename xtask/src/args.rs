@@ -45,8 +45,7 @@ pub(crate) fn parse(args: &[String]) -> Result<Task, String> {
     let Some((command, rest)) = args.split_first() else {
         return Ok(Task::Help);
     };
-    let help = |a: &String| matches!(a.as_str(), "-h" | "--help");
-    if command != "demo" && rest.iter().take_while(|a| *a != "--").any(help) {
+    if command != "demo" && rest.iter().take_while(|a| *a != "--").any(|a| asks_help(a)) {
         return Ok(Task::Help);
     }
     let none = |task: Task| match rest.first() {
@@ -99,6 +98,11 @@ pub(crate) fn parse(args: &[String]) -> Result<Task, String> {
         }
         other => Err(format!("unknown command `{other}`\n\n{USAGE}")),
     }
+}
+
+/// Whether an argument asks for help (`-h` or `--help`).
+pub(crate) fn asks_help(arg: &str) -> bool {
+    matches!(arg, "-h" | "--help")
 }
 
 #[cfg(test)]

@@ -270,7 +270,7 @@ fn demo(extra: &[String]) -> Result<(), String> {
         "hsa",
         "--",
     ];
-    let help = extra.iter().any(|a| matches!(a.as_str(), "-h" | "--help"));
+    let help = extra.iter().any(|a| args::asks_help(a));
     if let Err(e) = if help { Ok(()) } else { fetch_model() } {
         eprintln!(
             "xtask: {e}; running the built-in synthetic model instead (random weights: its perplexity is noise, its bytes and speeds are real)"
