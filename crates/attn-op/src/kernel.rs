@@ -95,6 +95,39 @@ impl Partial {
         }
     }
 
+    /// One online-softmax step of rows `b..b + rows` over a chunk's scores (`len` a row,
+    /// `stride` apart, masked ones -inf): each row's running max and the rescale of its sums
+    /// where the max grew, then the rows' exponentials, side by side where the build can
+    /// (`simd::exp_rows`), which replace the scores as the chunk's weights.
+    #[inline(always)]
+    fn absorb<const ISA: u8>(
+        &mut self,
+        b: usize,
+        (scores, stride, len): (&mut [f32], usize, usize),
+        d: usize,
+    ) {
+        let rows = scores.len() / stride;
+        for g in 0..rows {
+            let r = b + g;
+            let mx = simd::row_max::<ISA>(&scores[g * stride..g * stride + len]);
+            let m_new = self.m[r].max(mx);
+            if self.m[r] != m_new {
+                let alpha = (self.m[r] - m_new).exp();
+                self.acc[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .for_each(|a| *a *= alpha);
+                self.l[r] *= alpha;
+            }
+            self.m[r] = m_new;
+        }
+        simd::exp_rows::<ISA>(
+            scores,
+            (stride, len),
+            &self.m[b..b + rows],
+            &mut self.l[b..b + rows],
+        );
+    }
+
     /// Folds `other` into `self` with the log-sum-exp rule, in the widest vectors this CPU has
     /// (`isa`, resolved); every build multiplies and adds alike, so the bits do not depend on it.
     pub(crate) fn merge(&mut self, other: &Partial, d: usize, isa: u8) {
@@ -509,27 +542,7 @@ fn attend_body<T: Element, const ISA: u8>(
             if !any {
                 continue;
             }
-            // Two passes over the rows: each row's maximum and rescale, then the rows'
-            // exponentials, side by side where the build can (`exp_rows`).
-            for g in 0..span {
-                let r = b + g;
-                let mx = simd::row_max::<ISA>(&scores[g * C..g * C + len]);
-                let m_new = part.m[r].max(mx);
-                if part.m[r] != m_new {
-                    let alpha = (part.m[r] - m_new).exp();
-                    part.acc[r * d..(r + 1) * d]
-                        .iter_mut()
-                        .for_each(|a| *a *= alpha);
-                    part.l[r] *= alpha;
-                }
-                part.m[r] = m_new;
-            }
-            simd::exp_rows::<ISA>(
-                &mut scores,
-                (C, len),
-                &part.m[b..b + span],
-                &mut part.l[b..b + span],
-            );
+            part.absorb::<ISA>(b, (&mut scores[..span * C], C, len), d);
             let accs = &mut part.acc[b * d..(b + span) * d];
             if ISA == simd::PORTABLE {
                 for t in 0..len {
