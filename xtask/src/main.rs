@@ -29,7 +29,8 @@ commands:
           --peers also runs the peers under bench/peers/ (PyTorch CPU SDPA; torch is
           installed into target/peers/site when missing: PyPI's Linux wheel is the CUDA
           build, several GB). --skip-engine leaves the engine's scenarios out.
-          ARGS go to the bench binaries, e.g. `cargo xtask bench -- --quick`.
+          ARGS go to the bench binaries, e.g. `cargo xtask bench -- --quick`; with
+          `-- --help` or `-- --list` they only answer, and nothing else runs.
           --gpu builds the device bundle instead (see `gpu`): the GPU half of the report
   report  writes target/bench-report/report.md and its plots again from the results already
           there and under target/criterion, without measuring
@@ -120,6 +121,15 @@ fn bench(options: &BenchArgs) -> Result<(), String> {
         args.extend(options.criterion.iter().map(String::as_str));
     }
     cargo(&args, &[])?;
+    if options
+        .criterion
+        .iter()
+        .any(|a| args::asks_help(a) || a == "--list")
+    {
+        // The bench binaries answered a question (their help, their list) and measured
+        // nothing: no summary, scenarios or report follow.
+        return Ok(());
+    }
     let out_dir = target_dir().join("bench-report");
     std::fs::create_dir_all(&out_dir)
         .map_err(|e| format!("creating {}: {e}", out_dir.display()))?;
