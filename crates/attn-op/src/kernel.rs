@@ -425,16 +425,14 @@ fn attend_body<T: Element, const ISA: u8>(
             && all_visible
             && odd_group
             && (chunk_dots || (ISA == simd::AVX512_BF16 && group > 2));
-        // `k` counts the blocks taken (this one included) and `hb` is this block's KV head,
-        // `(k - 1) % nh` since rows are ordered (query, KV head, head in group): both counted
-        // rather than divided for.
-        let (mut next_block, mut k, mut next_hb) = (0, 0, 0);
+        // `hb` is the block's KV head, `(b / group) % nh` since rows are ordered (query, KV
+        // head, head in group): counted rather than divided for.
+        let (mut next_block, mut next_hb) = (0, 0);
         while next_block < rows {
             let (b, hb) = (next_block, next_hb);
             let span = if multi { rows - b } else { group };
             next_block += span;
             next_hb = if hb + 1 == nh { 0 } else { hb + 1 };
-            k += 1;
             let p = pos[b];
             let h = h0 + hb;
             let qb = &q[b * d..(b + span) * d];
@@ -443,7 +441,7 @@ fn attend_body<T: Element, const ISA: u8>(
             let (keys, vals_at) = this.head(hb, len);
             // The first query's head blocks ask for the next chunk's rows, each a share of
             // them in address order.
-            let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && k <= nh {
+            let (ahead_k, ahead_v) = if ISA != simd::PORTABLE && b < nh * group {
                 next.share(hb, bytes)
             } else {
                 (simd::Ahead::NONE, simd::Ahead::NONE)
