@@ -66,6 +66,19 @@ fn case<T: Element>(sh: Shape, seed: u64) -> Case<T> {
     )
 }
 
+/// Quest over pages of `ps` with a budget of `budget_pages` pages, no forced pages, and the
+/// given head sharing and summary.
+fn quest(ps: usize, budget_pages: usize, shared_heads: bool, summary: Summary) -> Quest {
+    Quest::new(QuestConfig {
+        page_size: ps,
+        budget_tokens: budget_pages * ps,
+        always: AlwaysInclude::default(),
+        shared_heads,
+        summary,
+    })
+    .expect("valid config")
+}
+
 /// Builds Quest's f32 pool for a case.
 fn built<T: Element>(quest: &Quest, c: &Case<T>, sh: Shape) -> RepPool {
     built_in(quest, c, sh, DType::F32)
@@ -114,13 +127,7 @@ fn outward(x: f32, e: i32, up: bool) -> f32 {
 fn check_bound<T: Element>(sh: Shape, seed: u64, summary: Summary) -> Result<(), TestCaseError> {
     let c = case::<T>(sh, seed);
     let ps = sh.page_size;
-    let quest = Quest::new(QuestConfig {
-        page_size: ps,
-        budget_tokens: ps,
-        summary,
-        ..Default::default()
-    })
-    .expect("valid config");
+    let quest = quest(ps, 1, false, summary);
     let pool = built(&quest, &c, sh);
     let d = sh.head_dim;
     let q_heads = sh.kv_heads * sh.group;
@@ -193,14 +200,7 @@ fn check_selection(
 ) -> Result<(), TestCaseError> {
     let c = case::<f32>(sh, seed);
     let ps = sh.page_size;
-    let quest = Quest::new(QuestConfig {
-        page_size: ps,
-        budget_tokens: budget_pages * ps,
-        always: AlwaysInclude::default(),
-        shared_heads,
-        summary,
-    })
-    .expect("valid config");
+    let quest = quest(ps, budget_pages, shared_heads, summary);
     let pool = built(&quest, &c, sh);
     let top = quest
         .retrieve_topk(&c.step(None), &pool)
@@ -267,13 +267,7 @@ fn check_half_pool<T: Element>(
 ) -> Result<(), TestCaseError> {
     let c = case::<T>(sh, seed);
     let ps = sh.page_size;
-    let quest = Quest::new(QuestConfig {
-        page_size: ps,
-        budget_tokens: budget_pages * ps,
-        summary,
-        ..Default::default()
-    })
-    .expect("valid config");
+    let quest = quest(ps, budget_pages, false, summary);
     let (wide, narrow) = (built(&quest, &c, sh), built_in(&quest, &c, sh, elem));
     prop_assert_eq!(narrow.elem(), elem);
     prop_assert_eq!(2 * narrow.bytes(), wide.bytes());
@@ -381,8 +375,7 @@ proptest! {
     ) {
         let c = case::<bf16>(sh, seed);
         let summary = if e4m3 { Summary::E4m3 } else { Summary::Exact };
-        let quest = Quest::new(QuestConfig { page_size: sh.page_size, budget_tokens: sh.page_size, summary, ..Default::default() })
-            .expect("valid config");
+        let quest = quest(sh.page_size, 1, false, summary);
         let whole = built(&quest, &c, sh);
         // The same sequences, first cut short (as after prefill), then extended (as decode does).
         let short: Vec<i32> = c.lens.iter().map(|&l| l - (cut as i32 % l)).collect();
