@@ -86,7 +86,8 @@ pub(crate) fn setup_shaped<T: Element>(
     ctx: usize,
     (kv_heads, d): (usize, usize),
 ) -> Decode<T> {
-    let blocks_per_seq = ctx / BS;
+    // A partial last block where the context is not a whole number of blocks.
+    let blocks_per_seq = ctx.div_ceil(BS);
     let layout = KvLayout {
         num_blocks: batch * blocks_per_seq,
         block_size: BS,
