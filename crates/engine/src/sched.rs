@@ -245,6 +245,15 @@ impl Live {
     }
 }
 
+/// What a step's forward takes besides the batch: every new token and its position, and
+/// the rows whose logits are sampled.
+#[derive(Default)]
+struct Inputs {
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+    logits_for: Vec<usize>,
+}
+
 impl<'m, T: Element> Scheduler<'m, T> {
     /// A scheduler over `model`; `tokenizer` is needed for stop strings and end-of-sequence.
     pub fn new(
@@ -631,69 +640,11 @@ impl<'m, T: Element> Scheduler<'m, T> {
 
     /// Picks the batch, runs the forward, samples, and finishes requests.
     fn forward(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
-        // Decode tokens first, then prefill chunks, within the token budget.
-        let mut budget = self.config.max_batch_tokens;
-        let mut work: Vec<(usize, usize)> = Vec::new();
-        for (i, l) in self.running.iter().enumerate() {
-            if !l.prefilling() && budget > 0 {
-                work.push((i, 1));
-                budget -= 1;
-            }
-        }
-        for (i, l) in self.running.iter().enumerate() {
-            if l.prefilling() && budget > 0 {
-                let n = (l.prompt.len() - l.computed).min(budget);
-                work.push((i, n));
-                budget -= n;
-            }
-        }
+        let work = self.pick_work();
         if work.is_empty() {
             return Ok(());
         }
-        // Requests of one coordinator (or none) are contiguous in the batch.
-        work.sort_by_key(|&(i, _)| self.running[i].coord.map_or(0, |c| c + 1));
-        let bs = self.bs();
-        let mut tables = Vec::with_capacity(work.len());
-        for &(i, _) in &work {
-            let l = &self.running[i];
-            tables.push(if l.on_device {
-                self.table(l.rid())?
-            } else {
-                Vec::new()
-            });
-        }
-        let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut batch = Batch {
-            cu_seqlens_q: vec![0],
-            max_blocks,
-            ..Batch::default()
-        };
-        let (mut tokens, mut positions, mut logits_for) = (Vec::new(), Vec::new(), Vec::new());
-        for (&(i, n), table) in work.iter().zip(&tables) {
-            let l = &self.running[i];
-            let start = l.computed;
-            for p in start..start + n {
-                tokens.push(if p < l.prompt.len() {
-                    l.prompt[p]
-                } else {
-                    l.out[p - l.prompt.len()]
-                });
-                positions.push(p);
-                batch.slots.push(match table.get(p / bs) {
-                    Some(&b) if b >= 0 => b * bs as i32 + (p % bs) as i32,
-                    _ => -1,
-                });
-            }
-            if start + n >= l.prompt.len() {
-                logits_for.push(tokens.len() - 1);
-            }
-            batch.cu_seqlens_q.push(tokens.len() as i32);
-            batch.seq_lens_kv.push((start + n) as i32);
-            batch.block_table.extend_from_slice(table);
-            batch
-                .block_table
-                .extend(std::iter::repeat_n(-1, max_blocks - table.len()));
-        }
+        let (batch, inputs) = self.batch_of(&work)?;
         // One group per coordinator (or none), over its contiguous requests.
         let mut groups: Vec<GroupRun> = Vec::new();
         for (j, &(i, n)) in work.iter().enumerate() {
@@ -715,18 +666,115 @@ impl<'m, T: Element> Scheduler<'m, T> {
             groups: &mut groups,
             model: self.model,
         };
-        let logits = self
-            .model
-            .forward(&tokens, &positions, &mut attn, &logits_for)?;
+        let logits = self.model.forward(
+            &inputs.tokens,
+            &inputs.positions,
+            &mut attn,
+            &inputs.logits_for,
+        )?;
         for g in &groups {
             if let Some(c) = g.coord {
                 self.coords[c].coord.forward_end()?;
             }
         }
+        let done = self.take_tokens(&work, &logits, events)?;
+        self.run_transfers()?;
+        for (id, reason) in done {
+            let i = self
+                .running
+                .iter()
+                .position(|l| l.id == id)
+                .expect("finished requests are running");
+            let live = self.running.swap_remove(i);
+            let report = self.finish(live, reason)?;
+            events.push(Event::Finished(Box::new(report)));
+        }
+        Ok(())
+    }
+
+    /// The step's work: (running index, new tokens), decode tokens first, then prefill
+    /// chunks, within the token budget; each coordinator's requests (or those of none)
+    /// contiguous.
+    fn pick_work(&self) -> Vec<(usize, usize)> {
+        let mut budget = self.config.max_batch_tokens;
+        let mut work: Vec<(usize, usize)> = Vec::new();
+        for (i, l) in self.running.iter().enumerate() {
+            if !l.prefilling() && budget > 0 {
+                work.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for (i, l) in self.running.iter().enumerate() {
+            if l.prefilling() && budget > 0 {
+                let n = (l.prompt.len() - l.computed).min(budget);
+                work.push((i, n));
+                budget -= n;
+            }
+        }
+        work.sort_by_key(|&(i, _)| self.running[i].coord.map_or(0, |c| c + 1));
+        work
+    }
+
+    /// The batch metadata of `work` over the device's blocks, and the model's inputs.
+    fn batch_of(&self, work: &[(usize, usize)]) -> Result<(Batch, Inputs), EngineError> {
+        let bs = self.bs();
+        let mut tables = Vec::with_capacity(work.len());
+        for &(i, _) in work {
+            let l = &self.running[i];
+            tables.push(if l.on_device {
+                self.table(l.rid())?
+            } else {
+                Vec::new()
+            });
+        }
+        let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut batch = Batch {
+            cu_seqlens_q: vec![0],
+            max_blocks,
+            ..Batch::default()
+        };
+        let mut inputs = Inputs::default();
+        for (&(i, n), table) in work.iter().zip(&tables) {
+            let l = &self.running[i];
+            let start = l.computed;
+            for p in start..start + n {
+                inputs.tokens.push(if p < l.prompt.len() {
+                    l.prompt[p]
+                } else {
+                    l.out[p - l.prompt.len()]
+                });
+                inputs.positions.push(p);
+                batch.slots.push(match table.get(p / bs) {
+                    Some(&b) if b >= 0 => b * bs as i32 + (p % bs) as i32,
+                    _ => -1,
+                });
+            }
+            if start + n >= l.prompt.len() {
+                inputs.logits_for.push(inputs.tokens.len() - 1);
+            }
+            batch.cu_seqlens_q.push(inputs.tokens.len() as i32);
+            batch.seq_lens_kv.push((start + n) as i32);
+            batch.block_table.extend_from_slice(table);
+            batch
+                .block_table
+                .extend(std::iter::repeat_n(-1, max_blocks - table.len()));
+        }
+        Ok((batch, inputs))
+    }
+
+    /// Counts `work`'s tokens as computed, and samples the next token of every request whose
+    /// prompt is in (`logits`: a row each, in `work`'s order): the requests that finished, and
+    /// why.
+    fn take_tokens(
+        &mut self,
+        work: &[(usize, usize)],
+        logits: &[f32],
+        events: &mut Vec<Event>,
+    ) -> Result<Vec<(u64, FinishReason)>, EngineError> {
         let vocab = self.model.config.vocab;
         let mut row = 0;
         let mut done = Vec::new();
-        for &(i, n) in &work {
+        for &(i, n) in work {
             let l = &mut self.running[i];
             l.computed += n;
             if l.on_device {
@@ -770,18 +818,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
                 self.kv.append_token(l.rid(), token)?;
             }
         }
-        self.run_transfers()?;
-        for (id, reason) in done {
-            let i = self
-                .running
-                .iter()
-                .position(|l| l.id == id)
-                .expect("finished requests are running");
-            let live = self.running.swap_remove(i);
-            let report = self.finish(live, reason)?;
-            events.push(Event::Finished(Box::new(report)));
-        }
-        Ok(())
+        Ok(done)
     }
 
     /// Releases a request's memory everywhere and writes its report.
