@@ -344,10 +344,27 @@ fn generate(
                 st.stats.bytes as f64 / 1024.0 / st.generated.max(1) as f64
             )
         } else {
-            "dense".to_owned()
+            dense_because(model, sparse)?
         }
     );
     Ok(())
+}
+
+/// How `generate`'s summary names a dense run: plainly, or, where sparse attention was asked
+/// for, with why the request ran dense.
+fn dense_because(model: &Model, sparse: Option<&SparseConfig>) -> Result<String, EngineError> {
+    let Some(config) = sparse else {
+        return Ok("dense".to_owned());
+    };
+    let lowered = config.lower(model.config.shape(), None)?;
+    Ok(if lowered.layers.iter().all(Option::is_none) {
+        "dense: the sparse config makes no layer sparse".to_owned()
+    } else {
+        format!(
+            "dense: sparse mode starts at {} prompt tokens (min_prompt_tokens)",
+            lowered.min_prompt_tokens
+        )
+    })
 }
 
 /// `engine::gpu_request::generate_gpu` with the model's weights uploaded to the first CUDA
