@@ -52,6 +52,20 @@ struct Walk<'a> {
     after_heads: (usize, usize),
 }
 
+/// Everything one unit of work reads: the cache, its job's KV heads `h0..h1` and query heads
+/// per KV head, the job's query rows (`q`: `rows x d`, already scaled; `pos`: each row's
+/// absolute position; rows ordered (query, KV head, head in group)), the parameters, and the
+/// walk.
+struct Unit<'a, T: Element> {
+    kv: &'a PagedKv<T>,
+    heads: (usize, usize),
+    group: usize,
+    q: &'a [f32],
+    pos: &'a [i64],
+    params: &'a AttnParams,
+    walk: Walk<'a>,
+}
+
 /// Tokens per online-softmax step: chunk `c` of a list holds its tokens `c * CHUNK .. (c + 1) *
 /// CHUNK`, counted in list order.
 const CHUNK: u32 = 16;
@@ -110,37 +124,26 @@ fn pair_lanes<T: Element>(isa: u8, d: usize) -> Option<usize> {
     }
 }
 
-/// Attention of query rows over `runs`, with the widest instruction set this CPU has. The SIMD
-/// builds round differently from the portable one (fused multiply-adds, a polynomial exp), so
-/// results are deterministic per machine and agree across machines within f32 rounding.
-#[allow(clippy::too_many_arguments)]
-fn attend<T: Element>(
-    isa: u8,
-    kv: &PagedKv<T>,
-    heads: (usize, usize),
-    group: usize,
-    q: &[f32],
-    pos: &[i64],
-    params: &AttnParams,
-    walk: Walk<'_>,
-) -> Partial {
+/// Attention of a unit's query rows over its runs, with the widest instruction set this CPU
+/// has. The SIMD builds round differently from the portable one (fused multiply-adds, a
+/// polynomial exp), so results are deterministic per machine and agree across machines within
+/// f32 rounding.
+fn attend<T: Element>(isa: u8, unit: Unit<'_, T>) -> Partial {
     #[cfg(target_arch = "x86_64")]
-    match body_isa::<T>(isa, kv.layout_ref().head_dim) {
+    match body_isa::<T>(isa, unit.kv.layout_ref().head_dim) {
         simd::AVX512_BF16 => {
             // SAFETY: `resolve` caps `isa` by the features the CPU has, which are the ones
             // each function is compiled for; this build reads the cache as bf16 in rows of
             // 32, which `body_isa` checks.
-            return unsafe { attend_avx512bf16(kv, heads, group, q, pos, params, walk) };
+            return unsafe { attend_avx512bf16(unit) };
         }
-        simd::AVX512 => {
-            // SAFETY: as above (a CPU with the bf16 build has AVX-512F).
-            return unsafe { attend_avx512(kv, heads, group, q, pos, params, walk) };
-        }
+        // SAFETY: as above (a CPU with the bf16 build has AVX-512F).
+        simd::AVX512 => return unsafe { attend_avx512(unit) },
         // SAFETY: as above.
-        simd::AVX2 => return unsafe { attend_avx2(kv, heads, group, q, pos, params, walk) },
+        simd::AVX2 => return unsafe { attend_avx2(unit) },
         _ => {}
     }
-    attend_body::<T, { simd::PORTABLE }>(kv, heads, group, q, pos, params, walk)
+    attend_body::<T, { simd::PORTABLE }>(unit)
 }
 
 /// Defines `$name`: [`attend_body`] compiled for `$features` with build `$isa`.
@@ -150,16 +153,8 @@ macro_rules! attend_with {
         #[doc = concat!("The CPU must support ", $features, ".")]
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $name<T: Element>(
-            kv: &PagedKv<T>,
-            heads: (usize, usize),
-            group: usize,
-            q: &[f32],
-            pos: &[i64],
-            params: &AttnParams,
-            walk: Walk<'_>,
-        ) -> Partial {
-            attend_body::<T, { $isa }>(kv, heads, group, q, pos, params, walk)
+        unsafe fn $name<T: Element>(unit: Unit<'_, T>) -> Partial {
+            attend_body::<T, { $isa }>(unit)
         }
     };
 }
@@ -172,24 +167,25 @@ attend_with!(
     simd::AVX512_BF16
 );
 
-/// Attention of query rows (`q`: `rows x d`, already scaled; `pos`: each row's absolute
-/// position; rows ordered (query, KV head, head in group)) over `runs` of KV heads `h0..h1`
-/// (ascending, cut and numbered by [`at_chunks`]). Each chunk is widened once for all the job's
-/// heads; each row then sees the same operations in the same order whatever the job's head
-/// range, so results do not depend on it.
+/// Attention of a unit's query rows over its runs (cut and numbered by [`at_chunks`]). Each
+/// chunk is widened once for all the job's heads; each row then sees the same operations in
+/// the same order whatever the job's head range, so results do not depend on it.
 #[inline(always)]
 fn attend_body<T: Element, const ISA: u8>(
-    kv: &PagedKv<T>,
-    (h0, h1): (usize, usize),
-    group: usize,
-    q: &[f32],
-    pos: &[i64],
-    params: &AttnParams,
-    Walk {
-        runs,
-        after,
-        after_heads: (a0, a1),
-    }: Walk<'_>,
+    Unit {
+        kv,
+        heads: (h0, h1),
+        group,
+        q,
+        pos,
+        params,
+        walk:
+            Walk {
+                runs,
+                after,
+                after_heads: (a0, a1),
+            },
+    }: Unit<'_, T>,
 ) -> Partial {
     let d = kv.layout_ref().head_dim;
     let nh = h1 - h0;
@@ -382,7 +378,16 @@ pub(crate) fn execute<T: Element>(
                 let shape = (group, hq, d, pair_lanes::<T>(isa, d));
                 job_rows(q, &seqs[job.seq], &job, shape, params.scale)
             });
-            let part = attend(isa, kv, (job.h0, job.h1), group, rows_q, pos, params, walk);
+            let unit = Unit {
+                kv,
+                heads: (job.h0, job.h1),
+                group,
+                q: rows_q,
+                pos,
+                params,
+                walk,
+            };
+            let part = attend(isa, unit);
             trees[j].arrive(starts[t] + i - first[j], part, d, isa, |mut whole| {
                 whole.normalize(&job, group, params.sink_logits.as_deref(), d);
                 for (p, (out, lse)) in lock(&sinks[j]).iter_mut().enumerate() {
