@@ -2,7 +2,7 @@
 //! densely over the engine's device cache; a sparse request's coordinator backs the prompt
 //! up to its pinned host pool meanwhile. After that, every token is one forward, sparse in the
 //! sparse layers through the coordinator's device hooks ([`GpuSparseAttention`]).
-//! [`generate_gpu`] is the CPU's [`generate`](crate::generate) on it.
+//! [`generate_gpu`] is the CPU's [`generate`](fn@crate::generate) on it.
 
 use std::time::Instant;
 
@@ -187,7 +187,7 @@ impl<'m, T: GpuFloat> GpuRequest<'m, T> {
     }
 }
 
-/// [`generate`](crate::generate) on the GPU: `prompt` prefilled in one forward (`progress`
+/// [`generate`](fn@crate::generate) on the GPU: `prompt` prefilled in one forward (`progress`
 /// told when it is done), then sampled with `sampling`, the text streamed to `on_text`;
 /// `sparse` routes attention through a sparse coordinator's device hooks.
 pub fn generate_gpu<T: GpuFloat>(

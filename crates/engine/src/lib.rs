@@ -4,7 +4,7 @@
 //! - [`gguf`], [`hf`], [`Tokenizer`], [`Model`]: the model file (GGUF, or a Hugging Face
 //!   checkpoint in safetensors), its tokenizer, and the Llama forward on the CPU with
 //!   attention behind the [`Attention`] trait.
-//! - [`generate`]: one request end to end; [`Scheduler`]: many at once (continuous
+//! - [`generate`](fn@generate): one request end to end; [`Scheduler`]: many at once (continuous
 //!   batching, chunked prefill, kv-blocks prefix reuse, admission by a device budget).
 //! - [`eval`]: fidelity of sparse variants against dense (perplexity, top-1 agreement,
 //!   recall, passkey retrieval).
