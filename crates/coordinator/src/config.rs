@@ -135,6 +135,15 @@ impl std::fmt::Debug for LayerParams {
 }
 
 impl Lowered {
+    /// The shortest prompt that runs in sparse mode ([`min_prompt_tokens`](Self::min_prompt_tokens)),
+    /// or `None` where no layer is sparse and every request runs dense.
+    pub fn sparse_from(&self) -> Option<usize> {
+        self.layers
+            .iter()
+            .any(Option::is_some)
+            .then_some(self.min_prompt_tokens)
+    }
+
     /// Device bytes one sparse-mode request holds on a model of shape `model` with KV
     /// elements of `elem_bytes` bytes: in every sparse layer, the hot buffer and the reserved
     /// page of KV, plus the representations of `tokens` tokens as the device keeps them: an

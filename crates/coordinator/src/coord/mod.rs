@@ -570,10 +570,9 @@ impl<T: Element> SparseCoordinator<T> {
     }
 
     fn mode_for(&self, prompt_len: usize) -> Mode {
-        if self.manager.is_some() && prompt_len >= self.lowered.min_prompt_tokens {
-            Mode::Sparse
-        } else {
-            Mode::Dense
+        match self.lowered.sparse_from() {
+            Some(n) if prompt_len >= n => Mode::Sparse,
+            _ => Mode::Dense,
         }
     }
 

@@ -115,3 +115,14 @@ fn bad_configs_are_rejected_with_the_reason() {
         Err("budget"),
     );
 }
+
+#[test]
+fn sparse_mode_starts_at_the_threshold_only_where_a_layer_is_sparse() {
+    let from = |toml: &str| {
+        let c: SparseConfig = toml::from_str(toml).expect("a valid test config");
+        c.lower(MODEL, None).expect("it lowers").sparse_from()
+    };
+    assert_eq!(from(""), Some(256 * 16));
+    assert_eq!(from("dense_layers = [0, 3]\nmin_prompt_tokens = 100"), Some(100));
+    assert_eq!(from("dense_layers = [0, 1, 2, 3]"), None);
+}

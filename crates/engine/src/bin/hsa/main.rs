@@ -356,15 +356,14 @@ fn dense_because(model: &Model, sparse: Option<&SparseConfig>) -> Result<String,
     let Some(config) = sparse else {
         return Ok("dense".to_owned());
     };
-    let lowered = config.lower(model.config.shape(), None)?;
-    Ok(if lowered.layers.iter().all(Option::is_none) {
-        "dense: the sparse config makes no layer sparse".to_owned()
-    } else {
-        format!(
-            "dense: sparse mode starts at {} prompt tokens (min_prompt_tokens)",
-            lowered.min_prompt_tokens
-        )
-    })
+    Ok(
+        match config.lower(model.config.shape(), None)?.sparse_from() {
+            Some(n) => {
+                format!("dense: sparse mode starts at {n} prompt tokens (min_prompt_tokens)")
+            }
+            None => "dense: the sparse config makes no layer sparse".to_owned(),
+        },
+    )
 }
 
 /// `engine::gpu_request::generate_gpu` with the model's weights uploaded to the first CUDA
