@@ -12,8 +12,9 @@ pub(super) struct Walker<'a, T: Element> {
     pub(super) params: &'a AttnParams,
     /// Query heads of each KV head.
     pub(super) group: usize,
-    /// The job's KV heads `h0..h0 + nh`.
-    pub(super) heads: (usize, usize),
+    /// The job's first KV head and its KV head count: heads `h0..h0 + nh`.
+    pub(super) h0: usize,
+    pub(super) nh: usize,
     pub(super) d: usize,
     /// Whether the AVX-512 or AVX2 build takes a chunk's dot products at once (its head dim a
     /// whole number of vectors).
@@ -62,7 +63,7 @@ impl Scratch {
     ) -> Self {
         const C: usize = CHUNK as usize;
         let widened = if ISA == simd::PORTABLE {
-            C * w.heads.1 * w.d
+            C * w.nh * w.d
         } else {
             0
         };
@@ -113,7 +114,7 @@ impl<T: Element> Walker<'_, T> {
     /// The portable build's chunk widened once into f32 scratch, token-major, each token's
     /// heads of the job in order.
     pub(super) fn widen(&self, chunk: &[Run], s: &mut Bufs<'_>) {
-        let ((h0, nh), d) = (self.heads, self.d);
+        let (h0, nh, d) = (self.h0, self.nh, self.d);
         let mut o = 0;
         for run in chunk {
             let n = run.len as usize;
@@ -244,7 +245,7 @@ impl<T: Element> Walker<'_, T> {
         if chunk.all_visible && computed {
             return true;
         }
-        let ((h0, nh), d, group) = (self.heads, self.d, self.group);
+        let (h0, nh, d, group) = (self.h0, self.nh, self.d, self.group);
         let h = h0 + blk.hb;
         let bytes = d * size_of::<T>();
         let mut any = false;
@@ -282,7 +283,7 @@ impl<T: Element> Walker<'_, T> {
         const C: usize = CHUNK as usize;
         let (d, span) = (self.d, blk.span);
         if ISA == simd::PORTABLE {
-            let nh = self.heads.1;
+            let nh = self.nh;
             for t in 0..len {
                 (0..self.group).for_each(|g| s.wbuf[g] = s.scores[g * C + t]);
                 if s.wbuf.iter().all(|&w| w == 0.0) {

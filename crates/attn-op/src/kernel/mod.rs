@@ -199,7 +199,8 @@ fn attend_body<T: Element, const ISA: u8>(
         kv,
         params,
         group,
-        heads: (h0, nh),
+        h0,
+        nh,
         d,
         chunk_dots,
     };

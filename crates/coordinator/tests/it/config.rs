@@ -123,6 +123,9 @@ fn sparse_mode_starts_at_the_threshold_only_where_a_layer_is_sparse() {
         c.lower(MODEL, None).expect("it lowers").sparse_from()
     };
     assert_eq!(from(""), Some(256 * 16));
-    assert_eq!(from("dense_layers = [0, 3]\nmin_prompt_tokens = 100"), Some(100));
+    assert_eq!(
+        from("dense_layers = [0, 3]\nmin_prompt_tokens = 100"),
+        Some(100)
+    );
     assert_eq!(from("dense_layers = [0, 1, 2, 3]"), None);
 }
