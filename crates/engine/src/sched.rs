@@ -245,12 +245,11 @@ impl Live {
     }
 }
 
-/// What a step's forward takes besides the batch: every new token and its position, and
-/// the rows whose logits are sampled.
+/// What a step's forward takes besides the batch (which knows the tokens' positions): every
+/// new token, and the rows whose logits are sampled.
 #[derive(Default)]
 struct Inputs {
     tokens: Vec<u32>,
-    positions: Vec<usize>,
     logits_for: Vec<usize>,
 }
 
@@ -668,7 +667,7 @@ impl<'m, T: Element> Scheduler<'m, T> {
         };
         let logits = self.model.forward(
             &inputs.tokens,
-            &inputs.positions,
+            &batch.positions(),
             &mut attn,
             &inputs.logits_for,
         )?;
@@ -743,7 +742,6 @@ impl<'m, T: Element> Scheduler<'m, T> {
                 } else {
                     l.out[p - l.prompt.len()]
                 });
-                inputs.positions.push(p);
                 batch.slots.push(match table.get(p / bs) {
                     Some(&b) if b >= 0 => b * bs as i32 + (p % bs) as i32,
                     _ => -1,
