@@ -9,6 +9,11 @@
 //! `PAIRS`, `B` and `L` in the environment change the pair count, the batch and the context;
 //! `SIMD=auto` takes the default build, `SIMD=avx2` the AVX2 one. A hash of the outputs and
 //! LSEs shows that two builds computed the same bits.
+//!
+//! `CALLS` (1 by default) times that many decodes back to back after each read, each over the
+//! next copy of the pool, and takes their mean, as criterion's calls run. Short shapes need it:
+//! on the dev box one B1 L4K call (16 MiB, about 1.5 ms) right after a read measured 0.44-0.55
+//! of the read, and 32 back to back 0.59-0.65 (BENCHMARKS.md, session 72).
 #![allow(
     clippy::print_stdout,
     reason = "an example that prints what it measured"
@@ -32,6 +37,7 @@ fn main() -> Result<(), attn_op::AttnError> {
             .unwrap_or(default)
     };
     let (pairs, batch, ctx) = (var("PAIRS", 8).max(1), var("B", 8), var("L", 32768));
+    let calls = var("CALLS", 1).max(1);
     // The decode bench's batch (benches/shared/pool.rs).
     let mut dec = setup::<bf16>(batch, ctx);
     // Copies of the pool taken in turn, so that no decode finds its KV cached (none at the
@@ -56,17 +62,19 @@ fn main() -> Result<(), attn_op::AttnError> {
         black_box(stream_sum(&data));
         let read = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        paged_attention(
-            &dec.q,
-            dec.kv_for(pair),
-            &meta,
-            &params,
-            AttnOut {
-                out: &mut out,
-                lse: Some(&mut lse),
-            },
-        )?;
-        let decode = t.elapsed().as_secs_f64();
+        for call in 0..calls {
+            paged_attention(
+                &dec.q,
+                dec.kv_for(pair * calls + call),
+                &meta,
+                &params,
+                AttnOut {
+                    out: &mut out,
+                    lse: Some(&mut lse),
+                },
+            )?;
+        }
+        let decode = t.elapsed().as_secs_f64() / calls as f64;
         let fraction = (kv_bytes / decode) / (read_bytes / read);
         println!(
             "{pair} | {:.1} | {:.1} | {fraction:.3}",
