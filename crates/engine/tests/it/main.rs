@@ -1,6 +1,7 @@
 //! Integration tests of the engine.
 
 mod capacity;
+mod cli;
 mod ggml;
 mod gguf;
 mod hf;

@@ -33,7 +33,7 @@ pub(crate) struct CapacityArgs {
     #[arg(long, default_value_t = 256)]
     generate: usize,
     /// The device budget in GiB (default: the config's `[engine] device_bytes`).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     device_gib: Option<f64>,
     /// Write the report as JSON here.
     #[arg(long)]
@@ -83,9 +83,16 @@ pub(crate) fn capacity(
     a: &CapacityArgs,
 ) -> Result<(), EngineError> {
     let c = model.unwrap_or(&engine::synthetic::LLAMA3_8B);
-    let budget = a.device_gib.map_or(file.engine.device_bytes, |g| {
-        (g * f64::from(1u32 << 30)) as u64
-    });
+    let budget = match a.device_gib {
+        None => file.engine.device_bytes,
+        // A cast would turn a negative or NaN budget into 0 bytes, and the table into zeros.
+        Some(g) if !(g.is_finite() && g >= 0.0) => {
+            return Err(EngineError::Invalid(format!(
+                "--device-gib {g}: a budget is a finite number of GiB, 0 or more"
+            )));
+        }
+        Some(g) => (g * f64::from(1u32 << 30)) as u64,
+    };
     let variants = if file.variants.is_empty() {
         default_variants()
     } else {

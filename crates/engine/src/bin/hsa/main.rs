@@ -29,7 +29,7 @@ const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 #[command(
     name = "hsa",
     version,
-    about = "Hierarchical sparse attention engine (CPU)"
+    about = "Hierarchical sparse attention engine (CPU; CUDA GPUs in a build with the `cuda` feature)"
 )]
 struct Cli {
     /// A TOML file: `model`, `[sampling]`, `[sparse]` and `[variants.NAME]` tables.
@@ -104,10 +104,10 @@ struct GenerateArgs {
     #[arg(long)]
     max_tokens: Option<usize>,
     /// 0: greedy.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     temperature: Option<f32>,
     /// Nucleus sampling threshold.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f32>,
     /// Sampling seed.
     #[arg(long)]
@@ -173,6 +173,7 @@ struct FileConfig {
 }
 
 fn main() -> ExitCode {
+    quiet_broken_pipe();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -180,6 +181,18 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Lets a write to a closed pipe end the process quietly, as it ends `cat`, instead of
+/// panicking: `hsa capacity | head` closes the pipe after ten lines. Rust starts programs with
+/// SIGPIPE ignored, which turns such a write into an error that `println!` panics on.
+fn quiet_broken_pipe() {
+    #[cfg(unix)]
+    // SAFETY: called first in `main`, before any other thread exists; restoring a signal's
+    // default action touches no memory of this program.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -1,0 +1,92 @@
+//! The `hsa` binary as a user meets it: bad numbers on the command line end in one clear
+//! error line and a failing status, and a reader that closes the pipe early ends it quietly.
+
+use std::process::{Command, Stdio};
+
+/// One run of `hsa` with `args`: whether it should succeed, and text its output (stdout and
+/// stderr) must hold.
+struct Case {
+    args: &'static [&'static str],
+    ok: bool,
+    says: &'static str,
+}
+
+fn check(c: &Case) {
+    let out = Command::new(env!("CARGO_BIN_EXE_hsa"))
+        .args(c.args)
+        .output()
+        .expect("the test binary's sibling `hsa` runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() == c.ok
+            && (stdout.contains(c.says) || stderr.contains(c.says))
+            && !stderr.contains("panicked"),
+        "hsa {:?}: status {}, expected ok = {} and {:?}\nstdout: {stdout}\nstderr: {stderr}",
+        c.args,
+        out.status,
+        c.ok,
+        c.says
+    );
+}
+
+#[test]
+fn numbers_on_the_command_line() {
+    const SHAPE: [&str; 3] = ["capacity", "--shape", "llama3-8b"];
+    let cases = [
+        Case {
+            args: &[SHAPE[0], SHAPE[1], SHAPE[2], "--device-gib", "2"],
+            ok: true,
+            says: "device budget 2.0 GiB",
+        },
+        // A negative or NaN budget used to become 0 bytes and a table of zeros.
+        Case {
+            args: &[SHAPE[0], SHAPE[1], SHAPE[2], "--device-gib", "-3"],
+            ok: false,
+            says: "--device-gib -3: a budget is a finite number of GiB",
+        },
+        Case {
+            args: &[SHAPE[0], SHAPE[1], SHAPE[2], "--device-gib", "nan"],
+            ok: false,
+            says: "--device-gib NaN",
+        },
+        // A negative temperature reaches the sampler's check instead of clap's "unexpected
+        // argument '-1'".
+        Case {
+            args: &[
+                "--synthetic",
+                "generate",
+                "--prompt",
+                "hi",
+                "--temperature",
+                "-1",
+            ],
+            ok: false,
+            says: "temperature -1 (must be finite and ≥ 0)",
+        },
+    ];
+    cases.iter().for_each(check);
+}
+
+#[test]
+fn a_closed_pipe_ends_it_quietly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hsa"))
+        .args(["capacity", "--shape", "llama3-8b"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the test binary's sibling `hsa` runs");
+    // The read end closes before the child can have written its table.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("hsa ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "hsa panicked: {stderr}");
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        // SIGPIPE is 13 on Linux and macOS.
+        assert_eq!(out.status.signal(), Some(13), "status {}", out.status);
+    }
+}
