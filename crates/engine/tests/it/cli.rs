@@ -34,21 +34,20 @@ fn check(c: &Case) {
 
 #[test]
 fn numbers_on_the_command_line() {
-    const SHAPE: [&str; 3] = ["capacity", "--shape", "llama3-8b"];
     let cases = [
         Case {
-            args: &[SHAPE[0], SHAPE[1], SHAPE[2], "--device-gib", "2"],
+            args: &["capacity", "--shape", "llama3-8b", "--device-gib", "2"],
             ok: true,
             says: "device budget 2.0 GiB",
         },
         // A negative or NaN budget used to become 0 bytes and a table of zeros.
         Case {
-            args: &[SHAPE[0], SHAPE[1], SHAPE[2], "--device-gib", "-3"],
+            args: &["capacity", "--shape", "llama3-8b", "--device-gib", "-3"],
             ok: false,
             says: "--device-gib -3: a budget is a finite number of GiB",
         },
         Case {
-            args: &[SHAPE[0], SHAPE[1], SHAPE[2], "--device-gib", "nan"],
+            args: &["capacity", "--shape", "llama3-8b", "--device-gib", "nan"],
             ok: false,
             says: "--device-gib NaN",
         },
