@@ -24,7 +24,17 @@ impl<T: Copy + Default> Aligned<T> {
     /// and those the window covers in whole 2 MiB pages are backed by huge pages once touched
     /// ([`advise_huge`]).
     pub(crate) fn with(len: usize, make: impl FnOnce(usize) -> Vec<T>) -> Self {
-        let buf = make(len + pad::<T>());
+        Self::window(make(len + pad::<T>()), len)
+    }
+
+    /// [`Aligned::with`] for an allocation that may fail: `None` where `make` gives none (or
+    /// the padded length overflows).
+    pub(crate) fn try_with(len: usize, make: impl FnOnce(usize) -> Option<Vec<T>>) -> Option<Self> {
+        Some(Self::window(make(len.checked_add(pad::<T>())?)?, len))
+    }
+
+    /// The aligned window of `len` elements over a fresh, padded `buf`.
+    fn window(buf: Vec<T>, len: usize) -> Self {
         advise_huge(buf.as_ptr(), size_of_val(&*buf));
         let at = skip(&buf);
         debug_assert!(buf.len() >= at + len, "make returns the length asked for");

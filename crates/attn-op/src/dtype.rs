@@ -1,7 +1,6 @@
 //! Element types of the KV cache and queries: f32, f16 and bf16, all computed in f32.
 
 use half::slice::HalfFloatSliceExt;
-use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 
 /// The element types attention reads. Arithmetic always happens in f32; an element only says
@@ -18,8 +17,10 @@ pub trait Element:
     /// Widens a slice into `dst` (same length); uses SIMD conversions where the CPU has them.
     fn slice_to_f32(src: &[Self], dst: &mut [f32]);
     /// `n` zeros, from zeroed memory: the allocator's fresh pages stay unmapped (not resident)
-    /// until written, so capacity that is never used costs no memory.
-    fn zeros(n: usize) -> Vec<Self>;
+    /// until written, so capacity that is never used costs no memory. `None` where the
+    /// allocator cannot give `n` elements (or their bytes overflow `isize`), instead of the
+    /// process's abort that `vec!` would take.
+    fn zeros(n: usize) -> Option<Vec<Self>>;
 }
 
 /// A runtime tag for an [`Element`] type.
@@ -64,8 +65,8 @@ impl Element for f32 {
     fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
-    fn zeros(n: usize) -> Vec<Self> {
-        vec![0.0; n]
+    fn zeros(n: usize) -> Option<Vec<Self>> {
+        zeroed(n)
     }
 }
 
@@ -87,9 +88,8 @@ impl Element for f16 {
         }
         src.convert_to_f32_slice(dst);
     }
-    fn zeros(n: usize) -> Vec<Self> {
-        // The all-zero bits are +0.0; a Vec<u16> of zeros comes from zeroed memory.
-        vec![0u16; n].reinterpret_into()
+    fn zeros(n: usize) -> Option<Vec<Self>> {
+        zeroed(n)
     }
 }
 
@@ -108,8 +108,8 @@ impl Element for bf16 {
             *d = f32::from_bits(u32::from(s.to_bits()) << 16);
         }
     }
-    fn zeros(n: usize) -> Vec<Self> {
-        vec![0u16; n].reinterpret_into()
+    fn zeros(n: usize) -> Option<Vec<Self>> {
+        zeroed(n)
     }
 }
 
@@ -138,6 +138,26 @@ unsafe fn f16c_to_f32(src: &[f16], dst: &mut [f32]) {
     for (d, s) in dst[i..].iter_mut().zip(&src[i..]) {
         *d = s.to_f32();
     }
+}
+
+/// `n` elements of all-zero bits from the allocator's zeroed memory (`calloc`, whose fresh pages
+/// stay unmapped until written), or `None` where the allocator cannot give them or their bytes
+/// overflow `isize`.
+fn zeroed<T: Element>(n: usize) -> Option<Vec<T>> {
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    if layout.size() == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: the layout's size is not zero, as `alloc_zeroed` requires.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `n` elements of `T`
+    // (so with `T`'s alignment and `n * size_of::<T>()` bytes), and every byte is zero. The
+    // trait is sealed over f32, f16 and bf16, plain bits in which all zeros is +0.0, so all `n`
+    // elements are initialized; the vector owns the allocation from here on.
+    Some(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
 mod sealed {

@@ -50,6 +50,13 @@ pub enum AttnError {
     /// divides nor is a multiple of the page size, unsorted keep list, …).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The allocator could not give a buffer this large (a KV pool sized past the machine's
+    /// memory, say).
+    #[error("cannot allocate {bytes} bytes")]
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// No usable CUDA driver, device or compiler, or a CUDA call failed (the `cuda` feature).
     #[error("CUDA device: {0}")]
     Device(String),

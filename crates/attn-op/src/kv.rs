@@ -17,9 +17,17 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// Elements of one block tensor.
+    /// Elements of one block tensor; `usize::MAX` for a layout too large to address, which no
+    /// cache accepts.
     pub fn len(&self) -> usize {
-        self.num_blocks * self.block_size * self.kv_heads * self.head_dim
+        self.checked_len().unwrap_or(usize::MAX)
+    }
+
+    /// Elements of one block tensor, or `None` where the count overflows `usize`.
+    fn checked_len(&self) -> Option<usize> {
+        [self.block_size, self.kv_heads, self.head_dim]
+            .into_iter()
+            .try_fold(self.num_blocks, usize::checked_mul)
     }
 
     /// Whether the tensor has no elements.
@@ -27,14 +35,14 @@ impl KvLayout {
         self.len() == 0
     }
 
-    /// Slots in the flat view (`num_blocks * block_size`).
+    /// Slots in the flat view (`num_blocks * block_size`; saturating, as [`KvLayout::len`]).
     pub fn num_slots(&self) -> usize {
-        self.num_blocks * self.block_size
+        self.num_blocks.saturating_mul(self.block_size)
     }
 
-    /// Elements per token (all heads).
+    /// Elements per token (all heads; saturating, as [`KvLayout::len`]).
     pub fn token_stride(&self) -> usize {
-        self.kv_heads * self.head_dim
+        self.kv_heads.saturating_mul(self.head_dim)
     }
 
     /// Offset of (slot, head) in the flat view.
@@ -42,13 +50,22 @@ impl KvLayout {
         (slot * self.kv_heads + head) * self.head_dim
     }
 
-    fn validate(&self) -> Result<(), AttnError> {
+    /// Checks that every extent but the block count is above 0 and that a tensor of elements
+    /// of `elem` bytes fits the address space; returns its element count.
+    pub(crate) fn validate(&self, elem: usize) -> Result<usize, AttnError> {
         if self.block_size == 0 || self.kv_heads == 0 || self.head_dim == 0 {
             return Err(AttnError::Invalid(format!(
                 "a KV layout needs block_size, kv_heads and head_dim above 0, got {self:?}"
             )));
         }
-        Ok(())
+        self.checked_len()
+            .filter(|n| {
+                n.checked_mul(elem)
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| {
+                AttnError::Invalid(format!("a KV layout too large to address: {self:?}"))
+            })
     }
 }
 
@@ -102,12 +119,18 @@ impl<T: Element> PagedKv<T> {
     /// A zero-filled cache of the given shape. Its memory becomes resident as it is written; on
     /// Linux, in 2 MiB huge pages where the kernel allows them (fewer TLB misses for the
     /// scattered rows attention reads).
+    /// A cache the allocator cannot give is [`AttnError::OutOfMemory`].
     pub fn new(layout: KvLayout) -> Result<Self, AttnError> {
-        layout.validate()?;
+        let len = layout.validate(size_of::<T>())?;
+        let tensor = || {
+            Aligned::try_with(len, T::zeros).ok_or(AttnError::OutOfMemory {
+                bytes: len.saturating_mul(size_of::<T>()),
+            })
+        };
         Ok(PagedKv {
             layout,
-            k: Aligned::with(layout.len(), T::zeros),
-            v: Aligned::with(layout.len(), T::zeros),
+            k: tensor()?,
+            v: tensor()?,
         })
     }
 
@@ -115,12 +138,12 @@ impl<T: Element> PagedKv<T> {
     /// tensor that does not start on a 64-byte boundary is moved up to one within its own
     /// allocation (grown by 64 bytes), so it is copied once but never held twice.
     pub fn from_tensors(layout: KvLayout, k: Vec<T>, v: Vec<T>) -> Result<Self, AttnError> {
-        layout.validate()?;
+        let len = layout.validate(size_of::<T>())?;
         for (what, t) in [("k", &k), ("v", &v)] {
-            if t.len() != layout.len() {
+            if t.len() != len {
                 return Err(AttnError::Length {
                     what,
-                    expected: layout.len(),
+                    expected: len,
                     got: t.len(),
                 });
             }

@@ -68,6 +68,15 @@ impl AttnParams {
                 kv_heads: layout.kv_heads,
             });
         }
+        let row_bytes = [layout.head_dim, size_of::<f32>()]
+            .into_iter()
+            .try_fold(self.q_heads, usize::checked_mul);
+        if row_bytes.is_none_or(|b| b > isize::MAX as usize) {
+            return Err(AttnError::Invalid(format!(
+                "{} query heads of {} elements overflow an output row",
+                self.q_heads, layout.head_dim
+            )));
+        }
         if self.window == Some(0) {
             return Err(AttnError::Invalid(
                 "a sliding window of 0 tokens".to_owned(),
@@ -230,10 +239,12 @@ impl<'a> Selection<'a> {
                 got: self.lens.len(),
             });
         }
-        if self.ids.len() != rows * self.max_len {
+        // Saturating: a product that overflows matches no slice's length, so it is refused.
+        let ids = rows.saturating_mul(self.max_len);
+        if self.ids.len() != ids {
             return Err(AttnError::Length {
                 what: "selection ids",
-                expected: rows * self.max_len,
+                expected: ids,
                 got: self.ids.len(),
             });
         }
@@ -259,7 +270,7 @@ impl<'a> Selection<'a> {
         what: &'static str,
         limit: impl Fn(usize) -> usize,
     ) -> Result<Vec<&'a [i32]>, AttnError> {
-        let rows = num_seqs * kv_heads;
+        let rows = num_seqs.saturating_mul(kv_heads);
         self.check_shape(rows)?;
         let mut out = Vec::with_capacity(rows);
         for r in 0..rows {

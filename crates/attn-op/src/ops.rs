@@ -26,16 +26,14 @@ fn check_io<'m, T: Element>(
     let layout = kv.layout_ref();
     let group = params.validate(layout)?;
     let seqs = meta.validate(layout)?;
+    // Saturating products: one that overflows matches no slice's length, so it is refused.
     let total = meta.total_q();
-    let row = params.q_heads * layout.head_dim;
+    let elems = total.saturating_mul(params.q_heads.saturating_mul(layout.head_dim));
+    let rows = total.saturating_mul(params.q_heads);
     for (what, got, expected) in [
-        ("q", q.len(), total * row),
-        ("out", dst.out.len(), total * row),
-        (
-            "lse",
-            dst.lse.as_ref().map_or(total * params.q_heads, |l| l.len()),
-            total * params.q_heads,
-        ),
+        ("q", q.len(), elems),
+        ("out", dst.out.len(), elems),
+        ("lse", dst.lse.as_ref().map_or(rows, |l| l.len()), rows),
     ] {
         if got != expected {
             return Err(AttnError::Length {
@@ -293,17 +291,19 @@ pub fn merge_attention(
         return Err(AttnError::Invalid("head_dim 0".to_owned()));
     }
     let rows = lse.len();
-    if out.len() != rows * head_dim {
+    // Saturating: a product that overflows matches no slice's length, so it is refused.
+    let elems = rows.saturating_mul(head_dim);
+    if out.len() != elems {
         return Err(AttnError::Length {
             what: "out",
-            expected: rows * head_dim,
+            expected: elems,
             got: out.len(),
         });
     }
     for p in parts {
         for (what, got, expected) in [
             ("part lse", p.lse.len(), rows),
-            ("part out", p.out.len(), rows * head_dim),
+            ("part out", p.out.len(), elems),
         ] {
             if got != expected {
                 return Err(AttnError::Length {

@@ -58,7 +58,7 @@ pub struct HostPool<T: Element> {
 }
 
 impl<T: Element> HostPool<T> {
-    /// A zeroed pool; `None` if its size overflows.
+    /// A zeroed pool; `None` if its size overflows or the allocator cannot give it.
     pub fn new(shape: HostShape, layout: HostLayout) -> Option<Self> {
         let len = [
             shape.layers,
@@ -72,8 +72,8 @@ impl<T: Element> HostPool<T> {
         Some(HostPool {
             shape,
             layout,
-            k: T::zeros(len),
-            v: T::zeros(len),
+            k: T::zeros(len)?,
+            v: T::zeros(len)?,
         })
     }
 

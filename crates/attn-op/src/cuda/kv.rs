@@ -22,7 +22,7 @@ impl<T: CudaElement> DevicePagedKv<T> {
     /// A zero-filled cache. The device kernels need `head_dim` to be a multiple of 8 and one of
     /// 64, 128 or 256 for attention.
     pub fn new(gpu: &Gpu, layout: KvLayout) -> Result<Self, AttnError> {
-        check_layout(&layout)?;
+        check_layout::<T>(&layout)?;
         Ok(DevicePagedKv {
             layout,
             k: gpu.zeros(layout.len())?,
@@ -35,7 +35,7 @@ impl<T: CudaElement> DevicePagedKv<T> {
     /// A cache holding copies of host tensors (each `[num_blocks, block_size, kv_heads,
     /// head_dim]`).
     pub fn from_host(gpu: &Gpu, layout: KvLayout, k: &[T], v: &[T]) -> Result<Self, AttnError> {
-        check_layout(&layout)?;
+        check_layout::<T>(&layout)?;
         for (what, t) in [("k", k), ("v", v)] {
             if t.len() != layout.len() {
                 return Err(AttnError::Length {
@@ -70,11 +70,13 @@ impl<T: CudaElement> DevicePagedKv<T> {
     }
 }
 
-fn check_layout(layout: &KvLayout) -> Result<(), AttnError> {
-    if layout.block_size == 0 || layout.kv_heads == 0 || !layout.head_dim.is_multiple_of(8) {
+/// Checks a device layout: the host cache's checks for elements of `T`, a head dim that is a
+/// multiple of 8, and slot ids that fit the kernels' `i32`.
+fn check_layout<T>(layout: &KvLayout) -> Result<(), AttnError> {
+    layout.validate(size_of::<T>())?;
+    if !layout.head_dim.is_multiple_of(8) {
         return Err(AttnError::Invalid(format!(
-            "a device KV layout needs block_size and kv_heads above 0 and head_dim a multiple \
-             of 8, got {layout:?}"
+            "a device KV layout needs head_dim a multiple of 8, got {layout:?}"
         )));
     }
     if i32::try_from(layout.num_slots()).is_err() {

@@ -328,6 +328,37 @@ fn a_new_cache_holds_positive_zeros_in_every_type() {
 }
 
 #[test]
+fn caches_too_large_to_address_or_allocate_are_refused() {
+    let check = |num_blocks: usize, want: &dyn Fn(&AttnError) -> bool| {
+        let layout = KvLayout {
+            num_blocks,
+            block_size: 16,
+            kv_heads: 8,
+            head_dim: 128,
+        };
+        match PagedKv::<f32>::new(layout) {
+            Err(e) => assert!(want(&e), "{num_blocks} blocks: {e}"),
+            Ok(_) => panic!("{num_blocks} blocks: a cache was made"),
+        }
+    };
+    // 2^56 bytes a tensor: within `isize`, but past any machine (and x86-64's 2^47-byte user
+    // address space), so the allocator refuses it.
+    check(
+        1 << 40,
+        &|e| matches!(e, AttnError::OutOfMemory { bytes } if *bytes == 1 << 56),
+    );
+    // Elements that overflow `usize`, and bytes that overflow `isize`.
+    check(
+        1 << 60,
+        &|e| matches!(e, AttnError::Invalid(m) if m.contains("too large")),
+    );
+    check(
+        1 << 50,
+        &|e| matches!(e, AttnError::Invalid(m) if m.contains("too large")),
+    );
+}
+
+#[test]
 fn tensors_start_on_a_cache_line_and_keep_their_elements() {
     // Vectors of several sizes (small ones from the heap, large ones mapped), whatever their
     // own alignment: the cache, a clone and a new cache all start on 64-byte boundaries.

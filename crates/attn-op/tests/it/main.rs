@@ -2,5 +2,6 @@
 //! entry points, and typed errors for bad inputs.
 
 mod errors;
+mod fuzz;
 mod oracle;
 mod props;

@@ -134,8 +134,9 @@ impl<T: Element> SparseKvCacheManager<T> {
         )
         .ok_or_else(too_big)?;
         let blocks = c
-            .max_requests
-            .checked_mul(c.hot_pages + 1)
+            .hot_pages
+            .checked_add(1)
+            .and_then(|per| per.checked_mul(c.max_requests))
             .ok_or_else(too_big)?;
         let layout = KvLayout {
             num_blocks: blocks,
