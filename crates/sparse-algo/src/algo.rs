@@ -150,13 +150,15 @@ impl Decode<'_> {
     pub(crate) fn validate(&self) -> Result<usize, AlgoError> {
         let n = self.num_seqs();
         check_len("slots", self.slots.len(), n)?;
-        check_len("q", self.q.len(), n * self.q_heads * self.head_dim)?;
         if self.kv_heads == 0 || self.head_dim == 0 || !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(AlgoError::Invalid(format!(
                 "{} query heads over {} KV heads of dim {}",
                 self.q_heads, self.kv_heads, self.head_dim
             )));
         }
+        // Saturating: a product that overflows matches no slice's length, so it is refused.
+        let q = n.saturating_mul(self.q_heads).saturating_mul(self.head_dim);
+        check_len("q", self.q.len(), q)?;
         if let Some(s) = self.seq_lens.iter().position(|&l| l == 0) {
             return Err(AlgoError::Invalid(format!("sequence {s} is empty")));
         }
@@ -227,7 +229,9 @@ impl Prompt<'_> {
             return Err(AlgoError::Invalid("cu_q must start at 0".to_owned()));
         }
         let total = rows.last().map_or(0, |r| r.end);
-        check_len("q", self.q.len(), total * self.q_heads * d)?;
+        // Saturating, as in `Decode::validate`.
+        let q = total.saturating_mul(self.q_heads).saturating_mul(d);
+        check_len("q", self.q.len(), q)?;
         Ok((self.q_heads / kvh, rows))
     }
 }

@@ -158,17 +158,31 @@ impl RepPool {
         max_tokens: usize,
     ) -> Result<Self, AlgoError> {
         let (max_pages, len) = pool_extent(shape, layers, slots, max_tokens)?;
+        let data = match elem {
+            DType::F32 => f32::zeros(len).map(Store::F32),
+            DType::BF16 => bf16::zeros(len).map(Store::Bf16),
+            DType::F16 => f16::zeros(len).map(Store::F16),
+        };
+        let bytes = len.saturating_mul(elem.size());
+        let unallocatable = || {
+            AlgoError::Config(format!(
+                "a representation pool of {bytes} bytes cannot be allocated"
+            ))
+        };
+        let data = data.ok_or_else(unallocatable)?;
+        // `pool_extent` checked that `layers * slots` does not overflow.
+        let mut tokens = Vec::new();
+        tokens
+            .try_reserve_exact(layers * slots)
+            .map_err(|_| unallocatable())?;
+        tokens.resize(layers * slots, 0);
         Ok(RepPool {
             shape,
             layers,
             slots,
             max_pages,
-            data: match elem {
-                DType::F32 => Store::F32(vec![0.0; len]),
-                DType::BF16 => Store::Bf16(vec![bf16::ZERO; len]),
-                DType::F16 => Store::F16(vec![f16::ZERO; len]),
-            },
-            tokens: vec![0; layers * slots],
+            data,
+            tokens,
         })
     }
 

@@ -122,6 +122,20 @@ fn bad_configs_are_rejected() {
         config,
     );
     check(
+        "pool past any machine's memory",
+        RepPool::new(
+            RepShape {
+                page_size: 1,
+                heads: 8,
+                width: 256,
+            },
+            1,
+            1,
+            1 << 40,
+        ),
+        config,
+    );
+    check(
         "pool overflow",
         RepPool::new(
             RepShape {
