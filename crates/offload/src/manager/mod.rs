@@ -121,6 +121,12 @@ impl<T: Element> SparseKvCacheManager<T> {
         {
             return Err(OffloadError::Config(format!("a zero size in {c:?}")));
         }
+        if u32::try_from(c.host_pages).is_err() {
+            return Err(OffloadError::Config(format!(
+                "{} host pages exceed the u32 page ids",
+                c.host_pages
+            )));
+        }
         let too_big = || OffloadError::Config(format!("pools of {c:?} overflow memory"));
         let host = HostPool::new(
             HostShape {

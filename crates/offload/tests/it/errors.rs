@@ -15,14 +15,32 @@ fn bad_input_is_rejected_and_nothing_is_lost() {
         SparseKvCacheManager::<f32>::new(bad),
         Err(OffloadError::Config(_))
     ));
-    let big = OffloadConfig {
-        host_pages: usize::MAX / 2,
-        ..config(2, 4, HostLayout::LayerFirst)
-    };
-    assert!(matches!(
-        SparseKvCacheManager::<f32>::new(big),
-        Err(OffloadError::Config(_))
-    ));
+    // Too many pages for u32 ids (a free list of 5 pages, before); pools whose sizes overflow
+    // or that no machine's memory holds (refused by the allocator, not an abort).
+    for (edit, needle) in [
+        (
+            &(|c: &mut OffloadConfig| c.host_pages = (1 << 32) + 5) as &dyn Fn(&mut OffloadConfig),
+            "u32",
+        ),
+        (&|c| c.hot_pages = usize::MAX, "overflow"),
+        (&|c| c.max_requests = usize::MAX / 2, "overflow"),
+        (&|c| c.head_dim = 1 << 40, "overflow"),
+        (&|c| c.host_pages = u32::MAX as usize, "overflow"),
+        (
+            &|c| {
+                c.head_dim = 1 << 40;
+                c.host_pages = 0;
+            },
+            "cannot allocate",
+        ),
+    ] {
+        let mut c = config(2, 4, HostLayout::LayerFirst);
+        edit(&mut c);
+        match SparseKvCacheManager::<f32>::new(c) {
+            Err(e) => assert!(e.to_string().contains(needle), "{c:?}: {e}"),
+            Ok(_) => panic!("{c:?}: a manager was made"),
+        }
+    }
 
     let cfg = config(2, 4, HostLayout::PageHead);
     let stride = cfg.kv_heads * cfg.head_dim;
