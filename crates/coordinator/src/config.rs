@@ -280,7 +280,11 @@ impl SparseConfig {
             .max()
             .unwrap_or(1);
         let hot_pages = match self.hot_tokens {
-            None => 2 * need,
+            None => need.checked_mul(2).ok_or_else(|| {
+                CoordError::Config(format!(
+                    "one step can select {need} pages: no hot buffer holds twice that"
+                ))
+            })?,
             Some(t) if t / page_size >= need => t / page_size,
             Some(t) => {
                 return Err(CoordError::Config(format!(
@@ -293,7 +297,10 @@ impl SparseConfig {
             layers,
             page_size,
             hot_pages,
-            min_prompt_tokens: self.min_prompt_tokens.unwrap_or(hot_pages * page_size),
+            // A hot buffer of more tokens than `usize` counts is one no prompt fills.
+            min_prompt_tokens: self
+                .min_prompt_tokens
+                .unwrap_or(hot_pages.saturating_mul(page_size)),
             host_layout: self.host_layout,
             prefetch: self.prefetch,
         })

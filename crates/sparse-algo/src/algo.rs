@@ -21,8 +21,8 @@ pub trait SparseAlgorithm: Send + Sync {
     fn caps(&self) -> Caps;
 
     /// An upper bound on the distinct ids one decode step selects for a sequence over all
-    /// `kv_heads` heads (what a hot buffer must hold); `None` when the selection is not bounded
-    /// (Full) or there is no decode selection (SnapKV).
+    /// `kv_heads` heads (what a hot buffer must hold), saturating at `usize::MAX`; `None` when
+    /// the selection is not bounded (Full) or there is no decode selection (SnapKV).
     fn max_pages(&self, kv_heads: usize) -> Option<usize> {
         let _ = kv_heads;
         None

@@ -69,7 +69,7 @@ impl SparseAlgorithm for Oracle {
 
     fn max_pages(&self, kv_heads: usize) -> Option<usize> {
         let c = self.config;
-        Some(kv_heads * c.always.max_row_pages(c.budget_tokens, c.page_size))
+        Some(kv_heads.saturating_mul(c.always.max_row_pages(c.budget_tokens, c.page_size)))
     }
 
     fn retrieve_topk(&self, step: &Decode<'_>, _pool: &RepPool) -> Result<TopK, AlgoError> {

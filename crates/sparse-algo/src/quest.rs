@@ -121,7 +121,7 @@ impl SparseAlgorithm for Quest {
         Some(if self.config.shared_heads {
             row
         } else {
-            kv_heads * row
+            kv_heads.saturating_mul(row)
         })
     }
 

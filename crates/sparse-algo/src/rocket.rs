@@ -92,7 +92,7 @@ impl SparseAlgorithm for RocketKv {
 
     fn max_pages(&self, kv_heads: usize) -> Option<usize> {
         let c = self.config;
-        Some(kv_heads * c.always.max_row_pages(c.topk, c.page_size))
+        Some(kv_heads.saturating_mul(c.always.max_row_pages(c.topk, c.page_size)))
     }
 
     fn rep_shape(&self, kv_heads: usize, head_dim: usize) -> RepShape {

@@ -129,3 +129,61 @@ fn sparse_mode_starts_at_the_threshold_only_where_a_layer_is_sparse() {
     );
     assert_eq!(from("dense_layers = [0, 1, 2, 3]"), None);
 }
+
+proptest::proptest! {
+    /// Any budget, hot buffer, threshold or model shape a config can name lowers or fails with
+    /// an error, never a panic: products of widths with head counts and page sizes saturate or
+    /// are refused.
+    #[test]
+    fn extreme_configs_lower_or_fail_without_panicking(
+        algo in 0..7usize,
+        budget in width(),
+        page in proptest::sample::select(vec![1usize, 16]),
+        hot in proptest::option::of(width()),
+        min_prompt in proptest::option::of(width()),
+        kv_heads in width(),
+        group in 1..3usize,
+        layer in width(),
+    ) {
+        use sparse_algo::AlgoConfig;
+        let algo = match algo {
+            0 => AlgoConfig::Full(Default::default()),
+            1 => AlgoConfig::StreamingLlm(Default::default()),
+            2 => AlgoConfig::Quest(sparse_algo::QuestConfig { page_size: page, ..Default::default() }),
+            3 => AlgoConfig::SnapKv(Default::default()),
+            4 => AlgoConfig::RocketKv(sparse_algo::RocketConfig { page_size: page, ..Default::default() }),
+            5 => AlgoConfig::Dsa(Default::default()),
+            _ => AlgoConfig::Oracle(sparse_algo::OracleConfig { page_size: page, ..Default::default() }),
+        };
+        let mut c = SparseConfig::quest(16);
+        c.algo = algo.with_budget(budget);
+        c.hot_tokens = hot;
+        c.min_prompt_tokens = min_prompt;
+        c.layer.push(coordinator::LayerOverride {
+            layers: vec![layer % 4],
+            algo: None,
+            budget_tokens: Some(budget / 2),
+            dense: false,
+        });
+        let model = ModelShape {
+            kv_heads,
+            q_heads: kv_heads.saturating_mul(group),
+            ..MODEL
+        };
+        if let Ok(l) = c.lower(model, None) {
+            proptest::prop_assert!(l.layers.iter().flatten().all(|p| p.max_pages <= l.hot_pages));
+        }
+    }
+}
+
+/// A width a config can name: small, TOML's largest integer, or `usize::MAX`.
+fn width() -> impl proptest::strategy::Strategy<Value = usize> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => 1..300usize,
+        1 => Just(0usize),
+        1 => Just(1usize << 40),
+        1 => Just(i64::MAX as usize),
+        1 => Just(usize::MAX),
+    ]
+}
