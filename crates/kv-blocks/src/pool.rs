@@ -72,17 +72,29 @@ impl Evictable {
 }
 
 impl Pool {
-    pub(crate) fn new(capacity: u32) -> Self {
+    /// A pool of `capacity` free blocks, or `None` where the allocator cannot give its
+    /// bookkeeping (36 bytes a block) instead of the process's abort. Every vector is
+    /// reserved before any is filled, so a refused pool has written nothing.
+    pub(crate) fn new(capacity: u32) -> Option<Self> {
         let n = capacity as usize;
-        Pool {
-            refcount: vec![0; n],
-            node: vec![NO_NODE; n],
-            evict_key: vec![None; n],
-            // Reversed so that the lowest ids are handed out first.
-            free: (0..capacity).rev().collect(),
+        let mut pool = Pool {
+            refcount: Vec::new(),
+            node: Vec::new(),
+            evict_key: Vec::new(),
+            free: Vec::new(),
             evictable: Evictable::default(),
             used: 0,
-        }
+        };
+        pool.refcount.try_reserve_exact(n).ok()?;
+        pool.node.try_reserve_exact(n).ok()?;
+        pool.evict_key.try_reserve_exact(n).ok()?;
+        pool.free.try_reserve_exact(n).ok()?;
+        pool.refcount.resize(n, 0);
+        pool.node.resize(n, NO_NODE);
+        pool.evict_key.resize(n, None);
+        // Reversed so that the lowest ids are handed out first.
+        pool.free.extend((0..capacity).rev());
+        Some(pool)
     }
 
     pub(crate) fn capacity(&self) -> u32 {

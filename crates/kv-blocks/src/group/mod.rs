@@ -115,6 +115,8 @@ pub(crate) struct Group {
 }
 
 impl Group {
+    /// A group with empty pools of `primary` and `secondary` blocks; `None` where their
+    /// bookkeeping cannot be allocated.
     pub(crate) fn new(
         id: GroupId,
         window: Option<u32>,
@@ -122,12 +124,12 @@ impl Group {
         primary: u32,
         secondary: u32,
         eager_hashes: bool,
-    ) -> Self {
-        Group {
+    ) -> Option<Self> {
+        Some(Group {
             id,
             window,
             bs,
-            pools: [Pool::new(primary), Pool::new(secondary)],
+            pools: [Pool::new(primary)?, Pool::new(secondary)?],
             tree: Tree::new(bs, eager_hashes),
             lazy: window.is_none()
                 && !eager_hashes
@@ -135,7 +137,7 @@ impl Group {
             runs: Vec::new(),
             free_runs: Vec::new(),
             expiry: BinaryHeap::new(),
-        }
+        })
     }
 
     pub(crate) fn pool(&self, tier: Tier) -> &Pool {

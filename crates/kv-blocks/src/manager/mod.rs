@@ -194,8 +194,14 @@ impl KvCacheManager {
                     g.secondary_blocks,
                     events.enabled(),
                 )
+                .ok_or_else(|| {
+                    KvError::InvalidConfig(format!(
+                        "group {i}: the bookkeeping of {} + {} blocks cannot be allocated",
+                        g.primary_blocks, g.secondary_blocks
+                    ))
+                })
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         let shared = Shared {
             opts: Opts {
                 bs,
