@@ -156,16 +156,19 @@ impl Lowered {
         elem_bytes: usize,
         tokens: usize,
     ) -> usize {
-        let slots = (self.hot_pages + 1) * self.page_size;
+        let slots = self
+            .hot_pages
+            .saturating_add(1)
+            .saturating_mul(self.page_size);
         let pages = tokens.div_ceil(self.page_size);
         self.layers
             .iter()
             .flatten()
             .map(|p| {
-                let kv = slots * 2 * model.kv_heads * model.head_dim * elem_bytes;
-                kv + rep_page_bytes(p, model, elem_bytes) * pages
+                let kv = product(&[slots, 2, model.kv_heads, model.head_dim, elem_bytes]);
+                kv.saturating_add(rep_page_bytes(p, model, elem_bytes).saturating_mul(pages))
             })
-            .sum()
+            .fold(0, usize::saturating_add)
     }
 }
 
@@ -176,8 +179,14 @@ fn rep_page_bytes(p: &LayerParams, model: ModelShape, elem_bytes: usize) -> usiz
     let shape = p.algo.rep_shape(model.kv_heads, model.head_dim);
     match &p.config {
         AlgoConfig::Quest(q) if q.summary == Summary::E4m3 => shape.page_len() + shape.heads,
-        _ => shape.page_len() * elem_bytes,
+        _ => shape.page_len().saturating_mul(elem_bytes),
     }
+}
+
+/// The product of `factors`, saturating at `usize::MAX`: byte counts of shapes past the
+/// address space stay an upper bound instead of wrapping.
+pub(crate) fn product(factors: &[usize]) -> usize {
+    factors.iter().fold(1, |a, &b| a.saturating_mul(b))
 }
 
 impl SparseConfig {

@@ -28,15 +28,17 @@ pub struct BlockGeometry {
 }
 
 impl BlockGeometry {
-    /// Bytes of the blocks that hold `tokens` tokens.
+    /// Bytes of the blocks that hold `tokens` tokens (saturating at `u64::MAX`, as every byte
+    /// count here).
     pub fn bytes_for(&self, tokens: usize) -> u64 {
-        tokens.div_ceil(self.tokens) as u64 * self.bytes
+        (tokens.div_ceil(self.tokens) as u64).saturating_mul(self.bytes)
     }
 
     /// Bytes of `tokens` tokens' K and V over every layer, not rounded up to blocks (a sparse
     /// configuration's host page).
     pub fn token_bytes(&self, tokens: usize) -> u64 {
-        tokens as u64 * self.bytes / self.tokens.max(1) as u64
+        let bytes = u128::from(tokens as u64) * u128::from(self.bytes) / self.tokens.max(1) as u128;
+        u64::try_from(bytes).unwrap_or(u64::MAX)
     }
 }
 
@@ -80,9 +82,9 @@ pub fn footprint(
     Footprint {
         sparse: true,
         drop_blocks,
-        reserve: sparse + held.max(blocks.bytes_for(prompt)),
-        decode_reserve: sparse + held,
-        host_pages: total.div_ceil(lowered.page_size) + 1,
+        reserve: sparse.saturating_add(held.max(blocks.bytes_for(prompt))),
+        decode_reserve: sparse.saturating_add(held),
+        host_pages: total.div_ceil(lowered.page_size).saturating_add(1),
     }
 }
 

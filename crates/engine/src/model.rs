@@ -129,9 +129,12 @@ impl ModelConfig {
         }
     }
 
-    /// Bytes of K and V per token over all layers, at `elem` bytes per element.
+    /// Bytes of K and V per token over all layers, at `elem` bytes per element (saturating at
+    /// `usize::MAX`).
     pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_dim * elem
+        [2, self.kv_heads, self.head_dim, elem]
+            .into_iter()
+            .fold(self.layers, usize::saturating_mul)
     }
 }
 

@@ -851,7 +851,7 @@ pub(crate) fn check_request(
     if prompt.is_empty() {
         return Err(RequestError::EmptyPrompt);
     }
-    if prompt.len() + sampling.max_tokens > limit {
+    if prompt.len().saturating_add(sampling.max_tokens) > limit {
         return Err(RequestError::TooLong {
             prompt: prompt.len(),
             max_tokens: sampling.max_tokens,

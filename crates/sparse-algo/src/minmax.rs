@@ -13,7 +13,8 @@ pub(crate) fn shape(page_size: usize, kv_heads: usize, head_dim: usize) -> RepSh
     RepShape {
         page_size,
         heads: kv_heads,
-        width: 2 * head_dim,
+        // Saturating: a width past `usize` is refused where a pool of it is made.
+        width: head_dim.saturating_mul(2),
     }
 }
 

@@ -29,9 +29,9 @@ impl RepShape {
         width: 0,
     };
 
-    /// f32 elements per page.
+    /// f32 elements per page (saturating at `usize::MAX`, which no pool accepts).
     pub fn page_len(&self) -> usize {
-        self.heads * self.width
+        self.heads.saturating_mul(self.width)
     }
 }
 

@@ -65,6 +65,70 @@ fn numbers_on_the_command_line() {
             ok: false,
             says: "temperature -1 (must be finite and ≥ 0)",
         },
+        // Counts near `usize::MAX` used to overflow a sum and panic (debug builds) or wrap.
+        Case {
+            args: &[
+                "--synthetic",
+                "generate",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "18446744073709551615",
+            ],
+            ok: false,
+            says: "to generate exceed the limit",
+        },
+        Case {
+            args: &[
+                "capacity",
+                "--shape",
+                "llama3-8b",
+                "--contexts",
+                "18446744073709551615",
+            ],
+            ok: true,
+            says: "18446744073709551615",
+        },
+        Case {
+            args: &[
+                "--synthetic",
+                "eval",
+                "--tokens",
+                "64",
+                "--prefill",
+                "18446744073709551615",
+            ],
+            ok: false,
+            says: "leaves nothing to decode",
+        },
+        // Values that gave tables of nonsense, or a run that filled the memory.
+        Case {
+            args: &["capacity", "--shape", "llama3-8b", "--contexts", "0"],
+            ok: false,
+            says: "a context holds at least one token",
+        },
+        Case {
+            args: &["capacity", "--shape", "llama3-8b", "--kv-bytes", "0"],
+            ok: false,
+            says: "an element takes 1 to 8 bytes",
+        },
+        Case {
+            args: &["--synthetic", "run", "--requests", "18446744073709551615"],
+            ok: false,
+            says: "at most 65536 requests",
+        },
+        Case {
+            args: &[
+                "--synthetic",
+                "eval",
+                "--passkey",
+                "100",
+                "--passkey-trials",
+                "0",
+            ],
+            ok: false,
+            says: "must be at least 1",
+        },
     ];
     cases.iter().for_each(check);
 }

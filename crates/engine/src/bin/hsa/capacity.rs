@@ -93,6 +93,17 @@ pub(crate) fn capacity(
         }
         Some(g) => (g * f64::from(1u32 << 30)) as u64,
     };
+    if !(1..=8).contains(&a.kv_bytes) {
+        return Err(EngineError::Invalid(format!(
+            "--kv-bytes {}: an element takes 1 to 8 bytes",
+            a.kv_bytes
+        )));
+    }
+    if a.contexts.contains(&0) {
+        return Err(EngineError::Invalid(
+            "--contexts 0: a context holds at least one token".to_owned(),
+        ));
+    }
     let variants = if file.variants.is_empty() {
         default_variants()
     } else {
@@ -109,7 +120,7 @@ pub(crate) fn capacity(
     let bs = file.engine.block_size;
     let geometry = BlockGeometry {
         tokens: bs,
-        bytes: (c.kv_bytes_per_token(a.kv_bytes) * bs) as u64,
+        bytes: c.kv_bytes_per_token(a.kv_bytes).saturating_mul(bs) as u64,
     };
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     eprintln!(
@@ -140,7 +151,7 @@ pub(crate) fn capacity(
         for ((name, _), l) in variants.iter().zip(&lowered) {
             let f = footprint(Some(l), shape, a.kv_bytes, geometry, prompt, ctx);
             let ratio = dense.decode_reserve as f64 / f.decode_reserve.max(1) as f64;
-            let host = f.host_pages as u64 * geometry.token_bytes(l.page_size);
+            let host = (f.host_pages as u64).saturating_mul(geometry.token_bytes(l.page_size));
             print!(
                 " {:>24.1} {ratio:>6.1} {:>6}",
                 mib(f.decode_reserve),

@@ -143,8 +143,8 @@ struct EvalArgs {
     /// Passkey retrieval at these contexts (e.g. 4096,8000), 10 depths each.
     #[arg(long, value_delimiter = ',')]
     passkey: Vec<usize>,
-    /// Depths per passkey context.
-    #[arg(long, default_value_t = 10)]
+    /// Depths per passkey context (at least 1).
+    #[arg(long, default_value_t = 10, value_parser = run::at_least_one)]
     passkey_trials: usize,
     /// Write the report as JSON here.
     #[arg(long)]
@@ -452,14 +452,14 @@ fn eval(
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(" + "),
-        n.saturating_sub(prefill + 1),
+        n.saturating_sub(prefill.saturating_add(1)),
         variants
             .iter()
             .map(|v| v.0.as_str())
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let b = bar(n.saturating_sub(prefill + 1), "decode");
+    let b = bar(n.saturating_sub(prefill.saturating_add(1)), "decode");
     let reports =
         engine::eval::teacher_forced::<half::f16>(model, &ids, &variants, &opts, |d, _| {
             b.set_position(d as u64);

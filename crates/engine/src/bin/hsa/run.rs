@@ -20,8 +20,8 @@ pub(crate) struct RunArgs {
     /// The text the built-in workload's prompts are cut from.
     #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
     text: PathBuf,
-    /// Requests of the built-in workload (at least 1).
-    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    /// Requests of the built-in workload (1 to 65536; every prompt is cut before the run).
+    #[arg(long, default_value_t = 8, value_parser = workload_size)]
     requests: usize,
     /// Longest prompt of the built-in workload in tokens, at least 1 (prompts spread from a
     /// quarter of it up).
@@ -74,11 +74,25 @@ fn one() -> usize {
 }
 
 /// A count that must be positive (clap prints the error with the flag's name).
-fn at_least_one(v: &str) -> Result<usize, String> {
+pub(crate) fn at_least_one(v: &str) -> Result<usize, String> {
     match v.parse::<usize>() {
         Ok(0) => Err("must be at least 1".to_owned()),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The most requests of the built-in workload: all of its prompts are held before the run,
+/// so a mistyped count would otherwise fill the memory before the first step.
+const MAX_BUILTIN_REQUESTS: usize = 1 << 16;
+
+/// A request count of the built-in workload, 1 to [`MAX_BUILTIN_REQUESTS`].
+fn workload_size(v: &str) -> Result<usize, String> {
+    match at_least_one(v)? {
+        n if n > MAX_BUILTIN_REQUESTS => Err(format!(
+            "the built-in workload holds at most {MAX_BUILTIN_REQUESTS} requests"
+        )),
+        n => Ok(n),
     }
 }
 
@@ -155,10 +169,12 @@ pub(crate) fn run(
     };
     let mut config = file.engine.clone();
     if let Some(m) = a.device_mib {
-        config.device_bytes = m << 20;
+        config.device_bytes = m.saturating_mul(1 << 20);
     }
     let mut s = Scheduler::<half::f16>::new(model, Some(tok), config.clone())?;
-    let expected: usize = requests.iter().map(|r| r.sampling.max_tokens).sum();
+    let expected = requests
+        .iter()
+        .fold(0usize, |n, r| n.saturating_add(r.sampling.max_tokens));
     let t0 = Instant::now();
     for r in requests {
         s.submit(r)?;
