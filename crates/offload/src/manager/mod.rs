@@ -324,7 +324,8 @@ impl<T: Element> SparseKvCacheManager<T> {
     ) -> Result<usize, OffloadError> {
         let r = self.request(id)?;
         let len = r.lens[self.check_layer(layer)?];
-        Ok((len + n)
+        Ok(len
+            .saturating_add(n)
             .div_ceil(self.config.page_size)
             .saturating_sub(r.host_pages.len()))
     }
@@ -424,7 +425,9 @@ impl<T: Element> SparseKvCacheManager<T> {
             .get_mut(&id)
             .ok_or(OffloadError::UnknownRequest(id))?;
         let start = r.lens[layer];
-        let need = (start + n)
+        // Saturating: a count past `usize` needs more pages than any pool has.
+        let need = start
+            .saturating_add(n)
             .div_ceil(c.page_size)
             .saturating_sub(r.host_pages.len());
         if need > 0 && c.host_alloc == HostAlloc::External {

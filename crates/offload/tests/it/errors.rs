@@ -80,6 +80,16 @@ fn bad_input_is_rejected_and_nothing_is_lost() {
         Err(OffloadError::HostExhausted { needed: 3, free: 1 })
     );
     assert_eq!((m.free_host_pages(), m.len(b, 0).expect("live")), (1, 0));
+    // A count past `usize` (the length plus it used to overflow) needs more pages than exist.
+    assert_eq!(
+        m.host_pages_needed(a, 0, usize::MAX),
+        Ok(usize::MAX.div_ceil(4) - 3)
+    );
+    assert!(matches!(
+        m.reserve_tokens(b, 0, usize::MAX),
+        Err(OffloadError::HostExhausted { free: 1, .. })
+    ));
+    assert_eq!((m.free_host_pages(), m.len(b, 0).expect("live")), (1, 0));
     // Selections: out of range, unsorted, duplicated, larger than the hot buffer.
     let hot_before = m.hot_buffer(a, 0).expect("live").clone();
     assert!(matches!(m.step(a, 0, &[3]), Err(OffloadError::Invalid(_))));
