@@ -76,6 +76,24 @@ pub struct SchedulerConfig {
     pub max_seq: Option<usize>,
 }
 
+impl SchedulerConfig {
+    /// Checks the sizes that every use of the table needs: a block size that is a power of two
+    /// ≥ 2, and at least one batch token and one running request.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bs = self.block_size;
+        if bs < 2 || !bs.is_power_of_two() || self.max_batch_tokens == 0 {
+            return Err(EngineError::Invalid(format!(
+                "block_size {bs} (a power of two ≥ 2) and max_batch_tokens {} (≥ 1)",
+                self.max_batch_tokens
+            )));
+        }
+        if self.max_running == 0 {
+            return Err(EngineError::Invalid("max_running 0".into()));
+        }
+        Ok(())
+    }
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
@@ -261,17 +279,9 @@ impl<'m, T: Element> Scheduler<'m, T> {
         config: SchedulerConfig,
     ) -> Result<Self, EngineError> {
         let c = &model.config;
+        config.validate()?;
         let bs = config.block_size;
-        if bs < 2 || !bs.is_power_of_two() || config.max_batch_tokens == 0 {
-            return Err(EngineError::Invalid(format!(
-                "block_size {bs} (a power of two ≥ 2) and max_batch_tokens {} (≥ 1)",
-                config.max_batch_tokens
-            )));
-        }
-        if config.max_running == 0 {
-            return Err(EngineError::Invalid("max_running 0".into()));
-        }
-        let block_bytes = (c.kv_bytes_per_token(size_of::<T>()) * bs) as u64;
+        let block_bytes = c.kv_bytes_per_token(size_of::<T>()).saturating_mul(bs) as u64;
         let blocks = |bytes: u64| u32::try_from(bytes / block_bytes).unwrap_or(u32::MAX >> 1);
         let (primary, secondary) = (blocks(config.device_bytes), blocks(config.host_bytes));
         if primary == 0 {

@@ -5,13 +5,13 @@ use std::process::Command;
 
 /// One run of `hsa` with `args`: whether it should succeed, and text its output (stdout and
 /// stderr) must hold.
-struct Case {
-    args: &'static [&'static str],
+struct Case<'a> {
+    args: &'a [&'a str],
     ok: bool,
     says: &'static str,
 }
 
-fn check(c: &Case) {
+fn check(c: &Case<'_>) {
     let out = Command::new(env!("CARGO_BIN_EXE_hsa"))
         .args(c.args)
         .output()
@@ -131,6 +131,28 @@ fn numbers_on_the_command_line() {
         },
     ];
     cases.iter().for_each(check);
+}
+
+#[test]
+fn a_bad_engine_table_is_refused_by_every_command_that_sizes_blocks() {
+    // `capacity` used to divide by the block size of 0 and panic.
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-block-size-0.toml");
+    std::fs::write(&path, "[engine]\nblock_size = 0\n").expect("the target dir is writable");
+    let config = path.to_str().expect("a UTF-8 target dir");
+    for command in [
+        &["capacity"][..],
+        &["run", "--requests", "1", "--max-tokens", "1"],
+    ] {
+        let args: Vec<&str> = ["--synthetic", "--config", config]
+            .into_iter()
+            .chain(command.iter().copied())
+            .collect();
+        check(&Case {
+            args: &args,
+            ok: false,
+            says: "block_size 0 (a power of two ≥ 2)",
+        });
+    }
 }
 
 /// Unix only: elsewhere `hsa` keeps Rust's default, and a closed pipe is an error.

@@ -93,6 +93,7 @@ pub(crate) fn capacity(
         }
         Some(g) => (g * f64::from(1u32 << 30)) as u64,
     };
+    file.engine.validate()?;
     if !(1..=8).contains(&a.kv_bytes) {
         return Err(EngineError::Invalid(format!(
             "--kv-bytes {}: an element takes 1 to 8 bytes",
