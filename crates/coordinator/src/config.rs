@@ -178,14 +178,16 @@ impl Lowered {
 fn rep_page_bytes(p: &LayerParams, model: ModelShape, elem_bytes: usize) -> usize {
     let shape = p.algo.rep_shape(model.kv_heads, model.head_dim);
     match &p.config {
-        AlgoConfig::Quest(q) if q.summary == Summary::E4m3 => shape.page_len() + shape.heads,
+        AlgoConfig::Quest(q) if q.summary == Summary::E4m3 => {
+            shape.page_len().saturating_add(shape.heads)
+        }
         _ => shape.page_len().saturating_mul(elem_bytes),
     }
 }
 
 /// The product of `factors`, saturating at `usize::MAX`: byte counts of shapes past the
 /// address space stay an upper bound instead of wrapping.
-pub(crate) fn product(factors: &[usize]) -> usize {
+fn product(factors: &[usize]) -> usize {
     factors.iter().fold(1, |a, &b| a.saturating_mul(b))
 }
 
