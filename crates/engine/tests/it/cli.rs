@@ -176,3 +176,17 @@ fn a_closed_pipe_ends_it_quietly() {
         out.status
     );
 }
+
+#[test]
+fn a_workload_past_the_request_limit_is_refused_before_its_prompts_are_cut() {
+    // A count of 2^63 used to build requests until the memory ran out.
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-huge-count.toml");
+    let workload = "[[request]]\nprompt = \"hello\"\ncount = 9223372036854775807\n";
+    std::fs::write(&path, workload).expect("the target dir is writable");
+    let file = path.to_str().expect("a UTF-8 target dir");
+    check(&Case {
+        args: &["--synthetic", "run", "--workload", file],
+        ok: false,
+        says: "a workload holds at most 65536 requests",
+    });
+}

@@ -20,7 +20,8 @@ pub(crate) struct RunArgs {
     /// The text the built-in workload's prompts are cut from.
     #[arg(long, default_value = "/usr/share/common-licenses/GPL-3")]
     text: PathBuf,
-    /// Requests of the built-in workload (1 to 65536; every prompt is cut before the run).
+    /// Requests of the built-in workload (1 to 65536; every prompt is cut before the run, and a
+    /// `--workload` file holds as many at most).
     #[arg(long, default_value_t = 8, value_parser = workload_size)]
     requests: usize,
     /// Longest prompt of the built-in workload in tokens, at least 1 (prompts spread from a
@@ -82,15 +83,15 @@ pub(crate) fn at_least_one(v: &str) -> Result<usize, String> {
     }
 }
 
-/// The most requests of the built-in workload: all of its prompts are held before the run,
-/// so a mistyped count would otherwise fill the memory before the first step.
-const MAX_BUILTIN_REQUESTS: usize = 1 << 16;
+/// The most requests of a run, built-in or from a file: all of its prompts are held before
+/// the run, so a mistyped count would otherwise fill the memory before the first step.
+const MAX_REQUESTS: usize = 1 << 16;
 
-/// A request count of the built-in workload, 1 to [`MAX_BUILTIN_REQUESTS`].
+/// A request count of the built-in workload, 1 to [`MAX_REQUESTS`].
 fn workload_size(v: &str) -> Result<usize, String> {
     match at_least_one(v)? {
-        n if n > MAX_BUILTIN_REQUESTS => Err(format!(
-            "the built-in workload holds at most {MAX_BUILTIN_REQUESTS} requests"
+        n if n > MAX_REQUESTS => Err(format!(
+            "the built-in workload holds at most {MAX_REQUESTS} requests"
         )),
         n => Ok(n),
     }
@@ -147,6 +148,12 @@ pub(crate) fn run(
                         ));
                     }
                 };
+                if r.count > MAX_REQUESTS - out.len() {
+                    return Err(EngineError::Invalid(format!(
+                        "{}: a workload holds at most {MAX_REQUESTS} requests",
+                        p.display()
+                    )));
+                }
                 let sparse = r.sparse.as_deref().map(variant).transpose()?;
                 let sampling = r.sampling.clone().unwrap_or_else(|| file.sampling.clone());
                 for _ in 0..r.count {
