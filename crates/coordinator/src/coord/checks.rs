@@ -63,7 +63,8 @@ impl<T: Element> SparseCoordinator<T> {
         heads: usize,
     ) -> Result<(), CoordError> {
         let d = self.model.head_dim;
-        if got == f.tokens * heads * d {
+        // Saturating: a product that overflows matches no slice's length.
+        if got == f.tokens.saturating_mul(heads).saturating_mul(d) {
             Ok(())
         } else {
             Err(CoordError::Invalid(format!(

@@ -317,7 +317,7 @@ impl<T: Element> SparseCoordinator<T> {
         if self.forward.is_some() {
             return Err(CoordError::Invalid("a forward is in progress".into()));
         }
-        if t.phase != Phase::Prefill || t.len + n >= t.prompt_len {
+        if t.phase != Phase::Prefill || t.len.saturating_add(n) >= t.prompt_len {
             return Err(CoordError::Invalid(format!(
                 "{id:?} ({:?}, {} of {} prompt tokens) cannot skip {n} cached tokens (the last \
                  prompt token is always computed)",
@@ -368,7 +368,8 @@ impl<T: Element> SparseCoordinator<T> {
             }
             let ok = match (t.mode, t.phase) {
                 (Mode::Dense, _) => n > 0,
-                (Mode::Sparse, Phase::Prefill) => n > 0 && t.len + n <= t.prompt_len,
+                // A prefilling request's length never passes its prompt's.
+                (Mode::Sparse, Phase::Prefill) => n > 0 && n <= t.prompt_len - t.len,
                 (Mode::Sparse, Phase::Decode) => n == 1,
             };
             if !ok {
@@ -378,7 +379,9 @@ impl<T: Element> SparseCoordinator<T> {
                 )));
             }
             offsets.push(tokens);
-            tokens += n;
+            tokens = usize::checked_add(tokens, n).ok_or_else(|| {
+                CoordError::Invalid(format!("the batch's new tokens overflow at {id:?}"))
+            })?;
         }
         self.forward = Some(Forward {
             batch: batch.to_vec(),
@@ -537,7 +540,7 @@ impl<T: Element> SparseCoordinator<T> {
                 .trackers
                 .get_mut(&id)
                 .expect("requests of a forward stay live until it ends");
-            t.len += n;
+            t.len = t.len.saturating_add(n);
             if t.phase == Phase::Prefill && t.len == t.prompt_len {
                 t.phase = Phase::Decode;
                 t.represented = t.mode == Mode::Sparse;

@@ -59,6 +59,22 @@ fn out_of_order_and_malformed_calls_change_nothing() {
     );
     assert!(invalid(e.coord.forward_begin(&[(a, 1), (a, 1)])));
     assert!(invalid(e.coord.forward_begin(&[(a, 25)])));
+    // Counts near `usize::MAX` (their sums used to overflow): a sparse prefill's and a dense
+    // batch's.
+    assert!(invalid(e.coord.forward_begin(&[(a, usize::MAX)])));
+    let (d1, d2) = (RequestId(5), RequestId(6));
+    for d in [d1, d2] {
+        e.add(d);
+        assert_eq!(e.coord.on_request_begin(d, 3), Ok(Mode::Dense));
+    }
+    assert!(invalid(e.coord.forward_begin(&[(d1, usize::MAX), (d2, 2)])));
+    assert!(invalid(
+        e.coord
+            .on_prefix_cached(d1, usize::MAX, |_| (Vec::new(), Vec::new()))
+    ));
+    for d in [d1, d2] {
+        e.coord.on_request_end(d).expect("live, outside a forward");
+    }
     e.coord.forward_begin(&[(a, 24)]).expect("the whole prompt");
     assert!(
         invalid(e.coord.forward_begin(&[(a, 1)])),
