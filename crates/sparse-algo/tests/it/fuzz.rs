@@ -14,6 +14,7 @@ use sparse_algo::{AlgoConfig, Decode, KeySource, Prompt, RepPool, TopK};
 use crate::util::{Case, Rng};
 
 proptest! {
+    /// Every algorithm's phases on a valid batch with up to three edits.
     #[test]
     fn every_algorithm_answers_every_call(
         seed in any::<u64>(),
