@@ -155,7 +155,9 @@ impl<T: Element> SparseKvCacheManager<T> {
         let c = self.config;
         let r = self.request(id)?;
         let len = r.lens[layer];
-        let total = len + new_tokens;
+        let total = len.checked_add(new_tokens).ok_or_else(|| {
+            OffloadError::Invalid(format!("{new_tokens} new tokens after {len} overflow"))
+        })?;
         if total == 0 {
             return Err(OffloadError::Invalid(format!(
                 "{id:?} layer {layer} holds no tokens"

@@ -90,6 +90,13 @@ fn bad_input_is_rejected_and_nothing_is_lost() {
         Err(OffloadError::HostExhausted { free: 1, .. })
     ));
     assert_eq!((m.free_host_pages(), m.len(b, 0).expect("live")), (1, 0));
+    // New tokens past `usize` (the length plus them used to overflow), or past a page.
+    for n in [usize::MAX, 5] {
+        assert!(matches!(
+            m.step_with_new(a, 0, &[0], n),
+            Err(OffloadError::Invalid(_))
+        ));
+    }
     // Selections: out of range, unsorted, duplicated, larger than the hot buffer.
     let hot_before = m.hot_buffer(a, 0).expect("live").clone();
     assert!(matches!(m.step(a, 0, &[3]), Err(OffloadError::Invalid(_))));
