@@ -46,7 +46,8 @@ impl TopK {
         self.lens.len().checked_div(self.kv_heads).unwrap_or(0)
     }
 
-    /// The valid ids of (sequence, KV head).
+    /// The valid ids of (sequence, KV head). Like slice indexing, it panics outside the
+    /// selection or on a malformed one; the metrics check a selection before reading it.
     pub fn row(&self, seq: usize, head: usize) -> &[i32] {
         let r = seq * self.kv_heads + head;
         &self.ids[r * self.max_len..r * self.max_len + self.lens[r] as usize]
@@ -64,7 +65,8 @@ impl TopK {
     }
 
     /// The same selection at token granularity: every selected page expanded to its tokens,
-    /// clipped to the sequence (`seq_lens[s]` tokens).
+    /// clipped to the sequence (`seq_lens[s]` tokens). `seq_lens` holds a length for every
+    /// sequence of a well-formed selection, as for [`TopK::row`].
     pub fn to_tokens(&self, seq_lens: &[usize]) -> TopK {
         let ps = self.page_size;
         let rows: Vec<Vec<i32>> = (0..self.lens.len())

@@ -9,6 +9,7 @@
 //! be well formed: ascending ids inside their sequence, as many rows as (sequence, KV head).
 
 use proptest::prelude::*;
+use sparse_algo::metrics::{mass_recall, topk_recall};
 use sparse_algo::{AlgoConfig, Decode, KeySource, Prompt, RepPool, TopK};
 
 use crate::util::{Case, Rng};
@@ -43,7 +44,10 @@ proptest! {
                 let step = call.step(call.keys.then_some(&keys as &dyn KeySource));
                 let top = algo.retrieve_topk(&step, &pool);
                 match &top {
-                    Ok(t) => well_formed(t, &batch.lens, caps.page_size, batch.kv_heads, valid),
+                    Ok(t) => {
+                        well_formed(t, &batch.lens, caps.page_size, batch.kv_heads, valid);
+                        metrics_answer(t, &step, &batch.lens, &edits);
+                    }
                     Err(e) => prop_assert!(!valid, "{name}: decode: {e}"),
                 }
             }
@@ -249,5 +253,36 @@ fn well_formed(t: &TopK, lens: &[usize], page_size: usize, kv_heads: usize, vali
                 "row {r}: {row:?} in 0..{pages}"
             );
         }
+    }
+}
+
+/// The recall metrics on `t` and on copies of it broken as the edits say (a width near
+/// `usize::MAX`, KV heads of 0 or near `usize::MAX`, a row length or id out of range): an
+/// answer or a typed error, never a panic; `t` against itself recalls everything.
+fn metrics_answer(t: &TopK, step: &Decode<'_>, lens: &[usize], edits: &[(usize, usize)]) {
+    if let Ok(r) = topk_recall(t, t, lens) {
+        assert!(
+            r.iter().all(|&x| x == 1.0),
+            "a selection recalls itself: {r:?}"
+        );
+    }
+    let _ = mass_recall(step, t, 0.125);
+    for &(edit, at) in edits {
+        let mut b = t.clone();
+        match edit % 4 {
+            0 => b.max_len = [usize::MAX, usize::MAX / 2 + 1][at % 2],
+            1 => b.kv_heads = [0, usize::MAX][at % 2],
+            2 if !b.lens.is_empty() => {
+                let i = at % b.lens.len();
+                b.lens[i] = [-1, i32::MAX][at % 2];
+            }
+            _ if !b.ids.is_empty() => {
+                let i = at % b.ids.len();
+                b.ids[i] = [i32::MAX, i32::MIN][at % 2];
+            }
+            _ => {}
+        }
+        let _ = topk_recall(&b, t, lens);
+        let _ = mass_recall(step, &b, 0.125);
     }
 }
