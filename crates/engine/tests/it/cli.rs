@@ -1,5 +1,6 @@
-//! The `hsa` binary as a user meets it: bad numbers on the command line end in one clear
-//! error line and a failing status, and a reader that closes the pipe early ends it quietly.
+//! The `hsa` binary as a user meets it: bad numbers on the command line or in a config or
+//! workload file end in one clear error line and a failing status, and a reader that closes
+//! the pipe early ends it quietly.
 
 use std::process::Command;
 
