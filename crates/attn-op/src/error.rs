@@ -61,3 +61,23 @@ pub enum AttnError {
     #[error("CUDA device: {0}")]
     Device(String),
 }
+
+/// Checks that a buffer of `got` elements holds the product of `extents`, else
+/// [`AttnError::Length`]. The product saturates at `usize::MAX`: extents whose product
+/// overflows match no buffer's length, so they are refused instead of panicking or wrapping.
+pub(crate) fn check_len(
+    what: &'static str,
+    got: usize,
+    extents: &[usize],
+) -> Result<(), AttnError> {
+    let expected = extents.iter().fold(1usize, |a, &b| a.saturating_mul(b));
+    if got == expected {
+        Ok(())
+    } else {
+        Err(AttnError::Length {
+            what,
+            expected,
+            got,
+        })
+    }
+}

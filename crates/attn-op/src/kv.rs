@@ -1,6 +1,7 @@
 //! Paged KV storage in the shared block-tensor layout.
 
 use crate::aligned::Aligned;
+use crate::error::check_len;
 use crate::{AttnError, Element};
 
 /// The shape of one layer's K (or V) block tensor: `[num_blocks, block_size, kv_heads, head_dim]`.
@@ -139,15 +140,8 @@ impl<T: Element> PagedKv<T> {
     /// allocation (grown by 64 bytes), so it is copied once but never held twice.
     pub fn from_tensors(layout: KvLayout, k: Vec<T>, v: Vec<T>) -> Result<Self, AttnError> {
         let len = layout.validate(size_of::<T>())?;
-        for (what, t) in [("k", &k), ("v", &v)] {
-            if t.len() != len {
-                return Err(AttnError::Length {
-                    what,
-                    expected: len,
-                    got: t.len(),
-                });
-            }
-        }
+        check_len("k", k.len(), &[len])?;
+        check_len("v", v.len(), &[len])?;
         Ok(PagedKv {
             layout,
             k: Aligned::from_vec(k),
@@ -204,16 +198,8 @@ impl<T: Element> KvCache<Host> for PagedKv<T> {
 
     fn set_kv(&mut self, slot_mapping: &[i32], k: &[T], v: &[T]) -> Result<(), AttnError> {
         let stride = self.layout.token_stride();
-        let expected = slot_mapping.len() * stride;
-        for (what, t) in [("k", k), ("v", v)] {
-            if t.len() != expected {
-                return Err(AttnError::Length {
-                    what,
-                    expected,
-                    got: t.len(),
-                });
-            }
-        }
+        check_len("k", k.len(), &[slot_mapping.len(), stride])?;
+        check_len("v", v.len(), &[slot_mapping.len(), stride])?;
         let slots = self.layout.num_slots();
         for &s in slot_mapping {
             if s < -1 || (s >= 0 && s as usize >= slots) {

@@ -1,5 +1,6 @@
 //! Attention parameters, batch metadata and selections, with their validation.
 
+use crate::error::check_len;
 use crate::{AttnError, KvLayout};
 
 /// Parameters of one attention layer.
@@ -85,14 +86,8 @@ impl AttnParams {
         if !self.scale.is_finite() {
             return Err(AttnError::Invalid(format!("softmax scale {}", self.scale)));
         }
-        if let Some(s) = &self.sink_logits
-            && s.len() != self.q_heads
-        {
-            return Err(AttnError::Length {
-                what: "sink_logits",
-                expected: self.q_heads,
-                got: s.len(),
-            });
+        if let Some(s) = &self.sink_logits {
+            check_len("sink_logits", s.len(), &[self.q_heads])?;
         }
         Ok(self.q_heads / layout.kv_heads)
     }
@@ -232,22 +227,8 @@ pub struct Selection<'a> {
 impl<'a> Selection<'a> {
     /// Checks that the selection has `rows` rows and every length lies in `0..=max_len`.
     pub(crate) fn check_shape(&self, rows: usize) -> Result<(), AttnError> {
-        if self.lens.len() != rows {
-            return Err(AttnError::Length {
-                what: "selection lens",
-                expected: rows,
-                got: self.lens.len(),
-            });
-        }
-        // Saturating: a product that overflows matches no slice's length, so it is refused.
-        let ids = rows.saturating_mul(self.max_len);
-        if self.ids.len() != ids {
-            return Err(AttnError::Length {
-                what: "selection ids",
-                expected: ids,
-                got: self.ids.len(),
-            });
-        }
+        check_len("selection lens", self.lens.len(), &[rows])?;
+        check_len("selection ids", self.ids.len(), &[rows, self.max_len])?;
         if let Some((r, &len)) = self
             .lens
             .iter()

@@ -1,6 +1,7 @@
 //! The public entry points: dense paged attention, sparse page-list and token-level attention,
 //! the gather of page offsets, the merge of partial results, and KV compaction.
 
+use crate::error::check_len;
 use crate::kernel::{Run, dense_runs, execute, jobs_for, page_run};
 use crate::meta::Seq;
 use crate::{AttnError, AttnParams, BatchMeta, Element, PagedKv, Selection};
@@ -26,22 +27,11 @@ fn check_io<'m, T: Element>(
     let layout = kv.layout_ref();
     let group = params.validate(layout)?;
     let seqs = meta.validate(layout)?;
-    // Saturating products: one that overflows matches no slice's length, so it is refused.
-    let total = meta.total_q();
-    let elems = total.saturating_mul(params.q_heads.saturating_mul(layout.head_dim));
-    let rows = total.saturating_mul(params.q_heads);
-    for (what, got, expected) in [
-        ("q", q.len(), elems),
-        ("out", dst.out.len(), elems),
-        ("lse", dst.lse.as_ref().map_or(rows, |l| l.len()), rows),
-    ] {
-        if got != expected {
-            return Err(AttnError::Length {
-                what,
-                expected,
-                got,
-            });
-        }
+    let (total, heads) = (meta.total_q(), params.q_heads);
+    check_len("q", q.len(), &[total, heads, layout.head_dim])?;
+    check_len("out", dst.out.len(), &[total, heads, layout.head_dim])?;
+    if let Some(lse) = &dst.lse {
+        check_len("lse", lse.len(), &[total, heads])?;
     }
     Ok((seqs, group))
 }
@@ -291,28 +281,10 @@ pub fn merge_attention(
         return Err(AttnError::Invalid("head_dim 0".to_owned()));
     }
     let rows = lse.len();
-    // Saturating: a product that overflows matches no slice's length, so it is refused.
-    let elems = rows.saturating_mul(head_dim);
-    if out.len() != elems {
-        return Err(AttnError::Length {
-            what: "out",
-            expected: elems,
-            got: out.len(),
-        });
-    }
+    check_len("out", out.len(), &[rows, head_dim])?;
     for p in parts {
-        for (what, got, expected) in [
-            ("part lse", p.lse.len(), rows),
-            ("part out", p.out.len(), elems),
-        ] {
-            if got != expected {
-                return Err(AttnError::Length {
-                    what,
-                    expected,
-                    got,
-                });
-            }
-        }
+        check_len("part lse", p.lse.len(), &[rows])?;
+        check_len("part out", p.out.len(), &[rows, head_dim])?;
     }
     for r in 0..rows {
         let m = parts

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::{CudaElement, Device, Gpu, to_i32, to_u32};
+use crate::error::check_len;
 use crate::{AttnError, KvCache, KvLayout};
 
 /// K and V block tensors of one layer in device memory, in the layout of
@@ -36,15 +37,8 @@ impl<T: CudaElement> DevicePagedKv<T> {
     /// head_dim]`).
     pub fn from_host(gpu: &Gpu, layout: KvLayout, k: &[T], v: &[T]) -> Result<Self, AttnError> {
         check_layout::<T>(&layout)?;
-        for (what, t) in [("k", k), ("v", v)] {
-            if t.len() != layout.len() {
-                return Err(AttnError::Length {
-                    what,
-                    expected: layout.len(),
-                    got: t.len(),
-                });
-            }
-        }
+        check_len("k", k.len(), &[layout.len()])?;
+        check_len("v", v.len(), &[layout.len()])?;
         Ok(DevicePagedKv {
             layout,
             k: gpu.upload(k)?,
@@ -105,16 +99,8 @@ impl<T: CudaElement> KvCache<Device> for DevicePagedKv<T> {
     ) -> Result<(), AttnError> {
         let stride = self.layout.token_stride();
         let n = slot_mapping.len();
-        let expected = n * stride;
-        for (what, got) in [("k", k.len()), ("v", v.len())] {
-            if got != expected {
-                return Err(AttnError::Length {
-                    what,
-                    expected,
-                    got,
-                });
-            }
-        }
+        check_len("k", k.len(), &[n, stride])?;
+        check_len("v", v.len(), &[n, stride])?;
         if n == 0 {
             return Ok(());
         }

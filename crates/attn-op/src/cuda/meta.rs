@@ -3,6 +3,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::Gpu;
+use crate::error::check_len;
 use crate::{AttnError, BatchMeta, KvLayout, Selection};
 
 /// The three metadata arrays of a batch on the device, validated on the host (by the same
@@ -56,19 +57,9 @@ impl DeviceBatch {
             block_table,
             max_blocks,
         } = arrays;
-        for (what, got, expected) in [
-            ("seq_lens_kv", seq_lens_kv.len(), n),
-            ("block_table", block_table.len(), n * max_blocks),
-        ] {
-            if got != expected {
-                return Err(AttnError::Length {
-                    what,
-                    expected,
-                    got,
-                });
-            }
-        }
-        if kv_bound > max_blocks * layout.block_size {
+        check_len("seq_lens_kv", seq_lens_kv.len(), &[n])?;
+        check_len("block_table", block_table.len(), &[n, max_blocks])?;
+        if kv_bound > max_blocks.saturating_mul(layout.block_size) {
             return Err(AttnError::Invalid(format!(
                 "KV lengths up to {kv_bound} need more than {max_blocks} blocks of {}",
                 layout.block_size
@@ -220,13 +211,7 @@ impl DeviceSelection {
         max_len: usize,
     ) -> Result<Self, AttnError> {
         let rows = lens.len();
-        if ids.len() != rows * max_len {
-            return Err(AttnError::Length {
-                what: "selection ids",
-                expected: rows * max_len,
-                got: ids.len(),
-            });
-        }
+        check_len("selection ids", ids.len(), &[rows, max_len])?;
         Ok(DeviceSelection {
             ids,
             lens,

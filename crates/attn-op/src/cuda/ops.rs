@@ -8,6 +8,7 @@ use super::{
     Published,
 };
 use super::{Scratch, WARPS, to_i32, to_u32};
+use crate::error::check_len;
 use crate::ops::check_keep;
 use crate::{AttnError, AttnParams, KvCache, Selection};
 
@@ -164,23 +165,13 @@ impl Gpu {
                 "device attention is built for head_dim 64, 128 and 256, not {d}"
             )));
         }
-        // Saturating, as on the CPU: a product that overflows matches no buffer's length.
         let total_q = meta.total_q();
-        let total_rows = total_q.saturating_mul(params.q_heads);
-        let lse_len = lse.as_ref().map_or(total_rows, |l| l.len());
-        for (what, got, expected) in [
-            ("q", q.len(), total_rows.saturating_mul(d)),
-            ("out", out.len(), total_rows.saturating_mul(d)),
-            ("lse", lse_len, total_rows),
-        ] {
-            if got != expected {
-                return Err(AttnError::Length {
-                    what,
-                    expected,
-                    got,
-                });
-            }
+        check_len("q", q.len(), &[total_q, params.q_heads, d])?;
+        check_len("out", out.len(), &[total_q, params.q_heads, d])?;
+        if let Some(lse) = &lse {
+            check_len("lse", lse.len(), &[total_q, params.q_heads])?;
         }
+        let total_rows = total_q * params.q_heads;
         let rows_sel = meta.num_seqs() * layout.kv_heads;
         let bs = layout.block_size;
         let (mode, sel, n_keys) = match keys {
@@ -387,26 +378,10 @@ impl Gpu {
         if head_dim == 0 {
             return Err(AttnError::Invalid("head_dim 0".to_owned()));
         }
-        // Saturating, as on the CPU: a product that overflows matches no buffer's length.
         let rows = lse.len();
-        let part_rows = n_parts.saturating_mul(rows);
-        for (what, got, expected) in [
-            ("out", out.len(), rows.saturating_mul(head_dim)),
-            ("parts lse", parts_lse.len(), part_rows),
-            (
-                "parts out",
-                parts_out.len(),
-                part_rows.saturating_mul(head_dim),
-            ),
-        ] {
-            if got != expected {
-                return Err(AttnError::Length {
-                    what,
-                    expected,
-                    got,
-                });
-            }
-        }
+        check_len("out", out.len(), &[rows, head_dim])?;
+        check_len("parts lse", parts_lse.len(), &[n_parts, rows])?;
+        check_len("parts out", parts_out.len(), &[n_parts, rows, head_dim])?;
         if rows == 0 {
             return Ok(());
         }
