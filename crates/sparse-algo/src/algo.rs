@@ -149,16 +149,14 @@ impl Decode<'_> {
     /// Checks every shape and returns the group size (query heads per KV head).
     pub(crate) fn validate(&self) -> Result<usize, AlgoError> {
         let n = self.num_seqs();
-        check_len("slots", self.slots.len(), n)?;
+        check_len("slots", self.slots.len(), &[n])?;
         if self.kv_heads == 0 || self.head_dim == 0 || !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(AlgoError::Invalid(format!(
                 "{} query heads over {} KV heads of dim {}",
                 self.q_heads, self.kv_heads, self.head_dim
             )));
         }
-        // Saturating: a product that overflows matches no slice's length, so it is refused.
-        let q = n.saturating_mul(self.q_heads).saturating_mul(self.head_dim);
-        check_len("q", self.q.len(), q)?;
+        check_len("q", self.q.len(), &[n, self.q_heads, self.head_dim])?;
         if let Some(s) = self.seq_lens.iter().position(|&l| l == 0) {
             return Err(AlgoError::Invalid(format!("sequence {s} is empty")));
         }
@@ -207,7 +205,7 @@ impl Prompt<'_> {
     pub(crate) fn validate(&self) -> Result<(usize, Vec<std::ops::Range<usize>>), AlgoError> {
         let n = self.keys.num_seqs();
         let (kvh, d) = (self.keys.kv_heads(), self.keys.head_dim());
-        check_len("cu_q", self.cu_q.len(), n + 1)?;
+        check_len("cu_q", self.cu_q.len(), &[n + 1])?;
         if kvh == 0 || d == 0 || self.q_heads == 0 || !self.q_heads.is_multiple_of(kvh) {
             return Err(AlgoError::Invalid(format!(
                 "{} query heads over {kvh} KV heads of dim {d}",
@@ -229,9 +227,7 @@ impl Prompt<'_> {
             return Err(AlgoError::Invalid("cu_q must start at 0".to_owned()));
         }
         let total = rows.last().map_or(0, |r| r.end);
-        // Saturating, as in `Decode::validate`.
-        let q = total.saturating_mul(self.q_heads).saturating_mul(d);
-        check_len("q", self.q.len(), q)?;
+        check_len("q", self.q.len(), &[total, self.q_heads, d])?;
         Ok((self.q_heads / kvh, rows))
     }
 }
@@ -244,7 +240,7 @@ pub(crate) fn check_batch(
     pool: &RepPool,
     shape: RepShape,
 ) -> Result<(), AlgoError> {
-    check_len("slots", slots.len(), keys.num_seqs())?;
+    check_len("slots", slots.len(), &[keys.num_seqs()])?;
     check_pool(pool, shape)?;
     let mut seen = slots.to_vec();
     seen.sort_unstable();
@@ -263,7 +259,7 @@ fn check_keys(
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<(), AlgoError> {
-    check_len("key source sequences", keys.num_seqs(), seq_lens.len())?;
+    check_len("key source sequences", keys.num_seqs(), &[seq_lens.len()])?;
     if keys.kv_heads() != kv_heads || keys.head_dim() != head_dim {
         return Err(AlgoError::Invalid(format!(
             "keys have {} heads of {}, the step {kv_heads} of {head_dim}",

@@ -38,8 +38,15 @@ pub enum AlgoError {
     Attn(#[from] AttnError),
 }
 
-/// Checks a buffer length, the common case of [`AlgoError::Shape`].
-pub(crate) fn check_len(what: &'static str, got: usize, expected: usize) -> Result<(), AlgoError> {
+/// Checks that a buffer of `got` elements holds the product of `extents`, the common case of
+/// [`AlgoError::Shape`]. The product saturates at `usize::MAX`: extents whose product overflows
+/// match no buffer's length, so they are refused instead of panicking or wrapping.
+pub(crate) fn check_len(
+    what: &'static str,
+    got: usize,
+    extents: &[usize],
+) -> Result<(), AlgoError> {
+    let expected = extents.iter().fold(1usize, |a, &b| a.saturating_mul(b));
     if got == expected {
         Ok(())
     } else {

@@ -43,7 +43,7 @@ impl<'a, T: Element> PagedKeys<'a, T> {
         crate::error::check_len(
             "block_table",
             block_table.len(),
-            seq_lens.len() * max_blocks,
+            &[seq_lens.len(), max_blocks],
         )?;
         for (s, &len) in seq_lens.iter().enumerate() {
             let need = usize::try_from(len)

@@ -49,8 +49,7 @@ pub fn topk_recall(
     seq_lens: &[usize],
 ) -> Result<Vec<f64>, AlgoError> {
     for (what, t) in [("selection", sel), ("reference", reference)] {
-        let rows = seq_lens.len().saturating_mul(t.kv_heads);
-        crate::error::check_len(what, t.lens.len(), rows)?;
+        crate::error::check_len(what, t.lens.len(), &[seq_lens.len(), t.kv_heads])?;
         check_ids(t, seq_lens)?;
     }
     if sel.kv_heads != reference.kv_heads {
@@ -108,11 +107,7 @@ pub fn output_error<T: Element>(
         .iter()
         .map(|&l| usize::try_from(l).map_err(|_| AlgoError::Invalid(format!("KV length {l}"))))
         .collect::<Result<_, _>>()?;
-    crate::error::check_len(
-        "selection rows",
-        sel.lens.len(),
-        n.saturating_mul(sel.kv_heads),
-    )?;
+    crate::error::check_len("selection rows", sel.lens.len(), &[n, sel.kv_heads])?;
     check_ids(sel, &lens)?;
     let tokens = sel.to_tokens(&lens);
     let len = q.len();
@@ -174,7 +169,7 @@ fn check_sel(step: &Decode<'_>, sel: &TopK) -> Result<(), AlgoError> {
     crate::error::check_len(
         "selection rows",
         sel.lens.len(),
-        step.num_seqs().saturating_mul(step.kv_heads),
+        &[step.num_seqs(), step.kv_heads],
     )?;
     check_ids(sel, step.seq_lens)
 }
@@ -186,9 +181,11 @@ fn check_ids(sel: &TopK, seq_lens: &[usize]) -> Result<(), AlgoError> {
             "selection with page size or KV heads 0".to_owned(),
         ));
     }
-    // Saturating: a product that overflows matches no slice's length.
-    let ids = sel.lens.len().saturating_mul(sel.max_len);
-    crate::error::check_len("selection ids", sel.ids.len(), ids)?;
+    crate::error::check_len(
+        "selection ids",
+        sel.ids.len(),
+        &[sel.lens.len(), sel.max_len],
+    )?;
     for r in 0..sel.lens.len() {
         let len = sel.lens[r];
         if len < 0 || len as usize > sel.max_len {

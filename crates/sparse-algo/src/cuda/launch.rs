@@ -349,7 +349,7 @@ impl SelectKernels {
                 pool.layers
             )));
         }
-        crate::error::check_len("slots", slots.len(), meta.num_seqs())?;
+        crate::error::check_len("slots", slots.len(), &[meta.num_seqs()])?;
         if meta.max_kv_len() > pool.max_tokens() {
             return Err(AlgoError::Invalid(format!(
                 "a sequence of {} tokens exceeds the pool's {} per request",

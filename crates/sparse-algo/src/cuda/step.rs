@@ -139,9 +139,7 @@ impl SelectKernels {
             )));
         }
         let n = meta.num_seqs();
-        // Saturating, as on the CPU: a product that overflows matches no buffer's length.
-        let q_len = meta.total_q().saturating_mul(q_heads).saturating_mul(d);
-        crate::error::check_len("q", q.len(), q_len)?;
+        crate::error::check_len("q", q.len(), &[meta.total_q(), q_heads, d])?;
         if let Some(s) = meta.q_lens().iter().position(|&l| l == 0) {
             return Err(AlgoError::Invalid(format!("sequence {s} has no query")));
         }
@@ -287,9 +285,8 @@ impl SelectKernels {
         };
         self.check_pool(want, dim, meta, layer, slots, pool)?;
         let n = meta.num_seqs();
-        let rows = n.saturating_mul(heads);
-        crate::error::check_len("indexer queries", q.len(), rows.saturating_mul(dim))?;
-        crate::error::check_len("indexer weights", weights.len(), rows)?;
+        crate::error::check_len("indexer queries", q.len(), &[n, heads, dim])?;
+        crate::error::check_len("indexer weights", weights.len(), &[n, heads])?;
         let c = dsa.config();
         out.check(n, true, dsa.row_width(), Some((meta.max_kv_len(), 1)))?;
         if n == 0 {
