@@ -187,7 +187,7 @@ fn rep_page_bytes(p: &LayerParams, model: ModelShape, elem_bytes: usize) -> usiz
 
 /// The product of `factors`, saturating at `usize::MAX`: byte counts of shapes past the
 /// address space stay an upper bound instead of wrapping.
-fn product(factors: &[usize]) -> usize {
+pub(crate) fn product(factors: &[usize]) -> usize {
     factors.iter().fold(1, |a, &b| a.saturating_mul(b))
 }
 

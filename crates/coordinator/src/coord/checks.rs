@@ -64,7 +64,7 @@ impl<T: Element> SparseCoordinator<T> {
     ) -> Result<(), CoordError> {
         let d = self.model.head_dim;
         // Saturating: a product that overflows matches no slice's length.
-        if got == f.tokens.saturating_mul(heads).saturating_mul(d) {
+        if got == crate::config::product(&[f.tokens, heads, d]) {
             Ok(())
         } else {
             Err(CoordError::Invalid(format!(
