@@ -17,6 +17,9 @@
 //!   representations, and after the last prompt chunk builds them.
 //! - [`SparseCoordinator::forward_end`], [`SparseCoordinator::on_request_end`].
 //!
+//! After an error inside a forward, [`SparseCoordinator::abort_forward`] abandons it: the
+//! requests it had not changed can be batched again, and those it had are ended and named.
+//!
 //! The user's [`SparseConfig`] (serde/TOML) is lowered once into per-layer [`LayerParams`]
 //! (`None`: a dense layer); nothing after [`SparseConfig::lower`] reads the user config.
 //!

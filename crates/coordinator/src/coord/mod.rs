@@ -97,6 +97,11 @@ pub(crate) struct Forward {
     ended: Vec<bool>,
     /// Per layer, whether its step has begun (a prefetch must come before).
     begun: Vec<bool>,
+    /// Whether a sparse layer's step has begun: the decode rows' hot buffers may have changed.
+    pub(crate) stepped: bool,
+    /// Whether a sparse layer has begun to store the new tokens: the sparse-mode requests'
+    /// host backups and representations may have changed.
+    pub(crate) stored: bool,
 }
 
 impl<T: Element> SparseCoordinator<T> {
@@ -389,6 +394,8 @@ impl<T: Element> SparseCoordinator<T> {
             tokens,
             ended: vec![false; self.model.layers],
             begun: vec![false; self.model.layers],
+            stepped: false,
+            stored: false,
         });
         Ok(())
     }
@@ -470,6 +477,8 @@ impl<T: Element> SparseCoordinator<T> {
         if let Some(sl) = self.sparse_of[layer] {
             let f = self.forward.as_ref().expect("checked by check_layer_io");
             self.check_host_room(sl, &f.batch)?;
+            self.mark_stored();
+            let f = self.forward.as_ref().expect("checked by check_layer_io");
             let manager = self.manager.as_mut().expect("sparse layers have a manager");
             for (&(id, n), &off) in f.batch.iter().zip(&f.offsets) {
                 if self.trackers[&id].mode == Mode::Sparse {
@@ -503,10 +512,21 @@ impl<T: Element> SparseCoordinator<T> {
 
     /// Records that `layer` of the forward in progress has begun its step.
     pub(crate) fn mark_begun(&mut self, layer: usize) {
+        let sparse = self.sparse_of[layer].is_some();
+        let f = self
+            .forward
+            .as_mut()
+            .expect("a layer begins inside a forward");
+        f.begun[layer] = true;
+        f.stepped |= sparse;
+    }
+
+    /// Records that a sparse layer of the forward in progress stores the new tokens.
+    pub(crate) fn mark_stored(&mut self) {
         self.forward
             .as_mut()
-            .expect("a layer begins inside a forward")
-            .begun[layer] = true;
+            .expect("tokens are stored inside a forward")
+            .stored = true;
     }
 
     /// Whether `layer` of the forward in progress has begun its step.
@@ -549,6 +569,35 @@ impl<T: Element> SparseCoordinator<T> {
         Ok(())
     }
 
+    /// Abandons the forward in progress, after an error in one of its layers (a full host
+    /// pool, a failed kernel): the engine discards what the forward computed. No length
+    /// advances. A request whose state the forward has not changed stays as it was and can
+    /// be batched again: every dense-mode request, and a sparse-mode one that no sparse layer
+    /// has reached. A sparse-mode request that a sparse layer has reached (a decode row's hot
+    /// buffers stepped, or new tokens partly backed up to the host pool) is ended, as by
+    /// [`on_request_end`](Self::on_request_end), and answered, so that the engine fails it
+    /// or starts it again.
+    pub fn abort_forward(&mut self) -> Result<Vec<RequestId>, CoordError> {
+        let f = self
+            .forward
+            .take()
+            .ok_or_else(|| CoordError::Invalid("no forward in progress".into()))?;
+        let mut ended = Vec::new();
+        for &(id, _) in &f.batch {
+            let t = self.trackers[&id];
+            let reached = match (t.mode, t.phase) {
+                (Mode::Dense, _) => false,
+                (Mode::Sparse, Phase::Prefill) => f.stored,
+                (Mode::Sparse, Phase::Decode) => f.stepped || f.stored,
+            };
+            if reached {
+                self.end_tracked(id);
+                ended.push(id);
+            }
+        }
+        Ok(ended)
+    }
+
     /// Ends a request: its hot buffers, host pages (unless the caller owns them) and
     /// representation slot go back.
     pub fn on_request_end(&mut self, id: RequestId) -> Result<RequestTracker, CoordError> {
@@ -562,14 +611,22 @@ impl<T: Element> SparseCoordinator<T> {
                 "{id:?} is in the forward in progress"
             )));
         }
-        let t = self.trackers.remove(&id).expect("checked just above");
+        Ok(self.end_tracked(id))
+    }
+
+    /// Ends a tracked request outside any forward in progress.
+    fn end_tracked(&mut self, id: RequestId) -> RequestTracker {
+        let t = self
+            .trackers
+            .remove(&id)
+            .expect("the caller checked that the request is tracked");
         if let Some(slot) = t.slot {
             self.manager_mut()
                 .end_request(id)
                 .expect("a sparse-mode request is live in the manager");
             self.free_slots.push(slot);
         }
-        Ok(t)
+        t
     }
 
     fn mode_for(&self, prompt_len: usize) -> Mode {

@@ -147,6 +147,9 @@ impl<T: CudaElement> SparseCoordinator<T> {
     ) -> Result<(), CoordError> {
         let f = self.forward.as_ref().expect("a forward is in progress");
         self.check_host_room(sl, &f.batch)?;
+        // The device backs the new tokens up here, in the layer's begin.
+        self.mark_stored();
+        let f = self.forward.as_ref().expect("a forward is in progress");
         let manager = self.manager.as_mut().expect("sparse layers have a manager");
         let (mut src, mut dst) = (Vec::new(), Vec::new());
         for (&(id, n), &off) in f.batch.iter().zip(&f.offsets) {

@@ -1,4 +1,5 @@
-//! Hooks called out of order or with bad input give typed errors and change nothing.
+//! Hooks called out of order or with bad input give typed errors and change nothing; a forward
+//! that fails in a layer is abandoned, ending only the requests it changed.
 
 use coordinator::{CoordError, Mode, Phase, SparseConfig};
 use kv_blocks::RequestId;
@@ -167,6 +168,28 @@ fn a_full_host_pool_backs_up_no_request_of_the_batch() {
         "neither was backed up"
     );
     assert_eq!(m.free_host_pages(), 1);
+    // The forward cannot end; abandoned, it ends the two requests whose hot buffers the
+    // layer's step changed, and their pages come back. A dense request is kept.
+    assert!(invalid(e.coord.forward_end()));
+    assert_eq!(e.coord.abort_forward(), Ok(vec![a, c]));
+    assert!(e.coord.tracker(a).is_none() && e.coord.tracker(c).is_none());
+    let m = e.coord.manager().expect("sparse");
+    assert_eq!(m.free_host_pages(), 13);
+    let d = RequestId(4);
+    e.add(d);
+    e.coord.on_request_begin(d, 3).expect("dense");
+    e.coord
+        .forward_begin(&[(d, 3)])
+        .expect("no forward in progress");
+    let (k3, q3) = (vec![0.5f32; 3 * kvs], vec![0.25f32; 3 * qs]);
+    e.coord.attention_begin(0, &q3, &k3, &k3).expect("valid");
+    assert_eq!(
+        e.coord.abort_forward(),
+        Ok(vec![]),
+        "a dense request is kept"
+    );
+    assert_eq!(e.coord.tracker(d).map(|t| t.len), Some(0));
+    assert!(invalid(e.coord.abort_forward()), "no forward in progress");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 mod config;
 mod decode;
 mod errors;
+mod machine;
 mod prefetch;
 mod prefix;
 mod util;

@@ -73,6 +73,9 @@ pub(crate) struct Engine {
     pub(crate) prefetch: Option<Estimate>,
     /// What the prefetches loaded.
     pub(crate) prefetched: StepStats,
+    /// The layers whose `attention_begin` and `attention_end` succeeded in the last forward.
+    pub(crate) began: Vec<usize>,
+    pub(crate) ended: Vec<usize>,
 }
 
 /// The queries a prefetch of the toy engine selects with.
@@ -108,6 +111,8 @@ impl Engine {
             stream: FxHashMap::default(),
             prefetch: None,
             prefetched: StepStats::default(),
+            began: Vec::new(),
+            ended: Vec::new(),
         }
     }
 
@@ -147,7 +152,21 @@ impl Engine {
 
     /// One forward over `batch` (request, new tokens), checking every sparse row.
     pub(crate) fn forward(&mut self, batch: &[(RequestId, usize)]) {
-        self.coord.forward_begin(batch).expect("a valid batch");
+        self.try_forward(batch, None).expect("a valid forward");
+    }
+
+    /// [`forward`](Self::forward), answering the first hook's error instead of panicking,
+    /// and with `stop` at `Some(l)` leaving the forward in progress as an engine whose model
+    /// failed in layer `l` would: the layers before it whole, and `l`'s `attention_begin`
+    /// only. Lengths advance only when the forward ends.
+    pub(crate) fn try_forward(
+        &mut self,
+        batch: &[(RequestId, usize)],
+        stop: Option<usize>,
+    ) -> Result<(), coordinator::CoordError> {
+        self.began.clear();
+        self.ended.clear();
+        self.coord.forward_begin(batch)?;
         let params = AttnParams::new(MODEL.q_heads, MODEL.head_dim);
         for layer in 0..MODEL.layers {
             let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
@@ -182,16 +201,11 @@ impl Engine {
                         })
                         .collect(),
                 };
-                let loaded = self
-                    .coord
-                    .prefetch(layer, &guess)
-                    .expect("a valid prefetch");
+                let loaded = self.coord.prefetch(layer, &guess)?;
                 self.prefetched.add(&loaded);
             }
-            let plan = self
-                .coord
-                .attention_begin(layer, &q, &k, &v)
-                .expect("a valid layer");
+            let plan = self.coord.attention_begin(layer, &q, &k, &v)?;
+            self.began.push(layer);
             self.stats.add(&plan.stats);
             let mut off = 0;
             for (i, &(id, n)) in batch.iter().enumerate() {
@@ -203,14 +217,17 @@ impl Engine {
                 }
                 off += n;
             }
-            self.coord
-                .attention_end(layer, &k, &v)
-                .expect("a valid layer");
+            if stop == Some(layer) {
+                return Ok(());
+            }
+            self.coord.attention_end(layer, &k, &v)?;
+            self.ended.push(layer);
         }
-        self.coord.forward_end().expect("every layer ended");
+        self.coord.forward_end()?;
         for &(id, n) in batch {
             self.own.get_mut(&id).expect("added").len += n;
         }
+        Ok(())
     }
 
     /// A sparse row: hierarchical attention over the device pool equals in-memory sparse
