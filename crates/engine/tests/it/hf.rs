@@ -1,5 +1,6 @@
 //! Hugging Face checkpoints: a synthetic GGUF model exported to safetensors and read back
-//! gives the same logits and token ids; broken checkpoints get typed errors.
+//! gives the same logits and token ids; broken checkpoints get typed errors, and edited ones
+//! load or get one, never a panic.
 
 use std::path::{Path, PathBuf};
 
@@ -255,4 +256,103 @@ fn a_sharded_checkpoint_loads() {
         |d| shard(d, "model.norm.weight"),
         |e| matches!(e, EngineError::Malformed(m) if m.contains("more than one")),
     );
+}
+
+/// The keys of `config.json` the reader looks at, and values a broken file can hold.
+const KEYS: [&str; 16] = [
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "head_dim",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "model_type",
+    "hidden_act",
+    "torch_dtype",
+];
+
+fn value(i: usize) -> serde_json::Value {
+    use serde_json::json;
+    [
+        json!(0),
+        json!(1),
+        json!(-1),
+        json!(2),
+        json!(3),
+        json!(1u64 << 31),
+        json!(1u64 << 40),
+        json!(u64::MAX),
+        json!(i64::MIN),
+        json!(0.5),
+        json!(f64::MAX),
+        json!(1e-300),
+        json!("llama"),
+        json!(null),
+        json!([]),
+        json!([0, 1_000_000]),
+        json!({}),
+        json!(true),
+    ][i % 18]
+        .clone()
+}
+
+/// 64 cases by default; `PROPTEST_CASES` raises it for soak runs.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: cases(), ..Default::default() })]
+
+    /// Any value in any key of `config.json`, and bytes edited anywhere in the safetensors
+    /// header or in `tokenizer.json`: the checkpoint and its tokenizer load or get a typed
+    /// error, never a panic or an abort.
+    #[test]
+    fn edited_checkpoints_load_or_fail_cleanly(
+        keys in proptest::collection::vec((0..KEYS.len(), 0..18usize), 0..3),
+        edits in proptest::collection::vec((proptest::prelude::any::<proptest::sample::Index>(), proptest::prelude::any::<u8>()), 0..4),
+        tok_edits in proptest::collection::vec((proptest::prelude::any::<proptest::sample::Index>(), proptest::prelude::any::<u8>()), 0..4),
+    ) {
+        let g: Gguf = tiny(DType::F16);
+        let tok = Tokenizer::from_gguf(&g).expect("a byte-level tokenizer");
+        let dir = scratch("edited");
+        export(&g, &tok, &dir, DType::F16).expect("an export of a valid model");
+        for &(k, v) in &keys {
+            set_config(&dir, KEYS[k], value(v));
+        }
+        edit_weights(&dir, |b| {
+            let header = 8 + u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) as usize;
+            for (at, byte) in &edits {
+                b[at.index(header)] = *byte;
+            }
+        });
+        let tj = dir.join("tokenizer.json");
+        let mut t = std::fs::read(&tj).expect("exported");
+        for (at, byte) in &tok_edits {
+            let i = at.index(t.len());
+            t[i] = *byte;
+        }
+        std::fs::write(&tj, t).expect("writable");
+        let r = Checkpoint::open(&dir).and_then(|c| c.model().map(|_| ()));
+        let words = Checkpoint::open(&dir)
+            .and_then(|c| c.tokenizer())
+            .and_then(|t| t.encode("Hello, world: 12345 <|extra_299|>!"));
+        std::fs::remove_dir_all(&dir).expect("the scratch directory is ours");
+        if keys.is_empty() && edits.is_empty() {
+            proptest::prop_assert!(r.is_ok(), "{r:?}");
+            if tok_edits.is_empty() {
+                proptest::prop_assert!(words.is_ok(), "{words:?}");
+            }
+        }
+    }
 }
