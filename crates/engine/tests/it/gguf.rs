@@ -1,5 +1,5 @@
 //! GGUF: values and tensors written by a small writer read back exactly; malformed files give
-//! typed errors and never panic.
+//! typed errors and never panic, nor do odd metadata values in the model and tokenizer.
 
 use engine::EngineError;
 use engine::gguf::{DType, Gguf, Value};
@@ -285,6 +285,60 @@ proptest! {
             for name in g.tensors.keys() {
                 prop_assert!(g.dequantize(name).is_ok());
             }
+        }
+    }
+}
+
+/// A value an edited file can hold where the model expects another.
+fn odd_value(i: usize, len: usize) -> Value {
+    match i % 14 {
+        0 => Value::U64(0),
+        1 => Value::U64(1),
+        2 => Value::U64(3),
+        3 => Value::U64(1 << 40),
+        4 => Value::U64(u64::MAX),
+        5 => Value::I64(-1),
+        6 => Value::F64(f64::NAN),
+        7 => Value::F64(-1.0),
+        8 => Value::F64(1e300),
+        9 => Value::Bool(true),
+        10 => Value::Str("gpt2".into()),
+        11 => Value::Array(Vec::new()),
+        12 => Value::Array(vec![Value::Str("a".into()); len]),
+        _ => Value::Array(vec![Value::U64(u64::MAX); len]),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A valid file whose metadata values are replaced by odd ones (zero, huge or negative
+    /// sizes, NaN, values of another type, arrays of the wrong length): the model and the
+    /// tokenizer load and run, or fail with an error, never a panic or an abort.
+    #[test]
+    fn odd_metadata_loads_or_fails_cleanly(
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), 0..14usize, 0..300usize), 0..4),
+    ) {
+        let mut g = crate::model::tiny(DType::F16);
+        let keys: Vec<String> = g.metadata.keys().cloned().collect();
+        for (key, v, len) in &edits {
+            let key = &keys[key.index(keys.len())];
+            g.metadata.insert(key.clone(), odd_value(*v, *len));
+        }
+        let logits = engine::Model::load(&g).and_then(|model| {
+            let mut store = engine::KvStore::<f32>::new(&model.config, 1, 16)?;
+            let batch = engine::Batch::single(0, 5, 1);
+            let mut attn = engine::DenseAttention { store: &mut store, batch: &batch };
+            // Tokens past an edited vocabulary are an error too.
+            model.forward(&crate::model::text(5), &[0, 1, 2, 3, 4], &mut attn, &[4])
+        });
+        let text = engine::Tokenizer::from_gguf(&g).and_then(|tok| {
+            let ids = tok.encode("Hello, world: 12345!")?;
+            tok.decode(&ids)
+        });
+        if edits.is_empty() {
+            prop_assert!(logits.is_ok_and(|l| l.iter().all(|x| x.is_finite())));
+            prop_assert_eq!(text.ok(), Some("Hello, world: 12345!".to_owned()));
         }
     }
 }
