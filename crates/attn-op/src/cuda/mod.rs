@@ -377,7 +377,22 @@ impl Gpu {
     /// it off, in which case the caller orders them (for example by synchronizing the
     /// stream that wrote them before the other reads them).
     pub fn fork(&self) -> Result<Gpu, AttnError> {
-        let stream = self.ctx.new_stream()?;
+        self.fork_on(self.ctx.new_stream()?)
+    }
+
+    /// [`fork`](Self::fork) with a stream of the highest priority the device has (`high`)
+    /// or its lowest: where both have work waiting, the device starts the blocks of the
+    /// higher-priority stream's kernels first.
+    pub fn fork_with_priority(&self, high: bool) -> Result<Gpu, AttnError> {
+        self.ctx.bind_to_thread()?;
+        let (least, greatest) = cudarc::driver::result::stream::get_priority_range()?;
+        let stream = self
+            .ctx
+            .new_stream_with_priority(if high { greatest } else { least })?;
+        self.fork_on(stream)
+    }
+
+    fn fork_on(&self, stream: Arc<CudaStream>) -> Result<Gpu, AttnError> {
         Ok(Gpu {
             dummy_f32: stream.alloc_zeros(1)?,
             dummy_i32: stream.alloc_zeros(1)?,

@@ -387,8 +387,8 @@ fn bw_row(name: String, t: Timing, bytes: f64, bw: f64, more: &str) -> Row {
 
 /// A step's selection and output, which a variant of the step must reproduce bit for bit.
 pub(crate) struct Want {
-    ids: Vec<i32>,
-    out: Vec<f32>,
+    pub(crate) ids: Vec<i32>,
+    pub(crate) out: Vec<f32>,
 }
 
 impl Want {

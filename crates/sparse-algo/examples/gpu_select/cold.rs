@@ -11,7 +11,7 @@ use attn_op::{AttnError, KvLayout};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
-use sparse_algo::{AlgoError, SparseAlgorithm, Summary};
+use sparse_algo::{AlgoError, Quest, SparseAlgorithm, Summary};
 
 use super::bench::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, quest_2k, untracked};
 use super::check::meta_for;
@@ -50,26 +50,7 @@ pub(crate) fn bench_cold(
 ) -> Result<Vec<Row>, AlgoError> {
     let quest = &quest_2k(Summary::E4m3)?;
     let (b, ctx) = (sh.b, sh.ctx);
-    let blocks = ctx / PS;
-    let lens = vec![ctx; b];
-    let shape = quest.rep_shape(KV_HEADS, D);
-    let mut pool =
-        DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, Summary::E4m3)?;
-    let mut decodes: Vec<DeviceBatch> = Vec::with_capacity(COLD_LAYERS);
-    for layer in 0..COLD_LAYERS {
-        let perm = rng.permutation(POOL_BLOCKS);
-        let table: Vec<i32> = perm[..b * blocks].iter().map(|&p| p as i32).collect();
-        let prefill = meta_for(gpu, sh.layout, &lens, &lens, &table, blocks)?;
-        sk.update_minmax(quest, sh.kv, &prefill, layer, sh.slots, &mut pool)?;
-        decodes.push(meta_for(
-            gpu,
-            sh.layout,
-            &lens,
-            &vec![1; b],
-            &table,
-            blocks,
-        )?);
-    }
+    let (pool, decodes, _) = layers(gpu, sk, quest, sh, rng)?;
     let mut top = DeviceTopK::new(gpu, quest, b, KV_HEADS, ctx, false)?;
     // The one graph's attention outputs, a buffer a layer, so that every layer's is checked.
     let mut outs = (0..COLD_LAYERS)
@@ -90,12 +71,7 @@ pub(crate) fn bench_cold(
     };
     // What each layer's graph must reproduce: its step serialized, eager.
     sk.set_publish(false);
-    let mut wants = Vec::with_capacity(COLD_LAYERS);
-    for (layer, decode) in decodes.iter().enumerate() {
-        step.set_layer(layer, decode);
-        step.run(gpu, sk)?;
-        wants.push(Want::take(gpu, step.top, step.out)?);
-    }
+    let wants = wants(gpu, sk, &mut step, &decodes)?;
     // A stream of its own: the context's default stream cannot be captured.
     let lane = gpu.fork()?;
     let mut lane_sk = sk.on_stream(lane.stream().clone());
@@ -202,4 +178,59 @@ pub(crate) fn bench_cold(
             "the same steps captured in one graph, as an engine captures a decode; per step",
         ),
     ])
+}
+
+/// What [`layers`] answers.
+pub(crate) type Layers = (DeviceRepPool<bf16>, Vec<DeviceBatch>, Vec<Vec<i32>>);
+
+/// Every layer's E4M3 min/max pool (a pool layer each, built from a prefill of the whole
+/// context), decode metadata and block table, each table a fresh permutation of the KV pool's
+/// blocks drawn from `rng`.
+pub(crate) fn layers(
+    gpu: &Gpu,
+    sk: &SelectKernels,
+    quest: &Quest,
+    sh: &Shape<'_>,
+    rng: &mut Rng,
+) -> Result<Layers, AlgoError> {
+    let (b, ctx) = (sh.b, sh.ctx);
+    let blocks = ctx / PS;
+    let lens = vec![ctx; b];
+    let shape = quest.rep_shape(KV_HEADS, D);
+    let mut pool =
+        DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, Summary::E4m3)?;
+    let mut decodes: Vec<DeviceBatch> = Vec::with_capacity(COLD_LAYERS);
+    let mut tables = Vec::with_capacity(COLD_LAYERS);
+    for layer in 0..COLD_LAYERS {
+        let perm = rng.permutation(POOL_BLOCKS);
+        let table: Vec<i32> = perm[..b * blocks].iter().map(|&p| p as i32).collect();
+        let prefill = meta_for(gpu, sh.layout, &lens, &lens, &table, blocks)?;
+        sk.update_minmax(quest, sh.kv, &prefill, layer, sh.slots, &mut pool)?;
+        decodes.push(meta_for(
+            gpu,
+            sh.layout,
+            &lens,
+            &vec![1; b],
+            &table,
+            blocks,
+        )?);
+        tables.push(table);
+    }
+    Ok((pool, decodes, tables))
+}
+
+/// What each layer's step must reproduce: its step serialized and eager (`sk` not publishing).
+pub(crate) fn wants<'a>(
+    gpu: &Gpu,
+    sk: &SelectKernels,
+    step: &mut Step<'a>,
+    decodes: &'a [DeviceBatch],
+) -> Result<Vec<Want>, AlgoError> {
+    let mut wants = Vec::with_capacity(decodes.len());
+    for (layer, decode) in decodes.iter().enumerate() {
+        step.set_layer(layer, decode);
+        step.run(gpu, sk)?;
+        wants.push(Want::take(gpu, step.top, step.out)?);
+    }
+    Ok(wants)
 }

@@ -27,6 +27,9 @@
 //!   one shape); `--min-chunk` and `--waves` set the attention's split planner (a split's
 //!   fewest keys, the waves of CTAs it aims for) and `--variant` its kernel
 //!   (`Gpu::set_variant`) for sweeps.
+//! - `gpu_select spec [--json FILE] [--only B1|B8]`: a prototype, attention over the previous
+//!   step's selection while the top-k runs (kernels/spec.cu), against the plain step of
+//!   8 layers in one graph, at several overlaps of the two selections.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -43,6 +46,7 @@ mod rng;
 mod bench;
 mod check;
 mod cold;
+mod spec;
 mod steptrace;
 mod streaming_dsa;
 
@@ -84,8 +88,17 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
             bench::bench(&mut gpu, &mut sk, report::json_arg(args), only)?;
             Ok(0)
         }
+        "spec" => {
+            spec::run(
+                &mut gpu,
+                &mut sk,
+                report::json_arg(args),
+                report::flag_value(args, "--only"),
+            )?;
+            Ok(0)
+        }
         other => {
-            eprintln!("unknown command {other}; use check or bench");
+            eprintln!("unknown command {other}; use check, bench or spec");
             Ok(2)
         }
     }

@@ -1,0 +1,365 @@
+// Attention over the previous step's selection while the top-k runs: a prototype for issue 7's
+// B1 L128K step (kernels/NOTES.md, session 74), built by `gpu_select bench` only. bf16 KV, head
+// dim 128, pages of 16 tokens (the selection's page is the KV page), 4 query heads a KV head.
+//
+// `spec_pages` writes one normalized partial per page of a row's previous selection: the
+// group's query rows over that page's tokens, [rows, width, 4, 128] f32, and their natural-log
+// LSEs [rows, width, 4]. `spec_finish` runs after the step's top-k: for each row and query head
+// it computes the partials of the pages the new selection holds and the previous one lacks,
+// then merges the partials of every page of the new selection into the output. The result is
+// attention over the new selection, as `attn_*_tc` computes it, up to the order of the sums.
+
+#include <cuda_bf16.h>
+
+typedef int i32;
+typedef unsigned int u32;
+
+#define SPEC_D 128
+#define SPEC_G 4
+#define SPEC_PS 16
+#define SPEC_NEG_INF (-__int_as_float(0x7f800000))
+#define SPEC_LN2 0.6931471805599453f
+#define SPEC_FULL 0xffffffffu
+// The widest selection row `spec_finish` stages in shared memory.
+#define SPEC_MAXW 256
+#define FIN_WARPS 16
+
+__device__ __forceinline__ float spec_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float spec_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Four bf16 (little-endian in two words) widened to f32.
+__device__ __forceinline__ void spec_bf4(uint2 w, float* f) {
+    f[0] = __uint_as_float(w.x << 16);
+    f[1] = __uint_as_float(w.x & 0xffff0000u);
+    f[2] = __uint_as_float(w.y << 16);
+    f[3] = __uint_as_float(w.y & 0xffff0000u);
+}
+
+// One round of a warp's transpose-reduction: 2C values a lane become C, each the sum over the
+// two lanes that differ in bit O of value k (lanes with the bit set keep the upper half).
+template <int C, int O>
+__device__ __forceinline__ void spec_fold(float* s, int lane) {
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int k = 0; k < C; k++) {
+        const float lo = s[k], hi = s[k + C];
+        const float send = up ? lo : hi;
+        const float keep = up ? hi : lo;
+        s[k] = keep + __shfl_xor_sync(SPEC_FULL, send, O);
+    }
+}
+
+// One warp: the normalized partial of one page (pool block `block`, its first `valid` tokens)
+// of KV head h for NH query heads, whose queries (scaled by the softmax scale and log2 e) this
+// lane holds for dims 4 lane .. 4 lane + 3. Writes out_o[hq * 128 + d] and out_lse[hq] (natural
+// log). p is this warp's 64 floats of shared memory.
+template <int NH>
+__device__ __forceinline__ void spec_page(const float (&qs)[NH][4], const uint2* __restrict__ kc,
+                                          const uint2* __restrict__ vc, i32 block, i32 valid,
+                                          i32 kv_heads, i32 h, float* __restrict__ out_o,
+                                          float* __restrict__ out_lse, float* p) {
+    const int lane = threadIdx.x & 31;
+    const size_t step = (size_t)kv_heads * (SPEC_D / 4);
+    const size_t base = (size_t)block * SPEC_PS * step + (size_t)h * (SPEC_D / 4) + lane;
+    uint2 kr[SPEC_PS], vr[SPEC_PS];
+#pragma unroll
+    for (int j = 0; j < SPEC_PS; j++) kr[j] = j < valid ? kc[base + j * step] : make_uint2(0u, 0u);
+#pragma unroll
+    for (int j = 0; j < SPEC_PS; j++) vr[j] = j < valid ? vc[base + j * step] : make_uint2(0u, 0u);
+    // s[hq * 16 + j]: this lane's part of query head hq's score of key j.
+    float s[NH * SPEC_PS];
+#pragma unroll
+    for (int j = 0; j < SPEC_PS; j++) {
+        float k[4];
+        spec_bf4(kr[j], k);
+#pragma unroll
+        for (int hq = 0; hq < NH; hq++)
+            s[hq * SPEC_PS + j] =
+                qs[hq][0] * k[0] + qs[hq][1] * k[1] + qs[hq][2] * k[2] + qs[hq][3] * k[3];
+    }
+    // Reduced over the warp: with NH = 4 lane l ends with scores 2 l and 2 l + 1 (head l / 8,
+    // keys 2 (l % 8) and 2 (l % 8) + 1); with NH = 1 with score l / 2 (both lanes of a pair).
+    float a, b;
+    int j0;
+    if constexpr (NH == 4) {
+        spec_fold<32, 16>(s, lane);
+        spec_fold<16, 8>(s, lane);
+        spec_fold<8, 4>(s, lane);
+        spec_fold<4, 2>(s, lane);
+        spec_fold<2, 1>(s, lane);
+        j0 = 2 * (lane & 7);
+        a = j0 < valid ? s[0] : SPEC_NEG_INF;
+        b = j0 + 1 < valid ? s[1] : SPEC_NEG_INF;
+    } else {
+        spec_fold<8, 16>(s, lane);
+        spec_fold<4, 8>(s, lane);
+        spec_fold<2, 4>(s, lane);
+        spec_fold<1, 2>(s, lane);
+        s[0] += __shfl_xor_sync(SPEC_FULL, s[0], 1);
+        j0 = lane >> 1;
+        // Each score sits in two lanes: the odd one stands aside from the sums.
+        a = (j0 < valid && (lane & 1) == 0) ? s[0] : SPEC_NEG_INF;
+        b = SPEC_NEG_INF;
+    }
+    // The row maximum and sum over the lanes of one query head (8 lanes, or all 32).
+    float m = fmaxf(a, b);
+    const int span = NH == 4 ? 8 : 32;
+#pragma unroll
+    for (int o = 1; o < span; o <<= 1) m = fmaxf(m, __shfl_xor_sync(SPEC_FULL, m, o));
+    const float pa = spec_exp2(a - m), pb = spec_exp2(b - m);
+    float l = pa + pb;
+#pragma unroll
+    for (int o = 1; o < span; o <<= 1) l += __shfl_xor_sync(SPEC_FULL, l, o);
+    if constexpr (NH == 4) {
+        p[2 * lane] = pa;
+        p[2 * lane + 1] = pb;
+    } else if ((lane & 1) == 0) {
+        p[j0] = pa;
+    }
+    __syncwarp();
+    float acc[NH][4];
+#pragma unroll
+    for (int hq = 0; hq < NH; hq++)
+#pragma unroll
+        for (int d = 0; d < 4; d++) acc[hq][d] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SPEC_PS; j++) {
+        float v[4];
+        spec_bf4(vr[j], v);
+#pragma unroll
+        for (int hq = 0; hq < NH; hq++) {
+            const float w = p[hq * SPEC_PS + j];
+#pragma unroll
+            for (int d = 0; d < 4; d++) acc[hq][d] += w * v[d];
+        }
+    }
+#pragma unroll
+    for (int hq = 0; hq < NH; hq++) {
+        const float lh = __shfl_sync(SPEC_FULL, l, hq * 8);
+        const float mh = __shfl_sync(SPEC_FULL, m, hq * 8);
+        const float inv = 1.0f / lh;
+        reinterpret_cast<float4*>(out_o + hq * SPEC_D)[lane] =
+            make_float4(acc[hq][0] * inv, acc[hq][1] * inv, acc[hq][2] * inv, acc[hq][3] * inv);
+        if (lane == 0) out_lse[hq] = (mh + spec_log2(lh)) * SPEC_LN2;
+    }
+    __syncwarp();
+}
+
+// The pool block of page `page` of sequence seq and its valid tokens; -1 where the page is
+// outside the sequence or the table.
+__device__ __forceinline__ i32 spec_block(const i32* __restrict__ block_table, i32 max_blocks,
+                                          i32 num_blocks, i32 seq, i32 page, i32 kv_len,
+                                          i32* valid) {
+    *valid = min(SPEC_PS, kv_len - page * SPEC_PS);
+    if (page < 0 || page >= max_blocks || *valid <= 0) return -1;
+    const i32 b = block_table[(size_t)seq * max_blocks + page];
+    return (b >= 0 && b < num_blocks) ? b : -1;
+}
+
+// Query head h * 4 + hq0 + i (i < NH) of sequence seq's last query row, scaled.
+template <int NH>
+__device__ __forceinline__ void spec_queries(const __nv_bfloat16* __restrict__ q, i32 qrow,
+                                             i32 q_heads, i32 h, i32 hq0, float scale2,
+                                             float (&qs)[NH][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < NH; i++) {
+        const uint2 w = reinterpret_cast<const uint2*>(
+            q + ((size_t)qrow * q_heads + h * SPEC_G + hq0 + i) * SPEC_D)[lane];
+        spec_bf4(w, qs[i]);
+#pragma unroll
+        for (int d = 0; d < 4; d++) qs[i][d] *= scale2;
+    }
+}
+
+// An empty partial: zeros and an LSE of -inf.
+__device__ __forceinline__ void spec_empty(int nh, float* out_o, float* out_lse) {
+    const int lane = threadIdx.x & 31;
+    for (int hq = 0; hq < nh; hq++) {
+        reinterpret_cast<float4*>(out_o + hq * SPEC_D)[lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (lane == 0) out_lse[hq] = SPEC_NEG_INF;
+    }
+}
+
+// Grid (ceil(width / 4), rows); 4 warps, a warp per page of the row's previous selection.
+extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
+    const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
+    const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
+    i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ ids,
+    const i32* __restrict__ lens, i32 width, float scale2, float* __restrict__ part_o,
+    float* __restrict__ part_lse) {
+    __shared__ float p_smem[4][64];
+    const int warp = threadIdx.x >> 5;
+    const int row = blockIdx.y;
+    const int seq = row / kv_heads, h = row % kv_heads;
+    const int i = blockIdx.x * 4 + warp;
+    const int n = min(max(lens[row], 0), width);
+    if (i >= n) return;
+    const size_t at = (size_t)row * width + i;
+    float* o = part_o + at * SPEC_G * SPEC_D;
+    float* lse = part_lse + at * SPEC_G;
+    i32 valid;
+    const i32 block = spec_block(block_table, max_blocks, num_blocks, seq, ids[at], kv_lens[seq],
+                                 &valid);
+    if (block < 0) {
+        spec_empty(SPEC_G, o, lse);
+        return;
+    }
+    float qs[SPEC_G][4];
+    spec_queries<SPEC_G>(q, cu_q[seq + 1] - 1, q_heads, h, 0, scale2, qs);
+    spec_page<SPEC_G>(qs, reinterpret_cast<const uint2*>(kc), reinterpret_cast<const uint2*>(vc),
+                      block, valid, kv_heads, h, o, lse, p_smem[warp]);
+}
+
+// Grid (rows, 4): one CTA of FIN_WARPS warps per (row, query head of the group), launched as a
+// dependent of the top-k's pick_rows, after spec_pages has finished (an event on its stream).
+// With `published`, each CTA waits for its row's flag (kernels/pdl.cuh) instead of the whole
+// top-k, and reads the row past L1. The first half of the warps merges the partials of the
+// pages both selections hold; the second half computes the pages only the new one holds and
+// merges those, from shared memory. Writes out[qrow, h * 4 + hq, :].
+extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d128(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
+    const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
+    const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
+    i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* new_ids, const i32* new_lens,
+    i32 new_width, const i32* __restrict__ prev_ids, const i32* __restrict__ prev_lens,
+    i32 prev_width, const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    const unsigned int* flags, const unsigned int* epoch, i32 published, float scale2,
+    float* __restrict__ out) {
+    constexpr int HIT_WARPS = FIN_WARPS / 2;
+    constexpr int BATCH = 16;
+    __shared__ i32 s_new[SPEC_MAXW];
+    __shared__ i32 s_prev[SPEC_MAXW];
+    __shared__ i32 s_hit[SPEC_MAXW];
+    __shared__ i32 s_miss[SPEC_MAXW];
+    __shared__ int s_count[2];
+    __shared__ float p_smem[FIN_WARPS][64];
+    __shared__ __align__(16) float s_part[FIN_WARPS][SPEC_D + 4];
+    __shared__ float4 s_acc[FIN_WARPS][32];
+    __shared__ float s_m[FIN_WARPS];
+    __shared__ float s_l[FIN_WARPS];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int row = blockIdx.x, hq = blockIdx.y;
+    const int seq = row / kv_heads, h = row % kv_heads;
+    // Before the wait, what the top-k never writes: the sequence's block-table row into L2,
+    // the previous selection into shared memory.
+    for (int t = tid * 32; t < max_blocks; t += blockDim.x * 32)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(block_table + (size_t)seq * max_blocks + t));
+    const int np = min(max(prev_lens[row], 0), min(prev_width, SPEC_MAXW));
+    for (int t = tid; t < np; t += blockDim.x) s_prev[t] = prev_ids[(size_t)row * prev_width + t];
+    if (tid < 2) s_count[tid] = 0;
+    if (published) {
+        wait_flag(flags + row, __ldcg(epoch));
+    } else {
+        pdl_wait();
+    }
+    pdl_launch_dependents();
+    const int nn = min(max(__ldcg(new_lens + row), 0), min(new_width, SPEC_MAXW));
+    for (int t = tid; t < nn; t += blockDim.x) s_new[t] = __ldcg(new_ids + (size_t)row * new_width + t);
+    __syncthreads();
+    // Each new page: a hit (its index in the ascending previous selection) or a miss.
+    for (int k = tid; k < nn; k += blockDim.x) {
+        const i32 page = s_new[k];
+        int lo = 0, hi = np;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (s_prev[mid] < page) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < np && s_prev[lo] == page) s_hit[atomicAdd(&s_count[0], 1)] = lo;
+        else s_miss[atomicAdd(&s_count[1], 1)] = k;
+    }
+    __syncthreads();
+    const int nh = s_count[0], nm = s_count[1];
+    float M = SPEC_NEG_INF, L = 0.0f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto join = [&](float lse, float4 v) {
+        if (lse == SPEC_NEG_INF) return;
+        if (lse > M) {
+            const float c = spec_exp2((M - lse) * 1.4426950408889634f);
+            L *= c;
+            acc.x *= c;
+            acc.y *= c;
+            acc.z *= c;
+            acc.w *= c;
+            M = lse;
+        }
+        const float w = spec_exp2((lse - M) * 1.4426950408889634f);
+        L += w;
+        acc.x += w * v.x;
+        acc.y += w * v.y;
+        acc.z += w * v.z;
+        acc.w += w * v.w;
+    };
+    if (warp < HIT_WARPS) {
+        for (int i0 = warp; i0 < nh; i0 += HIT_WARPS * BATCH) {
+            float lv[BATCH];
+            float4 vv[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; u++) {
+                const int i = i0 + u * HIT_WARPS;
+                lv[u] = SPEC_NEG_INF;
+                vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (i < nh) {
+                    const size_t at = ((size_t)row * prev_width + s_hit[i]) * SPEC_G + hq;
+                    lv[u] = part_lse[at];
+                    vv[u] = reinterpret_cast<const float4*>(part_o + at * SPEC_D)[lane];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; u++) join(lv[u], vv[u]);
+        }
+    } else if (warp - HIT_WARPS < nm) {
+        float qs[1][4];
+        spec_queries<1>(q, cu_q[seq + 1] - 1, q_heads, h, hq, scale2, qs);
+        const i32 kv_len = kv_lens[seq];
+        float* part = s_part[warp];
+        for (int m = warp - HIT_WARPS; m < nm; m += FIN_WARPS - HIT_WARPS) {
+            i32 valid;
+            const i32 block = spec_block(block_table, max_blocks, num_blocks, seq,
+                                         s_new[s_miss[m]], kv_len, &valid);
+            if (block < 0) continue;
+            spec_page<1>(qs, reinterpret_cast<const uint2*>(kc),
+                         reinterpret_cast<const uint2*>(vc), block, valid, kv_heads, h, part,
+                         part + SPEC_D, p_smem[warp]);
+            join(part[SPEC_D], reinterpret_cast<const float4*>(part)[lane]);
+            __syncwarp();
+        }
+    }
+    s_acc[warp][lane] = acc;
+    if (lane == 0) {
+        s_m[warp] = M;
+        s_l[warp] = L;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float mm = SPEC_NEG_INF;
+        for (int w = 0; w < FIN_WARPS; w++) mm = fmaxf(mm, s_m[w]);
+        float ll = 0.0f;
+        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int w = 0; w < FIN_WARPS; w++) {
+            if (s_m[w] == SPEC_NEG_INF) continue;
+            const float c = spec_exp2((s_m[w] - mm) * 1.4426950408889634f);
+            ll += c * s_l[w];
+            const float4 a = s_acc[w][lane];
+            r.x += c * a.x;
+            r.y += c * a.y;
+            r.z += c * a.z;
+            r.w += c * a.w;
+        }
+        const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+        const int qrow = cu_q[seq + 1] - 1;
+        reinterpret_cast<float4*>(out + ((size_t)qrow * q_heads + h * SPEC_G + hq) * SPEC_D)[lane] =
+            make_float4(r.x * inv, r.y * inv, r.z * inv, r.w * inv);
+    }
+}
