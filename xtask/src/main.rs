@@ -507,9 +507,10 @@ fn gpu_bundle() -> Result<(), String> {
     Ok(())
 }
 
-/// The real model for `gpu_engine` (fetched first if missing), in two halves: the first in
+/// The real model for `gpu_engine` (fetched first if missing), in two parts: the first (at
+/// most 58 MiB, so that the binaries keep room beside the second) in
 /// `target/device-model/model.part-a` (its own carry, by an earlier call to the same machine),
-/// the second with its sha256 in the bundle, and the GPL-3 text it reads. Where the model
+/// the rest with its sha256 in the bundle, and the GPL-3 text it reads. Where the model
 /// cannot be fetched, the bundle goes without it and `run.sh` says the check was skipped.
 fn split_model(bundle: &Path) -> Result<(), String> {
     let parts = target_dir().join("device-model");
@@ -523,13 +524,13 @@ fn split_model(bundle: &Path) -> Result<(), String> {
     }
     let model = workspace_root().join(MODEL_FILE);
     let bytes = std::fs::read(&model).map_err(|e| format!("{}: {e}", model.display()))?;
-    let half = bytes.len() / 2;
+    let cut = bytes.len().min(58 << 20);
     std::fs::create_dir_all(&parts).map_err(|e| format!("{}: {e}", parts.display()))?;
     let write = |path: PathBuf, data: &[u8]| {
         std::fs::write(&path, data).map_err(|e| format!("{}: {e}", path.display()))
     };
-    write(parts.join("model.part-a"), &bytes[..half])?;
-    write(bundle.join("model.part-b"), &bytes[half..])?;
+    write(parts.join("model.part-a"), &bytes[..cut])?;
+    write(bundle.join("model.part-b"), &bytes[cut..])?;
     let out = Command::new("sha256sum")
         .arg(&model)
         .output()
