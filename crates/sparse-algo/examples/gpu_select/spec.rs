@@ -157,7 +157,10 @@ pub(crate) fn bench_spec(
         )));
     }
     let k = compile(gpu)?;
-    let (hi, lo) = (gpu.fork_with_priority(true)?, gpu.fork_with_priority(false)?);
+    let (hi, lo) = (
+        gpu.fork_with_priority(true)?,
+        gpu.fork_with_priority(false)?,
+    );
     let mut sk_hi = sk.on_stream(hi.stream().clone());
     let n_rows = sh.b * KV_HEADS;
     let mut parts = Parts {
@@ -334,7 +337,8 @@ fn launch_pages(
     let scale = scale2();
     let cfg = LaunchConfig {
         grid_dim: (
-            u32::try_from(prev.max_len.div_ceil(4)).map_err(|_| AlgoError::Invalid("grid".into()))?,
+            u32::try_from(prev.max_len.div_ceil(4))
+                .map_err(|_| AlgoError::Invalid("grid".into()))?,
             u32::try_from(prev.rows).map_err(|_| AlgoError::Invalid("grid".into()))?,
             1,
         ),
