@@ -1,13 +1,13 @@
-// Attention over the previous step's selection while the top-k runs: a prototype for issue 7's
-// B1 L128K step (kernels/NOTES.md, session 74), built by `gpu_select bench` only. bf16 KV, head
-// dim 128, pages of 16 tokens (the selection's page is the KV page), 4 query heads a KV head.
+// Attention over the pages a step is likely to select (the previous step's selection, or a hot
+// buffer's pages) while the step's top-k runs: a prototype for issue 7's B1 L128K step
+// (kernels/NOTES.md, session 74), run by `gpu_select spec` only. bf16 KV, head dim 128, pages of
+// 16 tokens (the selection's page is the KV page), 4 query heads a KV head.
 //
-// `spec_pages` writes one normalized partial per page of a row's previous selection: the
+// `spec_pages` writes one normalized partial per page of a row's likely pages (ascending): the
 // group's query rows over that page's tokens, [rows, width, 4, 128] f32, and their natural-log
 // LSEs [rows, width, 4]. `spec_finish` runs after the step's top-k: for each row and query head
-// it computes the partials of the pages the new selection holds and the previous one lacks,
-// then merges the partials of every page of the new selection into the output. The result is
-// attention over the new selection, as `attn_*_tc` computes it, up to the order of the sums.
+// it computes the partials of the selected pages the likely ones lack, then merges the partials
+// of every selected page into the output: attention over the selection, in f32 throughout.
 
 #include <cuda_bf16.h>
 
@@ -223,25 +223,23 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
 
 // Grid (rows, 4): one CTA of FIN_WARPS warps per (row, query head of the group), launched as a
 // dependent of the top-k's pick_rows, after spec_pages has finished (an event on its stream).
-// With `published`, each CTA waits for its row's flag (kernels/pdl.cuh) instead of the whole
-// top-k, and reads the row past L1. The first half of the warps merges the partials of the
-// pages both selections hold; the second half computes the pages only the new one holds and
-// merges those, from shared memory. Writes out[qrow, h * 4 + hq, :].
+// Every warp merges its share of the partials of the selected pages the likely ones hold, then
+// computes its share of the other selected pages (their K and V asked of L2 first) and merges
+// those, from shared memory. Writes out[qrow, h * 4 + hq, :].
 extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d128(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
     const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
     const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
-    i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* new_ids, const i32* new_lens,
-    i32 new_width, const i32* __restrict__ prev_ids, const i32* __restrict__ prev_lens,
-    i32 prev_width, const float* __restrict__ part_o, const float* __restrict__ part_lse,
-    const unsigned int* flags, const unsigned int* epoch, i32 published, float scale2,
-    float* __restrict__ out) {
-    constexpr int HIT_WARPS = FIN_WARPS / 2;
-    constexpr int BATCH = 16;
+    i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ new_ids,
+    const i32* __restrict__ new_lens, i32 new_width, const i32* __restrict__ prev_ids,
+    const i32* __restrict__ prev_lens, i32 prev_width, const float* __restrict__ part_o,
+    const float* __restrict__ part_lse, float scale2, float* __restrict__ out) {
+    constexpr int BATCH = 8;
     __shared__ i32 s_new[SPEC_MAXW];
     __shared__ i32 s_prev[SPEC_MAXW];
     __shared__ i32 s_hit[SPEC_MAXW];
-    __shared__ i32 s_miss[SPEC_MAXW];
+    __shared__ i32 s_mblock[SPEC_MAXW];
+    __shared__ i32 s_mvalid[SPEC_MAXW];
     __shared__ int s_count[2];
     __shared__ float p_smem[FIN_WARPS][64];
     __shared__ __align__(16) float s_part[FIN_WARPS][SPEC_D + 4];
@@ -258,16 +256,14 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     const int np = min(max(prev_lens[row], 0), min(prev_width, SPEC_MAXW));
     for (int t = tid; t < np; t += blockDim.x) s_prev[t] = prev_ids[(size_t)row * prev_width + t];
     if (tid < 2) s_count[tid] = 0;
-    if (published) {
-        wait_flag(flags + row, __ldcg(epoch));
-    } else {
-        pdl_wait();
-    }
+    pdl_wait();
     pdl_launch_dependents();
-    const int nn = min(max(__ldcg(new_lens + row), 0), min(new_width, SPEC_MAXW));
-    for (int t = tid; t < nn; t += blockDim.x) s_new[t] = __ldcg(new_ids + (size_t)row * new_width + t);
+    const int nn = min(max(new_lens[row], 0), min(new_width, SPEC_MAXW));
+    for (int t = tid; t < nn; t += blockDim.x) s_new[t] = new_ids[(size_t)row * new_width + t];
     __syncthreads();
-    // Each new page: a hit (its index in the ascending previous selection) or a miss.
+    // Each new page: a hit (its index in the ascending previous selection) or a miss, whose
+    // pool block is looked up now (the table row is in L2).
+    const i32 kv_len = kv_lens[seq];
     for (int k = tid; k < nn; k += blockDim.x) {
         const i32 page = s_new[k];
         int lo = 0, hi = np;
@@ -276,11 +272,27 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
             if (s_prev[mid] < page) lo = mid + 1;
             else hi = mid;
         }
-        if (lo < np && s_prev[lo] == page) s_hit[atomicAdd(&s_count[0], 1)] = lo;
-        else s_miss[atomicAdd(&s_count[1], 1)] = k;
+        if (lo < np && s_prev[lo] == page) {
+            s_hit[atomicAdd(&s_count[0], 1)] = lo;
+        } else {
+            const int m = atomicAdd(&s_count[1], 1);
+            i32 valid;
+            s_mblock[m] = spec_block(block_table, max_blocks, num_blocks, seq, page, kv_len, &valid);
+            s_mvalid[m] = valid;
+        }
     }
     __syncthreads();
     const int nh = s_count[0], nm = s_count[1];
+    // Every missed page's K and V rows asked of L2 at once (64 lines of 128 bytes a page), so
+    // that the warps computing them one after another find them there.
+    for (int t = tid; t < nm * 64; t += blockDim.x) {
+        const int m = t >> 6, l = t & 63, j = (l & 31) >> 1;
+        const i32 b = s_mblock[m];
+        if (b < 0 || j >= s_mvalid[m]) continue;
+        const __nv_bfloat16* base = l < 32 ? kc : vc;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(
+            base + (((size_t)b * SPEC_PS + j) * kv_heads + h) * SPEC_D + (l & 1) * (SPEC_D / 2)));
+    }
     float M = SPEC_NEG_INF, L = 0.0f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     auto join = [&](float lse, float4 v) {
@@ -301,37 +313,34 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
         acc.z += w * v.z;
         acc.w += w * v.w;
     };
-    if (warp < HIT_WARPS) {
-        for (int i0 = warp; i0 < nh; i0 += HIT_WARPS * BATCH) {
-            float lv[BATCH];
-            float4 vv[BATCH];
+    // Every warp: its share of the hits' partials (their loads issued together), then its
+    // share of the misses.
+    for (int i0 = warp; i0 < nh; i0 += FIN_WARPS * BATCH) {
+        float lv[BATCH];
+        float4 vv[BATCH];
 #pragma unroll
-            for (int u = 0; u < BATCH; u++) {
-                const int i = i0 + u * HIT_WARPS;
-                lv[u] = SPEC_NEG_INF;
-                vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (i < nh) {
-                    const size_t at = ((size_t)row * prev_width + s_hit[i]) * SPEC_G + hq;
-                    lv[u] = part_lse[at];
-                    vv[u] = reinterpret_cast<const float4*>(part_o + at * SPEC_D)[lane];
-                }
+        for (int u = 0; u < BATCH; u++) {
+            const int i = i0 + u * FIN_WARPS;
+            lv[u] = SPEC_NEG_INF;
+            vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < nh) {
+                const size_t at = ((size_t)row * prev_width + s_hit[i]) * SPEC_G + hq;
+                lv[u] = part_lse[at];
+                vv[u] = reinterpret_cast<const float4*>(part_o + at * SPEC_D)[lane];
             }
-#pragma unroll
-            for (int u = 0; u < BATCH; u++) join(lv[u], vv[u]);
         }
-    } else if (warp - HIT_WARPS < nm) {
+#pragma unroll
+        for (int u = 0; u < BATCH; u++) join(lv[u], vv[u]);
+    }
+    if (warp < nm) {
         float qs[1][4];
         spec_queries<1>(q, cu_q[seq + 1] - 1, q_heads, h, hq, scale2, qs);
-        const i32 kv_len = kv_lens[seq];
         float* part = s_part[warp];
-        for (int m = warp - HIT_WARPS; m < nm; m += FIN_WARPS - HIT_WARPS) {
-            i32 valid;
-            const i32 block = spec_block(block_table, max_blocks, num_blocks, seq,
-                                         s_new[s_miss[m]], kv_len, &valid);
-            if (block < 0) continue;
+        for (int m = warp; m < nm; m += FIN_WARPS) {
+            if (s_mblock[m] < 0) continue;
             spec_page<1>(qs, reinterpret_cast<const uint2*>(kc),
-                         reinterpret_cast<const uint2*>(vc), block, valid, kv_heads, h, part,
-                         part + SPEC_D, p_smem[warp]);
+                         reinterpret_cast<const uint2*>(vc), s_mblock[m], s_mvalid[m], kv_heads,
+                         h, part, part + SPEC_D, p_smem[warp]);
             join(part[SPEC_D], reinterpret_cast<const float4*>(part)[lane]);
             __syncwarp();
         }

@@ -27,9 +27,10 @@
 //!   one shape); `--min-chunk` and `--waves` set the attention's split planner (a split's
 //!   fewest keys, the waves of CTAs it aims for) and `--variant` its kernel
 //!   (`Gpu::set_variant`) for sweeps.
-//! - `gpu_select spec [--json FILE] [--only B1|B8]`: a prototype, attention over the previous
-//!   step's selection while the top-k runs (kernels/spec.cu), against the plain step of
-//!   8 layers in one graph, at several overlaps of the two selections.
+//! - `gpu_select spec [--json FILE] [--only B1|B8] [--check]`: a prototype, attention over the
+//!   pages a step is likely to select (the previous step's, or a hot buffer's) while its top-k
+//!   runs (kernels/spec.cu), against the plain step of 8 layers in one graph, at several shares
+//!   of the selection those pages hold; `--check` only compares its outputs with the CPU.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -94,6 +95,7 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
                 &mut sk,
                 report::json_arg(args),
                 report::flag_value(args, "--only"),
+                args.iter().any(|a| a == "--check"),
             )?;
             Ok(0)
         }

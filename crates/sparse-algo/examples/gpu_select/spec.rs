@@ -31,8 +31,20 @@ const SOURCE: &str = concat!(
     include_str!("../../../../kernels/spec.cu")
 );
 
-/// Shares of each row's new selection that the previous one holds.
-const OVERLAPS: [f64; 5] = [1.0, 0.95, 0.9, 0.8, 0.5];
+/// The pages walked early: (share of each row's selection they hold, their count over the
+/// selection's). A count of 1 stands for the previous step's selection; 2 for a hot buffer of
+/// twice the budget. `examples/overlap.rs` of the engine measures both on the real model.
+const LIKELY: [(f64, usize); 9] = [
+    (1.0, 1),
+    (0.95, 1),
+    (0.9, 1),
+    (0.8, 1),
+    (0.7, 1),
+    (0.5, 1),
+    (0.98, 2),
+    (0.95, 2),
+    (0.88, 2),
+];
 
 /// The widest row `spec_finish` stages (`SPEC_MAXW` in kernels/spec.cu).
 const MAX_WIDTH: usize = 256;
@@ -43,12 +55,10 @@ struct Kernels {
     finish: CudaFunction,
 }
 
-/// The partials per page of the previous selections `[rows, width, 4, D]` and their LSEs, and
-/// a flag buffer passed where the top-k publishes nothing.
+/// The partials per likely page `[rows, width, 4, D]` and their LSEs.
 struct Parts {
     prev_o: CudaSlice<f32>,
     prev_lse: CudaSlice<f32>,
-    none: CudaSlice<u32>,
 }
 
 /// One shape's inputs and state for the speculative step.
@@ -60,17 +70,20 @@ struct Spec<'a> {
     decodes: &'a [DeviceBatch],
     hi: &'a Gpu,
     lo: &'a Gpu,
-    sk: &'a mut SelectKernels,
+    sk: &'a SelectKernels,
     top: &'a mut DeviceTopK,
     parts: &'a mut Parts,
 }
 
-/// `gpu_select spec [--json FILE] [--only B1|B8]`: each shape's plain and speculative rows.
+/// `gpu_select spec [--json FILE] [--only B1|B8] [--check]`: each shape's plain and speculative
+/// rows; with `--check`, only the speculative steps' eager outputs against the CPU, at two of
+/// [`LIKELY`] (for compute-sanitizer).
 pub(crate) fn run(
     gpu: &mut Gpu,
     sk: &mut SelectKernels,
     json: Option<&str>,
     only: Option<&str>,
+    check: bool,
 ) -> Result<(), AlgoError> {
     let layout = KvLayout {
         num_blocks: POOL_BLOCKS,
@@ -104,7 +117,7 @@ pub(crate) fn run(
             q: &host_q,
         };
         let first = rows.len();
-        rows.extend(bench_spec(gpu, sk, &sh, &host, 29 + b as u64)?);
+        rows.extend(bench_spec(gpu, sk, &sh, &host, 29 + b as u64, check)?);
         print!("{}", table(&rows[first..]));
     }
     if let Some(path) = json {
@@ -122,10 +135,15 @@ pub(crate) fn bench_spec(
     sh: &Shape<'_>,
     host: &Host<'_>,
     seed: u64,
+    check: bool,
 ) -> Result<Vec<Row>, AlgoError> {
     let mut out = gpu.zeros::<f32>(sh.b * Q_HEADS * D)?;
     let mut traces = Vec::new();
-    let mut rows = cold::bench_cold(gpu, sk, sh, &mut out, &mut Rng::new(seed), &mut traces)?;
+    let mut rows = if check {
+        Vec::new()
+    } else {
+        cold::bench_cold(gpu, sk, sh, &mut out, &mut Rng::new(seed), &mut traces)?
+    };
     // The same layers again (the same generator, so the same tables).
     let quest = &quest_2k(Summary::E4m3)?;
     let (pool, decodes, tables) = cold::layers(gpu, sk, quest, sh, &mut Rng::new(seed))?;
@@ -161,12 +179,17 @@ pub(crate) fn bench_spec(
         gpu.fork_with_priority(true)?,
         gpu.fork_with_priority(false)?,
     );
-    let mut sk_hi = sk.on_stream(hi.stream().clone());
+    let sk_hi = sk.on_stream(hi.stream().clone());
     let n_rows = sh.b * KV_HEADS;
+    let most = 2 * width;
+    if most > MAX_WIDTH {
+        return Err(AlgoError::Invalid(format!(
+            "rows of {most} likely pages; spec_finish stages {MAX_WIDTH}"
+        )));
+    }
     let mut parts = Parts {
-        prev_o: gpu.zeros(n_rows * width * 4 * D)?,
-        prev_lse: gpu.zeros(n_rows * width * 4)?,
-        none: gpu.zeros(1)?,
+        prev_o: gpu.zeros(n_rows * most * 4 * D)?,
+        prev_lse: gpu.zeros(n_rows * most * 4)?,
     };
     let mut outs = (0..COLD_LAYERS)
         .map(|_| gpu.zeros::<f32>(sh.b * Q_HEADS * D))
@@ -179,85 +202,105 @@ pub(crate) fn bench_spec(
         decodes: &decodes,
         hi: &hi,
         lo: &lo,
-        sk: &mut sk_hi,
+        sk: &sk_hi,
         top: &mut top,
         parts: &mut parts,
     };
     gpu.synchronize()?;
-    for overlap in OVERLAPS {
+    let configs = if check { &LIKELY[7..] } else { &LIKELY[..] };
+    for &(overlap, factor) in configs {
         let mut rng = Rng::new(41);
         let mut prevs = Vec::with_capacity(COLD_LAYERS);
-        let (mut swapped, mut all) = (0, 0);
+        let (mut missing, mut selected) = (0, 0);
         for want in &wants {
-            let (ids, lens, s) = previous(&want.ids, width, sh.ctx / PS, overlap, &mut rng);
-            swapped += s;
-            all += lens.iter().map(|&l| l as usize).sum::<usize>();
+            let (ids, lens, m) = likely(
+                &want.ids,
+                width,
+                factor * width,
+                sh.ctx / PS,
+                overlap,
+                &mut rng,
+            );
+            missing += m;
+            selected += want.ids.iter().filter(|&&x| x >= 0).count();
             prevs.push(DeviceSelection {
                 ids: gpu.upload(&ids)?,
                 lens: gpu.upload(&lens)?,
-                max_len: width,
+                max_len: factor * width,
                 rows: n_rows,
             });
         }
-        for publish in [false, true] {
-            spec.sk.set_publish(publish);
-            // Eager, each layer into its own output, checked against the plain step and the
-            // CPU.
-            for (layer, (prev, out)) in prevs.iter().zip(&mut outs).enumerate() {
-                spec.step(layer, prev, out)?;
-            }
-            hi.synchronize()?;
-            let eager = worst_diff(gpu, &outs, &cpu)?;
-            for o in &mut outs {
-                gpu.stream().memset_zeros(o).map_err(AttnError::from)?;
-            }
-            gpu.synchronize()?;
-            let t = untracked(gpu.context(), hi.stream(), || {
-                let stream = hi.stream();
-                stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(AttnError::from)?;
-                let enqueued = prevs
-                    .iter()
-                    .zip(&mut outs)
-                    .enumerate()
-                    .try_for_each(|(layer, (prev, out))| spec.step(layer, prev, out));
-                let graph = stream
-                    .end_capture(
-                        CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY,
-                    )
-                    .map_err(AttnError::from)?;
-                enqueued?;
-                let graph =
-                    graph.ok_or_else(|| AlgoError::Invalid("the capture made no graph".into()))?;
-                graph.upload().map_err(AttnError::from)?;
-                hi.time(RUNS, || {
-                    graph
-                        .launch()
-                        .map_err(|e| AlgoError::from(AttnError::from(e)))
-                })
-            })?;
-            let graph = worst_diff(gpu, &outs, &cpu)?;
-            let how = if publish { " published" } else { "" };
-            rows.push(Row {
-                name: format!(
-                    "spec step{how} 8 layers one graph, overlap {:.0}% {}",
-                    overlap * 100.0,
-                    sh.tag
-                ),
-                t: Timing {
-                    synced: t.synced / COLD_LAYERS as f64,
-                    queued: t.queued / COLD_LAYERS as f64,
-                },
-                bytes: 0.0,
-                note: format!(
-                    "{swapped} of {all} previous pages not selected; max |out - cpu| / max |cpu| \
-                     {eager:.1e} eager, {graph:.1e} graph (plain step {plain:.1e}); per step"
-                ),
-            });
+        // Eager, each layer into its own output, checked against the CPU.
+        for (layer, (prev, out)) in prevs.iter().zip(&mut outs).enumerate() {
+            spec.step(layer, prev, out)?;
         }
+        hi.synchronize()?;
+        let eager = worst_diff(gpu, &outs, &cpu)?;
+        if check {
+            let ok = eager < 1e-5;
+            println!(
+                "spec {} {factor}x pages holding {:.0}%: max |out - cpu| / max |cpu| {eager:.1e} \
+                 ({})",
+                sh.tag,
+                overlap * 100.0,
+                if ok { "ok" } else { "FAILED" }
+            );
+            if !ok {
+                return Err(AlgoError::Invalid(
+                    "the speculative step differs from the CPU".into(),
+                ));
+            }
+            continue;
+        }
+        for o in &mut outs {
+            gpu.stream().memset_zeros(o).map_err(AttnError::from)?;
+        }
+        gpu.synchronize()?;
+        let t = untracked(gpu.context(), hi.stream(), || {
+            let stream = hi.stream();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(AttnError::from)?;
+            let enqueued = prevs
+                .iter()
+                .zip(&mut outs)
+                .enumerate()
+                .try_for_each(|(layer, (prev, out))| spec.step(layer, prev, out));
+            let graph = stream
+                .end_capture(
+                    CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY,
+                )
+                .map_err(AttnError::from)?;
+            enqueued?;
+            let graph =
+                graph.ok_or_else(|| AlgoError::Invalid("the capture made no graph".into()))?;
+            graph.upload().map_err(AttnError::from)?;
+            hi.time(RUNS, || {
+                graph
+                    .launch()
+                    .map_err(|e| AlgoError::from(AttnError::from(e)))
+            })
+        })?;
+        let graph = worst_diff(gpu, &outs, &cpu)?;
+        rows.push(Row {
+            name: format!(
+                "spec step 8 layers one graph, {}x pages holding {:.0}% {}",
+                factor,
+                overlap * 100.0,
+                sh.tag
+            ),
+            t: Timing {
+                synced: t.synced / COLD_LAYERS as f64,
+                queued: t.queued / COLD_LAYERS as f64,
+            },
+            bytes: 0.0,
+            note: format!(
+                "{missing} of {selected} selected pages computed after the top-k; max |out - \
+                 cpu| / max |cpu| {eager:.1e} eager, {graph:.1e} graph (plain step {plain:.1e}); \
+                 per step"
+            ),
+        });
     }
-    spec.sk.set_publish(false);
     Ok(rows)
 }
 
@@ -382,7 +425,6 @@ fn launch_finish(
     out: &mut CudaSlice<f32>,
 ) -> Result<(), AlgoError> {
     let new = &top.sel;
-    let published = top.published();
     let ints = [
         int(decode.max_blocks())?,
         int(sh.layout.num_blocks)?,
@@ -390,12 +432,7 @@ fn launch_finish(
         int(Q_HEADS)?,
         int(new.max_len)?,
         int(prev.max_len)?,
-        i32::from(published.is_some()),
     ];
-    let (flags, epoch) = match &published {
-        Some(p) => (p.flags, p.epoch),
-        None => (&parts.none, &parts.none),
-    };
     let scale = scale2();
     let cfg = LaunchConfig {
         grid_dim: (
@@ -426,55 +463,56 @@ fn launch_finish(
         .arg(&ints[5])
         .arg(&parts.prev_o)
         .arg(&parts.prev_lse)
-        .arg(flags)
-        .arg(epoch)
-        .arg(&ints[6])
         .arg(&scale)
         .arg(out);
     // SAFETY: the arguments follow `spec_finish_bf16_d128` in kernels/spec.cu, as for
     // `spec_pages`, with the new selection's rows (at most MAX_WIDTH wide, checked by the
-    // caller), the partials `spec_pages` wrote (its stream's event precedes this launch), the
-    // top-k's flags and step value where it published its rows (one flag a row: a per-head
-    // selection), and the output `[b, q_heads, 128]`. It waits for the top-k (`pdl_wait`, or
-    // its row's flag) before reading its rows.
+    // caller), the partials `spec_pages` wrote (its stream's event precedes this launch) and
+    // the output `[b, q_heads, 128]`. It waits for the top-k (`pdl_wait`) before reading its
+    // rows.
     unsafe { l.launch(cfg) }?;
     Ok(())
 }
 
-/// The previous selection's rows for the new rows `ids` (rows of `width`, ascending, -1
-/// padded) over `pages` pages: each row keeps its last (current) page and `overlap` of the
-/// others; the rest are swapped for pages it lacks. Answers the rows, their lengths and how many
-/// pages were swapped.
-fn previous(
+/// Rows of likely pages for the selected rows `ids` (rows of `width`, ascending, -1 padded)
+/// over `pages` pages, `count` wide: each keeps its row's last (current) page and `overlap` of
+/// the others; the rest of the row, and every place past its pages, gets pages the row lacks.
+/// Answers the rows (ascending, `count` wide), their lengths, and how many selected pages they
+/// lack.
+fn likely(
     ids: &[i32],
     width: usize,
+    count: usize,
     pages: usize,
     overlap: f64,
     rng: &mut Rng,
 ) -> (Vec<i32>, Vec<i32>, usize) {
-    let (mut out, mut lens, mut swapped) = (Vec::with_capacity(ids.len()), Vec::new(), 0);
+    let (mut out, mut lens, mut missing) = (Vec::new(), Vec::new(), 0);
     for row in ids.chunks(width) {
-        let mut have: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
-        let n = have.len();
-        let swap = (n.saturating_sub(1) as f64 * (1.0 - overlap)).round() as usize;
-        // Distinct places before the current page (the row's last), each given a page below the
-        // current one that the row lacks.
-        for at in rng.subset(swap, n.saturating_sub(1)) {
-            let fresh = loop {
-                let p = rng.range(0, pages - 1) as i32;
-                if !have.contains(&p) {
-                    break p;
-                }
-            };
-            have[at as usize] = fresh;
+        let selected: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
+        let n = selected.len();
+        let lack = (n.saturating_sub(1) as f64 * (1.0 - overlap)).round() as usize;
+        let dropped = rng.subset(lack, n.saturating_sub(1));
+        let mut have: Vec<i32> = selected
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| dropped.binary_search(&(*i as i32)).is_err())
+            .map(|(_, &p)| p)
+            .collect();
+        // Other pages, below the current one, that the selection lacks.
+        while have.len() < count.min(pages) {
+            let p = rng.range(0, pages - 1) as i32;
+            if !selected.contains(&p) && !have.contains(&p) {
+                have.push(p);
+            }
         }
         have.sort_unstable();
-        swapped += swap;
-        lens.push(n as i32);
+        missing += lack;
+        lens.push(have.len() as i32);
         out.extend_from_slice(&have);
-        out.resize(out.len() + width - n, -1);
+        out.resize(out.len() + count - have.len(), -1);
     }
-    (out, lens, swapped)
+    (out, lens, missing)
 }
 
 /// The largest |out - want| over the layers, relative to the largest |want|.
