@@ -190,7 +190,8 @@ __device__ __forceinline__ void spec_empty(int nh, float* out_o, float* out_lse)
     }
 }
 
-// Grid (ceil(width / 4), rows); 4 warps, a warp per page of the row's previous selection.
+// Grid (ceil(width / 4), rows); 4 warps, a warp per page of the row's likely set (or, after the
+// top-k, of its selection).
 extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
     const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
@@ -199,6 +200,10 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
     const i32* __restrict__ lens, i32 width, float scale2, float* __restrict__ part_o,
     float* __restrict__ part_lse) {
     __shared__ float p_smem[4][64];
+    // Launched after the top-k on its stream (the pages it selected), it waits for it; on a
+    // stream of its own, these are no-ops.
+    pdl_wait();
+    pdl_launch_dependents();
     const int warp = threadIdx.x >> 5;
     const int row = blockIdx.y;
     const int seq = row / kv_heads, h = row % kv_heads;

@@ -33,8 +33,10 @@ const SOURCE: &str = concat!(
 
 /// The pages walked early: (share of each row's selection they hold, their count over the
 /// selection's). A count of 1 stands for the previous step's selection; 2 for a hot buffer of
-/// twice the budget. `examples/overlap.rs` of the engine measures both on the real model.
-const LIKELY: [(f64, usize); 9] = [
+/// twice the budget; 0 walks nothing early, but the selection's pages a warp each after the
+/// top-k. `examples/overlap.rs` of the engine measures the shares on the real model.
+const LIKELY: [(f64, usize); 10] = [
+    (0.0, 0),
     (1.0, 1),
     (0.95, 1),
     (0.9, 1),
@@ -76,8 +78,8 @@ struct Spec<'a> {
 }
 
 /// `gpu_select spec [--json FILE] [--only B1|B8] [--check]`: each shape's plain and speculative
-/// rows; with `--check`, only the speculative steps' eager outputs against the CPU, at two of
-/// [`LIKELY`] (for compute-sanitizer).
+/// rows; with `--check`, only the speculative steps' eager outputs against the CPU, with no
+/// early walk and with a hot buffer holding 88 % (for compute-sanitizer).
 pub(crate) fn run(
     gpu: &mut Gpu,
     sk: &mut SelectKernels,
@@ -207,12 +209,16 @@ pub(crate) fn bench_spec(
         parts: &mut parts,
     };
     gpu.synchronize()?;
-    let configs = if check { &LIKELY[7..] } else { &LIKELY[..] };
-    for &(overlap, factor) in configs {
+    let configs = if check {
+        vec![LIKELY[0], LIKELY[9]]
+    } else {
+        LIKELY.to_vec()
+    };
+    for (overlap, factor) in configs {
         let mut rng = Rng::new(41);
         let mut prevs = Vec::with_capacity(COLD_LAYERS);
         let (mut missing, mut selected) = (0, 0);
-        for want in &wants {
+        for want in wants.iter().filter(|_| factor > 0) {
             let (ids, lens, m) = likely(
                 &want.ids,
                 width,
@@ -231,8 +237,8 @@ pub(crate) fn bench_spec(
             });
         }
         // Eager, each layer into its own output, checked against the CPU.
-        for (layer, (prev, out)) in prevs.iter().zip(&mut outs).enumerate() {
-            spec.step(layer, prev, out)?;
+        for (layer, out) in outs.iter_mut().enumerate() {
+            spec.step(layer, prevs.get(layer), out)?;
         }
         hi.synchronize()?;
         let eager = worst_diff(gpu, &outs, &cpu)?;
@@ -261,11 +267,10 @@ pub(crate) fn bench_spec(
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(AttnError::from)?;
-            let enqueued = prevs
-                .iter()
-                .zip(&mut outs)
+            let enqueued = outs
+                .iter_mut()
                 .enumerate()
-                .try_for_each(|(layer, (prev, out))| spec.step(layer, prev, out));
+                .try_for_each(|(layer, out)| spec.step(layer, prevs.get(layer), out));
             let graph = stream
                 .end_capture(
                     CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY,
@@ -282,13 +287,20 @@ pub(crate) fn bench_spec(
             })
         })?;
         let graph = worst_diff(gpu, &outs, &cpu)?;
+        let what = if factor == 0 {
+            "pages a warp each after the top-k".to_owned()
+        } else {
+            format!("{factor}x pages holding {:.0}%", overlap * 100.0)
+        };
+        if factor == 0 {
+            selected = wants
+                .iter()
+                .map(|w| w.ids.iter().filter(|&&x| x >= 0).count())
+                .sum();
+            missing = selected;
+        }
         rows.push(Row {
-            name: format!(
-                "spec step 8 layers one graph, {}x pages holding {:.0}% {}",
-                factor,
-                overlap * 100.0,
-                sh.tag
-            ),
+            name: format!("spec step 8 layers one graph, {what} {}", sh.tag),
             t: Timing {
                 synced: t.synced / COLD_LAYERS as f64,
                 queued: t.queued / COLD_LAYERS as f64,
@@ -305,21 +317,27 @@ pub(crate) fn bench_spec(
 }
 
 impl Spec<'_> {
-    /// Enqueues layer `layer`'s speculative step over the previous selection `prev`, attending
-    /// into `out`.
+    /// Enqueues layer `layer`'s step attending into `out`: with `likely` pages, their walk on the
+    /// low-priority stream beside the top-k, then the finish; without, the top-k, then the
+    /// walk of its selection and the finish.
     fn step(
         &mut self,
         layer: usize,
-        prev: &DeviceSelection,
+        likely: Option<&DeviceSelection>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), AlgoError> {
         let decode = &self.decodes[layer];
         let (hi, lo) = (self.hi.stream(), self.lo.stream());
         let event = || Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let start = hi.record_event(event()).map_err(AttnError::from)?;
-        lo.wait(&start).map_err(AttnError::from)?;
-        launch_pages(self.k, lo, self.sh, decode, prev, self.parts)?;
-        let walked = lo.record_event(event()).map_err(AttnError::from)?;
+        let walked = match likely {
+            Some(prev) => {
+                let start = hi.record_event(event()).map_err(AttnError::from)?;
+                lo.wait(&start).map_err(AttnError::from)?;
+                launch_pages(self.k, lo, false, self.sh, decode, prev, self.parts)?;
+                Some(lo.record_event(event()).map_err(AttnError::from)?)
+            }
+            None => None,
+        };
         self.sk.quest_topk(
             self.quest,
             self.sh.q,
@@ -330,8 +348,17 @@ impl Spec<'_> {
             self.pool,
             self.top,
         )?;
-        hi.wait(&walked).map_err(AttnError::from)?;
-        launch_finish(self.k, hi, self.sh, decode, self.top, prev, self.parts, out)
+        match (likely, walked) {
+            (Some(prev), Some(walked)) => {
+                hi.wait(&walked).map_err(AttnError::from)?;
+                launch_finish(self.k, hi, self.sh, decode, self.top, prev, self.parts, out)
+            }
+            _ => {
+                let sel = &self.top.sel;
+                launch_pages(self.k, hi, true, self.sh, decode, sel, self.parts)?;
+                launch_finish(self.k, hi, self.sh, decode, self.top, sel, self.parts, out)
+            }
+        }
     }
 }
 
@@ -365,6 +392,7 @@ fn scale2() -> f32 {
 fn launch_pages(
     k: &Kernels,
     stream: &CudaStream,
+    dependent: bool,
     sh: &Shape<'_>,
     decode: &DeviceBatch,
     prev: &DeviceSelection,
@@ -389,6 +417,7 @@ fn launch_pages(
         shared_mem_bytes: 0,
     };
     let mut l = Launch::new(stream, &k.pages);
+    l.dependent(dependent);
     l.arg(sh.q)
         .arg(sh.kv.k())
         .arg(sh.kv.v())
