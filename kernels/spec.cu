@@ -198,24 +198,31 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
     const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
     i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ ids,
     const i32* __restrict__ lens, i32 width, float scale2, float* __restrict__ part_o,
-    float* __restrict__ part_lse) {
+    float* __restrict__ part_lse, const unsigned int* flags, const unsigned int* epoch,
+    i32 published) {
     __shared__ float p_smem[4][64];
-    // Launched after the top-k on its stream (the pages it selected), it waits for it; on a
-    // stream of its own, these are no-ops.
-    pdl_wait();
-    pdl_launch_dependents();
+    // After the top-k on its stream (the pages it selected): with `published`, each CTA waits
+    // for its row's flag (kernels/pdl.cuh), else for the whole top-k. On a stream of its own,
+    // the PDL calls are no-ops. The rows are read past L1 either way.
+    if (published) {
+        pdl_launch_dependents();
+        wait_flag(flags + blockIdx.y, __ldcg(epoch));
+    } else {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
     const int warp = threadIdx.x >> 5;
     const int row = blockIdx.y;
     const int seq = row / kv_heads, h = row % kv_heads;
     const int i = blockIdx.x * 4 + warp;
-    const int n = min(max(lens[row], 0), width);
+    const int n = min(max(__ldcg(lens + row), 0), width);
     if (i >= n) return;
     const size_t at = (size_t)row * width + i;
     float* o = part_o + at * SPEC_G * SPEC_D;
     float* lse = part_lse + at * SPEC_G;
     i32 valid;
-    const i32 block = spec_block(block_table, max_blocks, num_blocks, seq, ids[at], kv_lens[seq],
-                                 &valid);
+    const i32 block = spec_block(block_table, max_blocks, num_blocks, seq, __ldcg(ids + at),
+                                 kv_lens[seq], &valid);
     if (block < 0) {
         spec_empty(SPEC_G, o, lse);
         return;

@@ -9,7 +9,7 @@
 //! compared with the plain step's (the same selection), and the 8 layers are timed in one graph,
 //! as `cold.rs` times the plain step.
 
-use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Timing};
+use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Published, Timing};
 use attn_op::{
     AttnError, AttnOut, AttnParams, BatchMeta, KvLayout, PagedKv, Selection, sparse_page_attention,
 };
@@ -31,21 +31,59 @@ const SOURCE: &str = concat!(
     include_str!("../../../../kernels/spec.cu")
 );
 
-/// The pages walked early: (share of each row's selection they hold, their count over the
-/// selection's). A count of 1 stands for the previous step's selection; 2 for a hot buffer of
-/// twice the budget; 0 walks nothing early, but the selection's pages a warp each after the
-/// top-k. `examples/overlap.rs` of the engine measures the shares on the real model.
-const LIKELY: [(f64, usize); 10] = [
-    (0.0, 0),
-    (1.0, 1),
-    (0.95, 1),
-    (0.9, 1),
-    (0.8, 1),
-    (0.7, 1),
-    (0.5, 1),
-    (0.98, 2),
-    (0.95, 2),
-    (0.88, 2),
+/// Which pages a step walks when.
+#[derive(Clone, Copy, Debug)]
+enum Walk {
+    /// The selection's pages after the top-k, a warp each; with `published`, each row's CTAs
+    /// start at the row's flag ([`SelectKernels::set_publish`]) instead of the whole top-k's
+    /// end.
+    Late { published: bool },
+    /// Likely pages during the top-k: `count` times the selection's, holding `share` of it.
+    /// A count of 1 stands for the previous step's selection, 2 for a hot buffer of twice the
+    /// budget. `examples/overlap.rs` of the engine measures the shares on the real model.
+    Early { share: f64, count: usize },
+}
+
+/// The walks the bench times.
+const WALKS: [Walk; 11] = [
+    Walk::Late { published: false },
+    Walk::Late { published: true },
+    Walk::Early {
+        share: 1.0,
+        count: 1,
+    },
+    Walk::Early {
+        share: 0.95,
+        count: 1,
+    },
+    Walk::Early {
+        share: 0.9,
+        count: 1,
+    },
+    Walk::Early {
+        share: 0.8,
+        count: 1,
+    },
+    Walk::Early {
+        share: 0.7,
+        count: 1,
+    },
+    Walk::Early {
+        share: 0.5,
+        count: 1,
+    },
+    Walk::Early {
+        share: 0.98,
+        count: 2,
+    },
+    Walk::Early {
+        share: 0.95,
+        count: 2,
+    },
+    Walk::Early {
+        share: 0.88,
+        count: 2,
+    },
 ];
 
 /// The widest row `spec_finish` stages (`SPEC_MAXW` in kernels/spec.cu).
@@ -57,10 +95,12 @@ struct Kernels {
     finish: CudaFunction,
 }
 
-/// The partials per likely page `[rows, width, 4, D]` and their LSEs.
+/// The partials per walked page `[rows, width, 4, D]` and their LSEs, and a flag buffer
+/// passed where the top-k publishes nothing.
 struct Parts {
     prev_o: CudaSlice<f32>,
     prev_lse: CudaSlice<f32>,
+    none: CudaSlice<u32>,
 }
 
 /// One shape's inputs and state for the speculative step.
@@ -182,6 +222,8 @@ pub(crate) fn bench_spec(
         gpu.fork_with_priority(false)?,
     );
     let sk_hi = sk.on_stream(hi.stream().clone());
+    let mut sk_pub = sk_hi.clone();
+    sk_pub.set_publish(true);
     let n_rows = sh.b * KV_HEADS;
     let most = 2 * width;
     if most > MAX_WIDTH {
@@ -192,6 +234,7 @@ pub(crate) fn bench_spec(
     let mut parts = Parts {
         prev_o: gpu.zeros(n_rows * most * 4 * D)?,
         prev_lse: gpu.zeros(n_rows * most * 4)?,
+        none: gpu.zeros(1)?,
     };
     let mut outs = (0..COLD_LAYERS)
         .map(|_| gpu.zeros::<f32>(sh.b * Q_HEADS * D))
@@ -209,33 +252,41 @@ pub(crate) fn bench_spec(
         parts: &mut parts,
     };
     gpu.synchronize()?;
-    let configs = if check {
-        vec![LIKELY[0], LIKELY[9]]
+    let walks = if check {
+        vec![WALKS[1], WALKS[10]]
     } else {
-        LIKELY.to_vec()
+        WALKS.to_vec()
     };
-    for (overlap, factor) in configs {
+    let selected: usize = wants
+        .iter()
+        .map(|w| w.ids.iter().filter(|&&x| x >= 0).count())
+        .sum();
+    for walk in walks {
         let mut rng = Rng::new(41);
         let mut prevs = Vec::with_capacity(COLD_LAYERS);
-        let (mut missing, mut selected) = (0, 0);
-        for want in wants.iter().filter(|_| factor > 0) {
-            let (ids, lens, m) = likely(
-                &want.ids,
-                width,
-                factor * width,
-                sh.ctx / PS,
-                overlap,
-                &mut rng,
-            );
-            missing += m;
-            selected += want.ids.iter().filter(|&&x| x >= 0).count();
-            prevs.push(DeviceSelection {
-                ids: gpu.upload(&ids)?,
-                lens: gpu.upload(&lens)?,
-                max_len: factor * width,
-                rows: n_rows,
-            });
+        let mut late = selected;
+        if let Walk::Early { share, count } = walk {
+            late = 0;
+            for want in &wants {
+                let (ids, lens, m) = likely(
+                    &want.ids,
+                    width,
+                    count * width,
+                    sh.ctx / PS,
+                    share,
+                    &mut rng,
+                );
+                late += m;
+                prevs.push(DeviceSelection {
+                    ids: gpu.upload(&ids)?,
+                    lens: gpu.upload(&lens)?,
+                    max_len: count * width,
+                    rows: n_rows,
+                });
+            }
         }
+        let published = matches!(walk, Walk::Late { published: true });
+        spec.sk = if published { &sk_pub } else { &sk_hi };
         // Eager, each layer into its own output, checked against the CPU.
         for (layer, out) in outs.iter_mut().enumerate() {
             spec.step(layer, prevs.get(layer), out)?;
@@ -245,10 +296,8 @@ pub(crate) fn bench_spec(
         if check {
             let ok = eager < 1e-5;
             println!(
-                "spec {} {factor}x pages holding {:.0}%: max |out - cpu| / max |cpu| {eager:.1e} \
-                 ({})",
+                "spec {} {walk:?}: max |out - cpu| / max |cpu| {eager:.1e} ({})",
                 sh.tag,
-                overlap * 100.0,
                 if ok { "ok" } else { "FAILED" }
             );
             if !ok {
@@ -287,18 +336,13 @@ pub(crate) fn bench_spec(
             })
         })?;
         let graph = worst_diff(gpu, &outs, &cpu)?;
-        let what = if factor == 0 {
-            "pages a warp each after the top-k".to_owned()
-        } else {
-            format!("{factor}x pages holding {:.0}%", overlap * 100.0)
+        let what = match walk {
+            Walk::Late { published: false } => "pages a warp each after the top-k".to_owned(),
+            Walk::Late { published: true } => "pages a warp each from each row's flag".to_owned(),
+            Walk::Early { share, count } => {
+                format!("{count}x pages holding {:.0}%", share * 100.0)
+            }
         };
-        if factor == 0 {
-            selected = wants
-                .iter()
-                .map(|w| w.ids.iter().filter(|&&x| x >= 0).count())
-                .sum();
-            missing = selected;
-        }
         rows.push(Row {
             name: format!("spec step 8 layers one graph, {what} {}", sh.tag),
             t: Timing {
@@ -307,7 +351,7 @@ pub(crate) fn bench_spec(
             },
             bytes: 0.0,
             note: format!(
-                "{missing} of {selected} selected pages computed after the top-k; max |out - \
+                "{late} of {selected} selected pages computed after the top-k; max |out - \
                  cpu| / max |cpu| {eager:.1e} eager, {graph:.1e} graph (plain step {plain:.1e}); \
                  per step"
             ),
@@ -333,7 +377,7 @@ impl Spec<'_> {
             Some(prev) => {
                 let start = hi.record_event(event()).map_err(AttnError::from)?;
                 lo.wait(&start).map_err(AttnError::from)?;
-                launch_pages(self.k, lo, false, self.sh, decode, prev, self.parts)?;
+                launch_pages(self.k, lo, None, self.sh, decode, prev, self.parts)?;
                 Some(lo.record_event(event()).map_err(AttnError::from)?)
             }
             None => None,
@@ -355,7 +399,8 @@ impl Spec<'_> {
             }
             _ => {
                 let sel = &self.top.sel;
-                launch_pages(self.k, hi, true, self.sh, decode, sel, self.parts)?;
+                let after = Some(self.top.published());
+                launch_pages(self.k, hi, after, self.sh, decode, sel, self.parts)?;
                 launch_finish(self.k, hi, self.sh, decode, self.top, sel, self.parts, out)
             }
         }
@@ -389,10 +434,12 @@ fn scale2() -> f32 {
     AttnParams::new(Q_HEADS, D).scale * std::f32::consts::LOG2_E
 }
 
+/// `after`: `None` on a stream of its own; else right after the top-k, which published its
+/// rows or not.
 fn launch_pages(
     k: &Kernels,
     stream: &CudaStream,
-    dependent: bool,
+    after: Option<Option<Published<'_>>>,
     sh: &Shape<'_>,
     decode: &DeviceBatch,
     prev: &DeviceSelection,
@@ -404,7 +451,12 @@ fn launch_pages(
         int(KV_HEADS)?,
         int(Q_HEADS)?,
         int(prev.max_len)?,
+        i32::from(matches!(after, Some(Some(_)))),
     ];
+    let (flags, epoch) = match &after {
+        Some(Some(p)) => (p.flags, p.epoch),
+        _ => (&parts.none, &parts.none),
+    };
     let scale = scale2();
     let cfg = LaunchConfig {
         grid_dim: (
@@ -417,7 +469,7 @@ fn launch_pages(
         shared_mem_bytes: 0,
     };
     let mut l = Launch::new(stream, &k.pages);
-    l.dependent(dependent);
+    l.dependent(after.is_some());
     l.arg(sh.q)
         .arg(sh.kv.k())
         .arg(sh.kv.v())
@@ -433,10 +485,14 @@ fn launch_pages(
         .arg(&ints[4])
         .arg(&scale)
         .arg(&mut parts.prev_o)
-        .arg(&mut parts.prev_lse);
+        .arg(&mut parts.prev_lse)
+        .arg(flags)
+        .arg(epoch)
+        .arg(&ints[5]);
     // SAFETY: the arguments follow `spec_pages_bf16_d128` in kernels/spec.cu: bf16 q, K and V of
-    // the shape's pool (head dim 128), the decode's metadata, the previous selection's rows of
-    // `max_len` ids and the partials sized for them; every id and block is range-checked in the
+    // the shape's pool (head dim 128), the decode's metadata, rows of `max_len` page ids and the
+    // partials sized for them, and the top-k's flags and step value where it published its
+    // rows (one flag a row: a per-head selection); every id and block is range-checked in the
     // kernel.
     unsafe { l.launch(cfg) }?;
     Ok(())
