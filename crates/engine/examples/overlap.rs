@@ -72,12 +72,7 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
         head_dim: c.head_dim,
         table: (0..blocks as i32).collect(),
     };
-    // The prompt in chunks of 512 tokens, then one token a step.
-    let spans = (0..PREFILL)
-        .step_by(512)
-        .map(|s| (s, (s + 512).min(PREFILL)))
-        .chain((PREFILL..n).map(|p| (p, p + 1)));
-    for (start, end) in spans {
+    for (start, end) in real::spans(PREFILL, n) {
         let decode = start >= PREFILL;
         let batch = Batch::single(start, end, blocks);
         let positions: Vec<usize> = (start..end).collect();
@@ -94,8 +89,7 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
     }
     println!(
         "{model_path}, {PREFILL} prefill + {STEPS} decode steps of {text_path}; per-KV-head \
-         Quest, pages of {PAGE}, layers {DENSE_LAYERS}.. ({} of {} pages at the end)",
-        n.div_ceil(PAGE),
+         Quest, pages of {PAGE}, layers {DENSE_LAYERS}.. ({} pages at the end)",
         n.div_ceil(PAGE)
     );
     println!(

@@ -60,12 +60,7 @@ fn run(model_path: &str, text_path: &str) -> Result<(), EngineError> {
     let blocks = n.div_ceil(PAGE);
     let mut store = KvStore::<half::f16>::new(&c, blocks, PAGE)?;
     let mut sim = Sim::new(c.layers, c.kv_heads, c.q_heads, c.head_dim);
-    // The prompt in chunks of 512 tokens, then one token a step.
-    let spans = (0..PREFILL)
-        .step_by(512)
-        .map(|s| (s, (s + 512).min(PREFILL)))
-        .chain((PREFILL..n).map(|p| (p, p + 1)));
-    for (start, end) in spans {
+    for (start, end) in real::spans(PREFILL, n) {
         let decode = start >= PREFILL;
         let batch = Batch::single(start, end, blocks);
         let positions: Vec<usize> = (start..end).collect();

@@ -1,5 +1,6 @@
-//! What the real-model examples (`prefetch`, `precision`) share: the command line
-//! `[MODEL] [TEXT]`, and the model with the first tokens of the text.
+//! What the real-model examples (`prefetch`, `precision`, `overlap`) share: the command line
+//! `[MODEL] [TEXT]`, the model with the first tokens of the text, and how a run over them is
+//! cut into forwards.
 
 use std::path::Path;
 
@@ -44,4 +45,14 @@ pub(crate) fn load(
     }
     ids.truncate(n);
     Ok((model, ids))
+}
+
+/// The forwards of a run over `n` tokens: the first `prefill` in chunks of 512 tokens, then one
+/// token a forward, as `(start, end)` token ranges.
+#[allow(dead_code, reason = "not every example decodes")]
+pub(crate) fn spans(prefill: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..prefill)
+        .step_by(512)
+        .map(move |s| (s, (s + 512).min(prefill)))
+        .chain((prefill..n).map(|p| (p, p + 1)))
 }

@@ -54,14 +54,7 @@ pub(crate) fn bench(
         note: "read + write".to_owned(),
     });
 
-    let layout = KvLayout {
-        num_blocks: POOL_BLOCKS,
-        block_size: PS,
-        kv_heads: KV_HEADS,
-        head_dim: D,
-    };
-    let k = random_bf16(layout.len(), 1);
-    let kv = DevicePagedKv::from_host(gpu, layout, &k, &k)?;
+    let (layout, kv, k) = kv_pool(gpu)?;
     drop(k);
     let params = AttnParams::new(Q_HEADS, D);
     let mut rng = Rng::new(11);
@@ -361,6 +354,20 @@ fn bench_e4m3(
 
 /// Quest over pages of 16 with a 2K-token budget and bounds kept as `summary`: the E4M3 step's
 /// configuration, and the bf16 one it is counted against.
+/// The benches' KV pool ([`POOL_BLOCKS`] blocks of pages of [`PS`], random bf16, K and V
+/// alike): its layout, the device pool and the host's copy of K.
+pub(crate) fn kv_pool(gpu: &Gpu) -> Result<(KvLayout, DevicePagedKv<bf16>, Vec<bf16>), AlgoError> {
+    let layout = KvLayout {
+        num_blocks: POOL_BLOCKS,
+        block_size: PS,
+        kv_heads: KV_HEADS,
+        head_dim: D,
+    };
+    let k = random_bf16(layout.len(), 1);
+    let kv = DevicePagedKv::from_host(gpu, layout, &k, &k)?;
+    Ok((layout, kv, k))
+}
+
 pub(crate) fn quest_2k(summary: Summary) -> Result<Quest, AlgoError> {
     Quest::new(QuestConfig {
         page_size: PS,

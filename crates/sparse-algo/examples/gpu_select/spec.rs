@@ -9,9 +9,9 @@
 //! compared with the plain step's (the same selection), and the 8 layers are timed in one graph,
 //! as `cold.rs` times the plain step.
 
-use attn_op::cuda::{DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Published, Timing};
+use attn_op::cuda::{DeviceBatch, DeviceSelection, Gpu, Launch, Published, Timing};
 use attn_op::{
-    AttnError, AttnOut, AttnParams, BatchMeta, KvLayout, PagedKv, Selection, sparse_page_attention,
+    AttnError, AttnOut, AttnParams, BatchMeta, PagedKv, Selection, sparse_page_attention,
 };
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -19,7 +19,7 @@ use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{AlgoError, Quest, Summary};
 
-use super::bench::{D, KV_HEADS, POOL_BLOCKS, PS, Q_HEADS, RUNS, Want, quest_2k, untracked};
+use super::bench::{D, KV_HEADS, PS, Q_HEADS, RUNS, Want, kv_pool, quest_2k, untracked};
 use super::cold::{self, COLD_LAYERS, Shape};
 use super::report::{self, Row, random_bf16, table};
 use super::rng::Rng;
@@ -127,14 +127,7 @@ pub(crate) fn run(
     only: Option<&str>,
     check: bool,
 ) -> Result<(), AlgoError> {
-    let layout = KvLayout {
-        num_blocks: POOL_BLOCKS,
-        block_size: PS,
-        kv_heads: KV_HEADS,
-        head_dim: D,
-    };
-    let k = random_bf16(layout.len(), 1);
-    let kv = DevicePagedKv::from_host(gpu, layout, &k, &k)?;
+    let (layout, kv, k) = kv_pool(gpu)?;
     let host_kv = PagedKv::from_tensors(layout, k.clone(), k)?;
     let mut rows = Vec::new();
     for (b, ctx) in [(1usize, 128 * 1024usize), (8, 32 * 1024)] {
@@ -434,6 +427,26 @@ fn scale2() -> f32 {
     AttnParams::new(Q_HEADS, D).scale * std::f32::consts::LOG2_E
 }
 
+/// Both kernels' first ten arguments: q, K, V, the decode's metadata and `ints`' first four
+/// (max_blocks, num_blocks, kv_heads, q_heads).
+fn common_args<'a>(
+    l: &mut Launch<'a>,
+    sh: &'a Shape<'_>,
+    decode: &'a DeviceBatch,
+    ints: &'a [i32],
+) {
+    l.arg(sh.q)
+        .arg(sh.kv.k())
+        .arg(sh.kv.v())
+        .arg(decode.cu_seqlens_q())
+        .arg(decode.seq_lens_kv())
+        .arg(decode.block_table())
+        .arg(&ints[0])
+        .arg(&ints[1])
+        .arg(&ints[2])
+        .arg(&ints[3]);
+}
+
 /// `after`: `None` on a stream of its own; else right after the top-k, which published its
 /// rows or not.
 fn launch_pages(
@@ -470,17 +483,8 @@ fn launch_pages(
     };
     let mut l = Launch::new(stream, &k.pages);
     l.dependent(after.is_some());
-    l.arg(sh.q)
-        .arg(sh.kv.k())
-        .arg(sh.kv.v())
-        .arg(decode.cu_seqlens_q())
-        .arg(decode.seq_lens_kv())
-        .arg(decode.block_table())
-        .arg(&ints[0])
-        .arg(&ints[1])
-        .arg(&ints[2])
-        .arg(&ints[3])
-        .arg(&prev.ids)
+    common_args(&mut l, sh, decode, &ints);
+    l.arg(&prev.ids)
         .arg(&prev.lens)
         .arg(&ints[4])
         .arg(&scale)
@@ -530,17 +534,8 @@ fn launch_finish(
     };
     let mut l = Launch::new(stream, &k.finish);
     l.dependent(true);
-    l.arg(sh.q)
-        .arg(sh.kv.k())
-        .arg(sh.kv.v())
-        .arg(decode.cu_seqlens_q())
-        .arg(decode.seq_lens_kv())
-        .arg(decode.block_table())
-        .arg(&ints[0])
-        .arg(&ints[1])
-        .arg(&ints[2])
-        .arg(&ints[3])
-        .arg(&new.ids)
+    common_args(&mut l, sh, decode, &ints);
+    l.arg(&new.ids)
         .arg(&new.lens)
         .arg(&ints[4])
         .arg(&prev.ids)
