@@ -1,0 +1,204 @@
+//! The prototype's kernels (kernels/spec.cu): compiled once, and their launches.
+
+use attn_op::AttnError;
+use attn_op::AttnParams;
+use attn_op::cuda::{DeviceBatch, DeviceSelection, Gpu, Launch, Published};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use sparse_algo::AlgoError;
+use sparse_algo::cuda::DeviceTopK;
+
+use crate::bench::{D, KV_HEADS, Q_HEADS};
+use crate::cold::Shape;
+
+/// The prototype's kernels, after kernels/pdl.cuh.
+const SOURCE: &str = concat!(
+    include_str!("../../../../../kernels/pdl.cuh"),
+    include_str!("../../../../../kernels/spec.cu")
+);
+
+/// The widest row `spec_finish` stages (`SPEC_MAXW` in kernels/spec.cu).
+pub(super) const MAX_WIDTH: usize = 256;
+
+/// The compiled kernels.
+pub(super) struct Kernels {
+    pages: CudaFunction,
+    finish: CudaFunction,
+}
+
+/// The partials per walked page `[rows, width, 4, D]` and their LSEs, and a flag buffer
+/// passed where the top-k publishes nothing.
+pub(super) struct Parts {
+    pub(super) prev_o: CudaSlice<f32>,
+    pub(super) prev_lse: CudaSlice<f32>,
+    pub(super) none: CudaSlice<u32>,
+}
+
+pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
+    let ctx = gpu.context();
+    let (major, minor) = ctx.compute_capability().map_err(AttnError::from)?;
+    // NVRTC takes the architecture for the program's life; one compile a process.
+    let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+    let ptx = attn_op::cuda::compile_source("kernels/spec.cu", SOURCE, arch)?;
+    let module = ctx.load_module(ptx).map_err(AttnError::from)?;
+    let f = |name: &str| {
+        module
+            .load_function(name)
+            .map_err(|e| AlgoError::from(AttnError::from(e)))
+    };
+    Ok(Kernels {
+        pages: f("spec_pages_bf16_d128")?,
+        finish: f("spec_finish_bf16_d128")?,
+    })
+}
+
+pub(super) fn int(x: usize) -> Result<i32, AlgoError> {
+    i32::try_from(x).map_err(|_| AlgoError::Invalid(format!("{x} does not fit an i32")))
+}
+
+/// The softmax scale times log2 e: the kernels' scores are in base 2.
+fn scale2() -> f32 {
+    AttnParams::new(Q_HEADS, D).scale * std::f32::consts::LOG2_E
+}
+
+/// Both kernels' first ten arguments: q, K, V, the decode's metadata and `ints`' first four
+/// (max_blocks, num_blocks, kv_heads, q_heads).
+fn common_args<'a>(
+    l: &mut Launch<'a>,
+    sh: &'a Shape<'_>,
+    decode: &'a DeviceBatch,
+    ints: &'a [i32],
+) {
+    l.arg(sh.q)
+        .arg(sh.kv.k())
+        .arg(sh.kv.v())
+        .arg(decode.cu_seqlens_q())
+        .arg(decode.seq_lens_kv())
+        .arg(decode.block_table())
+        .arg(&ints[0])
+        .arg(&ints[1])
+        .arg(&ints[2])
+        .arg(&ints[3]);
+}
+
+/// `after`: `None` on a stream of its own; else right after the top-k, which published its
+/// rows or not.
+pub(super) fn launch_pages(
+    k: &Kernels,
+    stream: &CudaStream,
+    after: Option<Option<Published<'_>>>,
+    sh: &Shape<'_>,
+    decode: &DeviceBatch,
+    prev: &DeviceSelection,
+    parts: &mut Parts,
+) -> Result<(), AlgoError> {
+    let ints = [
+        int(decode.max_blocks())?,
+        int(sh.layout.num_blocks)?,
+        int(KV_HEADS)?,
+        int(Q_HEADS)?,
+        int(prev.max_len)?,
+        i32::from(matches!(after, Some(Some(_)))),
+    ];
+    let (flags, epoch) = match &after {
+        Some(Some(p)) => (p.flags, p.epoch),
+        _ => (&parts.none, &parts.none),
+    };
+    let scale = scale2();
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32::try_from(prev.max_len.div_ceil(4))
+                .map_err(|_| AlgoError::Invalid("grid".into()))?,
+            u32::try_from(prev.rows).map_err(|_| AlgoError::Invalid("grid".into()))?,
+            1,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = Launch::new(stream, &k.pages);
+    l.dependent(after.is_some());
+    common_args(&mut l, sh, decode, &ints);
+    l.arg(&prev.ids)
+        .arg(&prev.lens)
+        .arg(&ints[4])
+        .arg(&scale)
+        .arg(&mut parts.prev_o)
+        .arg(&mut parts.prev_lse)
+        .arg(flags)
+        .arg(epoch)
+        .arg(&ints[5]);
+    // SAFETY: the arguments follow `spec_pages_bf16_d128` in kernels/spec.cu: bf16 q, K and V of
+    // the shape's pool (head dim 128), the decode's metadata, rows of `max_len` page ids and the
+    // partials sized for them, and the top-k's flags and step value where it published its
+    // rows (one flag a row: a per-head selection); every id and block is range-checked in the
+    // kernel.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments, reason = "a prototype's launch")]
+pub(super) fn launch_finish(
+    k: &Kernels,
+    stream: &CudaStream,
+    sh: &Shape<'_>,
+    decode: &DeviceBatch,
+    top: &DeviceTopK,
+    prev: &DeviceSelection,
+    parts: &Parts,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), AlgoError> {
+    let new = &top.sel;
+    let ints = [
+        int(decode.max_blocks())?,
+        int(sh.layout.num_blocks)?,
+        int(KV_HEADS)?,
+        int(Q_HEADS)?,
+        int(new.max_len)?,
+        int(prev.max_len)?,
+    ];
+    let scale = scale2();
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32::try_from(new.rows).map_err(|_| AlgoError::Invalid("grid".into()))?,
+            4,
+            1,
+        ),
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = Launch::new(stream, &k.finish);
+    l.dependent(true);
+    common_args(&mut l, sh, decode, &ints);
+    l.arg(&new.ids)
+        .arg(&new.lens)
+        .arg(&ints[4])
+        .arg(&prev.ids)
+        .arg(&prev.lens)
+        .arg(&ints[5])
+        .arg(&parts.prev_o)
+        .arg(&parts.prev_lse)
+        .arg(&scale)
+        .arg(out);
+    // SAFETY: the arguments follow `spec_finish_bf16_d128` in kernels/spec.cu, as for
+    // `spec_pages`, with the new selection's rows (at most MAX_WIDTH wide, checked by the
+    // caller), the partials `spec_pages` wrote (its stream's event precedes this launch) and
+    // the output `[b, q_heads, 128]`. It waits for the top-k (`pdl_wait`) before reading its
+    // rows.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+impl Parts {
+    /// Room for `rows` rows of `width` walked pages.
+    pub(super) fn new(gpu: &Gpu, rows: usize, width: usize) -> Result<Self, AlgoError> {
+        if width > MAX_WIDTH {
+            return Err(AlgoError::Invalid(format!(
+                "rows of {width} pages; spec_finish stages {MAX_WIDTH}"
+            )));
+        }
+        Ok(Parts {
+            prev_o: gpu.zeros(rows * width * 4 * D)?,
+            prev_lse: gpu.zeros(rows * width * 4)?,
+            none: gpu.zeros(1)?,
+        })
+    }
+}
