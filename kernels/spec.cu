@@ -233,6 +233,28 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
                       block, valid, kv_heads, h, o, lse, p_smem[warp]);
 }
 
+// Grid (ceil(width * 64 / 256), rows); asks L2 for every 128-byte line of K and V of the row's
+// likely pages (64 a page), a thread a line, so that a walk after the top-k finds them there.
+extern "C" __global__ void __launch_bounds__(256) spec_warm_bf16_d128(
+    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
+    const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
+    i32 num_blocks, i32 kv_heads, const i32* __restrict__ ids, const i32* __restrict__ lens,
+    i32 width) {
+    const int row = blockIdx.y;
+    const int seq = row / kv_heads, h = row % kv_heads;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = t >> 6, l = t & 63, j = (l & 31) >> 1;
+    const int n = min(max(lens[row], 0), width);
+    if (i >= n) return;
+    i32 valid;
+    const i32 b = spec_block(block_table, max_blocks, num_blocks, seq,
+                             ids[(size_t)row * width + i], kv_lens[seq], &valid);
+    if (b < 0 || j >= valid) return;
+    const __nv_bfloat16* base = l < 32 ? kc : vc;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(
+        base + (((size_t)b * SPEC_PS + j) * kv_heads + h) * SPEC_D + (l & 1) * (SPEC_D / 2)));
+}
+
 // Grid (rows, 4): one CTA of FIN_WARPS warps per (row, query head of the group), launched as a
 // dependent of the top-k's pick_rows, after spec_pages has finished (an event on its stream).
 // Every warp merges its share of the partials of the selected pages the likely ones hold, then

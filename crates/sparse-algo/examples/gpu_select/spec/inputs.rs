@@ -142,7 +142,7 @@ pub(super) fn likely_sets(
     width: usize,
     sh: &Shape<'_>,
 ) -> Result<(Vec<DeviceSelection>, usize), AlgoError> {
-    let Walk::Early { share, count } = walk else {
+    let (Walk::Early { share, count } | Walk::Warm { share, count }) = walk else {
         let selected = wants
             .iter()
             .map(|w| w.ids.iter().filter(|&&x| x >= 0).count())

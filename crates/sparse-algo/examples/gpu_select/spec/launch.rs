@@ -23,6 +23,7 @@ pub(super) const MAX_WIDTH: usize = 256;
 pub(super) struct Kernels {
     pages: CudaFunction,
     finish: CudaFunction,
+    warm: CudaFunction,
 }
 
 /// The partials per walked page `[rows, width, 4, D]` and their LSEs, and a flag buffer
@@ -48,6 +49,7 @@ pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
     Ok(Kernels {
         pages: f("spec_pages_bf16_d128")?,
         finish: f("spec_finish_bf16_d128")?,
+        warm: f("spec_warm_bf16_d128")?,
     })
 }
 
@@ -201,4 +203,46 @@ impl Parts {
             none: gpu.zeros(1)?,
         })
     }
+}
+
+/// `spec_warm` on `stream` over the rows `likely`.
+pub(super) fn launch_warm(
+    k: &Kernels,
+    stream: &CudaStream,
+    sh: &Shape<'_>,
+    decode: &DeviceBatch,
+    likely: &DeviceSelection,
+) -> Result<(), AlgoError> {
+    let ints = [
+        int(decode.max_blocks())?,
+        int(sh.layout.num_blocks)?,
+        int(KV_HEADS)?,
+        int(likely.max_len)?,
+    ];
+    let grid = |x: usize| u32::try_from(x).map_err(|_| AlgoError::Invalid("grid".into()));
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid((likely.max_len * 64).div_ceil(256))?,
+            grid(likely.rows)?,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = Launch::new(stream, &k.warm);
+    l.arg(sh.kv.k())
+        .arg(sh.kv.v())
+        .arg(decode.seq_lens_kv())
+        .arg(decode.block_table())
+        .arg(&ints[0])
+        .arg(&ints[1])
+        .arg(&ints[2])
+        .arg(&likely.ids)
+        .arg(&likely.lens)
+        .arg(&ints[3]);
+    // SAFETY: the arguments follow `spec_warm_bf16_d128` in kernels/spec.cu: the shape's K and
+    // V pool (head dim 128), the decode's lengths and block table, and rows of `max_len` page
+    // ids; every id and block is range-checked in the kernel, which only prefetches.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
 }

@@ -32,7 +32,7 @@ use crate::rng::Rng;
 use crate::steptrace::Step;
 pub(crate) use inputs::Host;
 use inputs::{cpu_reference, likely_sets, worst_diff, worst_of};
-use launch::{Kernels, Parts, compile, launch_finish, launch_pages};
+use launch::{Kernels, Parts, compile, launch_finish, launch_pages, launch_warm};
 
 /// Which pages a step walks when.
 #[derive(Clone, Copy, Debug)]
@@ -45,10 +45,12 @@ enum Walk {
     /// A count of 1 stands for the previous step's selection, 2 for a hot buffer of twice the
     /// budget. `examples/overlap.rs` of the engine measures the shares on the real model.
     Early { share: f64, count: usize },
+    /// Likely pages only asked of L2 during the top-k (`spec_warm`), then the late walk.
+    Warm { share: f64, count: usize },
 }
 
 /// The walks the bench times.
-const WALKS: [Walk; 11] = [
+const WALKS: [Walk; 14] = [
     Walk::Late { published: false },
     Walk::Late { published: true },
     Walk::Early {
@@ -84,6 +86,18 @@ const WALKS: [Walk; 11] = [
         count: 2,
     },
     Walk::Early {
+        share: 0.88,
+        count: 2,
+    },
+    Walk::Warm {
+        share: 1.0,
+        count: 1,
+    },
+    Walk::Warm {
+        share: 0.7,
+        count: 1,
+    },
+    Walk::Warm {
         share: 0.88,
         count: 2,
     },
@@ -216,7 +230,7 @@ pub(crate) fn bench_spec(
     };
     gpu.synchronize()?;
     let walks = if check {
-        vec![WALKS[1], WALKS[10]]
+        vec![WALKS[1], WALKS[10], WALKS[13]]
     } else {
         WALKS.to_vec()
     };
@@ -231,7 +245,7 @@ pub(crate) fn bench_spec(
         };
         // Eager, each layer into its own output, checked against the CPU.
         for (layer, out) in outs.iter_mut().enumerate() {
-            spec.step(layer, sets.get(layer), out)?;
+            spec.step(layer, walk, sets.get(layer), out)?;
         }
         hi.synchronize()?;
         let eager = worst_diff(gpu, &outs, &cpu)?;
@@ -253,7 +267,7 @@ pub(crate) fn bench_spec(
             gpu.stream().memset_zeros(o).map_err(AttnError::from)?;
         }
         gpu.synchronize()?;
-        let t = spec.time_graph(gpu, &sets, &mut outs)?;
+        let t = spec.time_graph(gpu, walk, &sets, &mut outs)?;
         let graph = worst_diff(gpu, &outs, &cpu)?;
         rows.push(Row {
             name: format!("spec step 8 layers one graph, {} {}", walk.name(), sh.tag),
@@ -281,6 +295,10 @@ impl Walk {
             Walk::Early { share, count } => {
                 format!("{count}x pages holding {:.0}%", share * 100.0)
             }
+            Walk::Warm { share, count } => format!(
+                "pages after the top-k, {count}x pages holding {:.0}% warmed",
+                share * 100.0
+            ),
         }
     }
 }
@@ -292,17 +310,22 @@ impl Spec<'_> {
     fn step(
         &mut self,
         layer: usize,
+        walk: Walk,
         likely: Option<&DeviceSelection>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), AlgoError> {
         let decode = &self.decodes[layer];
         let (hi, lo) = (self.hi.stream(), self.lo.stream());
         let event = || Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let walked = match likely {
+        let side = match likely {
             Some(prev) => {
                 let start = hi.record_event(event()).map_err(AttnError::from)?;
                 lo.wait(&start).map_err(AttnError::from)?;
-                launch_pages(self.k, lo, None, self.sh, decode, prev, self.parts)?;
+                if matches!(walk, Walk::Warm { .. }) {
+                    launch_warm(self.k, lo, self.sh, decode, prev)?;
+                } else {
+                    launch_pages(self.k, lo, None, self.sh, decode, prev, self.parts)?;
+                }
                 Some(lo.record_event(event()).map_err(AttnError::from)?)
             }
             None => None,
@@ -317,24 +340,33 @@ impl Spec<'_> {
             self.pool,
             self.top,
         )?;
-        match (likely, walked) {
-            (Some(prev), Some(walked)) => {
-                hi.wait(&walked).map_err(AttnError::from)?;
+        match (walk, likely) {
+            (Walk::Early { .. }, Some(prev)) => {
+                if let Some(e) = &side {
+                    hi.wait(e).map_err(AttnError::from)?;
+                }
                 launch_finish(self.k, hi, self.sh, decode, self.top, prev, self.parts, out)
             }
             _ => {
                 let sel = &self.top.sel;
                 let after = Some(self.top.published());
                 launch_pages(self.k, hi, after, self.sh, decode, sel, self.parts)?;
+                // The warm's stream rejoins before the finish (it holds no data the finish
+                // reads).
+                if let Some(e) = &side {
+                    hi.wait(e).map_err(AttnError::from)?;
+                }
                 launch_finish(self.k, hi, self.sh, decode, self.top, sel, self.parts, out)
             }
         }
     }
+
     /// Every layer's step, with `sets` its likely pages (none: a late walk), captured into one
     /// graph on the high-priority stream (node priorities kept) and timed.
     fn time_graph(
         &mut self,
         gpu: &Gpu,
+        walk: Walk,
         sets: &[DeviceSelection],
         outs: &mut [CudaSlice<f32>],
     ) -> Result<Timing, AlgoError> {
@@ -347,7 +379,7 @@ impl Spec<'_> {
             let enqueued = outs
                 .iter_mut()
                 .enumerate()
-                .try_for_each(|(layer, out)| self.step(layer, sets.get(layer), out));
+                .try_for_each(|(layer, out)| self.step(layer, walk, sets.get(layer), out));
             let graph = stream
                 .end_capture(
                     CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY,
