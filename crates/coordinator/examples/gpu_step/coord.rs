@@ -1,7 +1,9 @@
 //! `gpu_step check`, coordinator part: two [`SparseCoordinator`]s fed the same forwards, one
 //! through the CPU hooks and one through the device hooks ([`DeviceSparse`]). Requests of
 //! different lengths prefill, decode across page boundaries, end, and a new request takes a
-//! freed slot in a mixed prefill + decode batch. Per sparse layer and step: the routes, the
+//! freed slot in a mixed prefill + decode batch, and two forwards are abandoned
+//! (`abort_forward`: the requests each side ended must be the ones its hooks reached). Per
+//! sparse layer and step: the routes, the
 //! selections, the hits and misses, and the attention outputs (relative error 1e-2 in bf16)
 //! must agree. The scenario runs six times: Quest with one selection shared by the KV heads,
 //! and with one per KV head (whose hot buffer holds their union), each without and with
@@ -135,6 +137,18 @@ fn scenario(
     for _ in 0..8 {
         p.forward(gpu, &[(c, 1), (a, 1), (d, 1)])?;
     }
+    // Two forwards abandoned: in the dense layer 0 (nothing ended), then in the sparse layer
+    // 1 (its decode rows ended, and on the device the prefilling request too); `d` decodes on.
+    let e = RequestId(5);
+    for co in [&mut p.cpu, &mut p.gco] {
+        co.on_request_end(c).map_err(err)?;
+    }
+    p.begin(e, 64)?;
+    p.forward_until(gpu, &[(a, 1), (e, 64)], Some(0))?;
+    p.forward_until(gpu, &[(a, 1), (e, 64)], Some(1))?;
+    for _ in 0..4 {
+        p.forward(gpu, &[(d, 1)])?;
+    }
     // The device's running totals (added up by `tally` after every diff) against the
     // per-step counts read above.
     let (totals, early) = (
@@ -187,6 +201,21 @@ impl Pair {
 
     /// One forward through both coordinators, comparing every sparse layer's step.
     fn forward(&mut self, gpu: &Gpu, batch: &[(RequestId, usize)]) -> Res<()> {
+        self.forward_until(gpu, batch, None)
+    }
+
+    /// [`forward`](Self::forward), abandoned on both sides after layer `stop`'s
+    /// `attention_begin` when `stop` is set, as an engine whose model failed there would.
+    /// Both must end the sparse-mode requests a sparse layer reached: on the CPU the decode
+    /// rows a begun sparse layer stepped; on the device those and the batch's prefilling
+    /// requests too, whose new tokens its `attention_begin_device` backs up. The CPU then ends
+    /// the prefilling ones as well, so the two stay in step.
+    fn forward_until(
+        &mut self,
+        gpu: &Gpu,
+        batch: &[(RequestId, usize)],
+        stop: Option<usize>,
+    ) -> Res<()> {
         let tokens: usize = batch.iter().map(|b| b.1).sum();
         let (qs, kvs) = (
             MODEL.q_heads * MODEL.head_dim,
@@ -204,7 +233,8 @@ impl Pair {
                 self.failed += 1;
                 println!("FAIL coordinator layer {next}: the two want prefetch differently");
             }
-            if self.gco.wants_prefetch(next) {
+            // No prefetch for a layer an abandoned forward never reaches.
+            if self.gco.wants_prefetch(next) && stop.is_none_or(|s| next <= s) {
                 // An estimate of the next layer's queries: its query direction, other noise.
                 let qb: Vec<bf16> = (0..tokens * qs)
                     .map(|i| bf16::from_f32(self.base_q[next][i % qs] + 0.3 * self.rng.unit()))
@@ -323,6 +353,9 @@ impl Pair {
                 self.compared += 1;
                 println!("FAIL coordinator layer {layer}: the device planned sparse rows");
             }
+            if stop == Some(layer) {
+                return self.abort(batch, layer);
+            }
             self.cpu.attention_end(layer, &k, &v).map_err(err)?;
             self.gco
                 .attention_end_device(gpu, &mut self.dev, layer)
@@ -330,6 +363,44 @@ impl Pair {
         }
         self.cpu.forward_end().map_err(err)?;
         self.gco.forward_end().map_err(err)?;
+        Ok(())
+    }
+
+    /// Abandons the forward over `batch` on both sides, in layer `layer` after its
+    /// `attention_begin`, and compares the requests each ended (see
+    /// [`forward_until`](Self::forward_until)).
+    fn abort(&mut self, batch: &[(RequestId, usize)], layer: usize) -> Res<()> {
+        let sparse = self.cpu.lowered().layers[layer].is_some();
+        let phase = |co: &SparseCoordinator<bf16>, id| co.tracker(id).map(|t| t.phase);
+        let prefilling: Vec<RequestId> = batch
+            .iter()
+            .map(|&(id, _)| id)
+            .filter(|&id| phase(&self.cpu, id) == Some(coordinator::Phase::Prefill))
+            .collect();
+        let decoding: Vec<RequestId> = batch
+            .iter()
+            .map(|&(id, _)| id)
+            .filter(|id| !prefilling.contains(id))
+            .collect();
+        let cpu = self.cpu.abort_forward().map_err(err)?;
+        let dev = self.gco.abort_forward().map_err(err)?;
+        let (want_cpu, want_dev): (Vec<RequestId>, Vec<RequestId>) = if sparse {
+            let all = batch.iter().map(|&(id, _)| id).collect();
+            (decoding, all)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        self.compared += 1;
+        if cpu != want_cpu || dev != want_dev {
+            self.failed += 1;
+            println!(
+                "FAIL coordinator abandoned in layer {layer}: the CPU ended {cpu:?} (want \
+                 {want_cpu:?}), the device {dev:?} (want {want_dev:?})"
+            );
+        }
+        for id in dev.iter().filter(|id| !cpu.contains(id)) {
+            self.cpu.on_request_end(*id).map_err(err)?;
+        }
         Ok(())
     }
 }
