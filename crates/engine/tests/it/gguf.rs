@@ -342,3 +342,28 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Any text, ASCII or not, control characters and the tokenizer's own special-token
+    /// spellings included, decodes back from its encoding to itself.
+    #[test]
+    fn any_text_round_trips_through_the_tokenizer(
+        parts in proptest::collection::vec(
+            prop_oneof![
+                4 => any::<String>(),
+                1 => Just("<|extra_299|>".to_owned()),
+                1 => Just(" \n\t  ".to_owned()),
+                1 => "[a-z ]{0,12}",
+            ],
+            0..6,
+        ),
+    ) {
+        let tok = engine::Tokenizer::from_gguf(&crate::model::tiny(DType::F16))
+            .expect("the synthetic model's tokenizer");
+        let text: String = parts.concat();
+        let ids = tok.encode(&text).expect("every text encodes");
+        prop_assert_eq!(tok.decode(&ids).expect("its ids decode"), text);
+    }
+}

@@ -1,5 +1,6 @@
 //! The real model end to end, where `cargo xtask fetch-model` has fetched it: tokenizer
-//! against llama.cpp's ids and through its `tokenizer.json` form, perplexity of a real text, a greedy answer, and sparse with a full
+//! against llama.cpp's ids and through its `tokenizer.json` form, any text round-tripping
+//! through it, perplexity of a real text, a greedy answer, and sparse with a full
 //! budget against dense. CI fetches the model and sets `HSA_REQUIRE_MODEL=1`, which turns a
 //! missing model into a failure; elsewhere the test says it skipped.
 
@@ -92,4 +93,38 @@ fn real_model_end_to_end() {
             .expect("a valid request");
     let answer = tok.decode(&out).expect("valid ids");
     assert!(answer.contains("Paris"), "answer: {answer:?}");
+}
+
+/// Any text, ASCII or not, decodes back from the real tokenizer's encoding to itself.
+#[test]
+#[allow(clippy::print_stderr, reason = "a skipped test says so")]
+fn any_text_round_trips_through_the_real_tokenizer() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRng, TestRunner};
+    let Some(path) = model_path() else {
+        eprintln!("skipped: the real model is not fetched (cargo xtask fetch-model)");
+        return;
+    };
+    let g = Gguf::open(&path).expect("the fetched model parses");
+    let tok = Tokenizer::from_gguf(&g).expect("its tokenizer builds");
+    let text = proptest::collection::vec(
+        prop_oneof![
+            4 => any::<String>(),
+            1 => Just("<|im_start|>user\n".to_owned()),
+            1 => Just(" \n\t  ".to_owned()),
+            1 => "[a-zA-Z0-9 ,.]{0,24}",
+        ],
+        0..6,
+    )
+    .prop_map(|parts| parts.concat());
+    // A fixed seed: the model loads once, outside proptest's own per-test runner.
+    let config = Config::with_cases(512);
+    let rng = TestRng::deterministic_rng(config.rng_algorithm);
+    TestRunner::new_with_rng(config, rng)
+        .run(&text, |text| {
+            let ids = tok.encode(&text).expect("every text encodes");
+            prop_assert_eq!(tok.decode(&ids).expect("its ids decode"), text);
+            Ok(())
+        })
+        .expect("every text round-trips");
 }
