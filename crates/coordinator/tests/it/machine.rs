@@ -223,7 +223,8 @@ impl Machine {
         };
         let page = lowered.page_size;
         let sparse = lowered.layers.iter().any(Option::is_some);
-        // Host pages hold a page of every layer.
+        // A host page holds a page of tokens for every layer: a request takes at most
+        // `MAX / page` of them.
         let most = SLOTS * MAX.div_ceil(page);
         let host_pages = match s.host {
             None => most + 8,
