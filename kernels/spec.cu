@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ new_ids,
     const i32* __restrict__ new_lens, i32 new_width, const i32* __restrict__ prev_ids,
     const i32* __restrict__ prev_lens, i32 prev_width, const float* __restrict__ part_o,
-    const float* __restrict__ part_lse, float scale2, float* __restrict__ out) {
+    const float* __restrict__ part_lse, i32 late, float scale2, float* __restrict__ out) {
     constexpr int BATCH = 8;
     __shared__ i32 s_new[SPEC_MAXW];
     __shared__ i32 s_prev[SPEC_MAXW];
@@ -284,21 +284,26 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     const int row = blockIdx.x, hq = blockIdx.y;
     const int seq = row / kv_heads, h = row % kv_heads;
     // Before the wait, what the top-k never writes: the sequence's block-table row into L2,
-    // the previous selection into shared memory.
+    // and the pages walked early into shared memory. (`late`: the walk was of the top-k's own
+    // rows, and every selected page has its partial at its own index.)
     for (int t = tid * 32; t < max_blocks; t += blockDim.x * 32)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(block_table + (size_t)seq * max_blocks + t));
-    const int np = min(max(prev_lens[row], 0), min(prev_width, SPEC_MAXW));
+    const int np = late ? 0 : min(max(prev_lens[row], 0), min(prev_width, SPEC_MAXW));
     for (int t = tid; t < np; t += blockDim.x) s_prev[t] = prev_ids[(size_t)row * prev_width + t];
     if (tid < 2) s_count[tid] = 0;
     pdl_wait();
     pdl_launch_dependents();
     const int nn = min(max(new_lens[row], 0), min(new_width, SPEC_MAXW));
     for (int t = tid; t < nn; t += blockDim.x) s_new[t] = new_ids[(size_t)row * new_width + t];
+    if (late) {
+        for (int t = tid; t < nn; t += blockDim.x) s_hit[t] = t;
+        if (tid == 0) s_count[0] = nn;
+    }
     __syncthreads();
     // Each new page: a hit (its index in the ascending previous selection) or a miss, whose
     // pool block is looked up now (the table row is in L2).
     const i32 kv_len = kv_lens[seq];
-    for (int k = tid; k < nn; k += blockDim.x) {
+    for (int k = late ? nn : tid; k < nn; k += blockDim.x) {
         const i32 page = s_new[k];
         int lo = 0, hi = np;
         while (lo < hi) {

@@ -144,11 +144,13 @@ pub(super) fn launch_finish(
     sh: &Shape<'_>,
     decode: &DeviceBatch,
     top: &DeviceTopK,
-    prev: &DeviceSelection,
+    walked: Option<&DeviceSelection>,
     parts: &Parts,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), AlgoError> {
     let new = &top.sel;
+    // None: the walk was of the top-k's own rows, every selected page at its own index.
+    let prev = walked.unwrap_or(new);
     let ints = [
         int(decode.max_blocks())?,
         int(sh.layout.num_blocks)?,
@@ -156,6 +158,7 @@ pub(super) fn launch_finish(
         int(Q_HEADS)?,
         int(new.max_len)?,
         int(prev.max_len)?,
+        i32::from(walked.is_none()),
     ];
     let scale = scale2();
     let cfg = LaunchConfig {
@@ -178,6 +181,7 @@ pub(super) fn launch_finish(
         .arg(&ints[5])
         .arg(&parts.prev_o)
         .arg(&parts.prev_lse)
+        .arg(&ints[6])
         .arg(&scale)
         .arg(out);
     // SAFETY: the arguments follow `spec_finish_bf16_d128` in kernels/spec.cu, as for

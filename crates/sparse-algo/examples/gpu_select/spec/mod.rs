@@ -345,7 +345,16 @@ impl Spec<'_> {
                 if let Some(e) = &side {
                     hi.wait(e).map_err(AttnError::from)?;
                 }
-                launch_finish(self.k, hi, self.sh, decode, self.top, prev, self.parts, out)
+                launch_finish(
+                    self.k,
+                    hi,
+                    self.sh,
+                    decode,
+                    self.top,
+                    Some(prev),
+                    self.parts,
+                    out,
+                )
             }
             _ => {
                 let sel = &self.top.sel;
@@ -356,7 +365,7 @@ impl Spec<'_> {
                 if let Some(e) = &side {
                     hi.wait(e).map_err(AttnError::from)?;
                 }
-                launch_finish(self.k, hi, self.sh, decode, self.top, sel, self.parts, out)
+                launch_finish(self.k, hi, self.sh, decode, self.top, None, self.parts, out)
             }
         }
     }
