@@ -286,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     // Before the wait, what the top-k never writes: the sequence's block-table row into L2,
     // and the pages walked early into shared memory. (`late`: the walk was of the top-k's own
     // rows, and every selected page has its partial at its own index.)
-    for (int t = tid * 32; t < max_blocks; t += blockDim.x * 32)
+    for (int t = tid * 32; !late && t < max_blocks; t += blockDim.x * 32)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(block_table + (size_t)seq * max_blocks + t));
     const int np = late ? 0 : min(max(prev_lens[row], 0), min(prev_width, SPEC_MAXW));
     for (int t = tid; t < np; t += blockDim.x) s_prev[t] = prev_ids[(size_t)row * prev_width + t];
@@ -294,7 +294,9 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     pdl_wait();
     pdl_launch_dependents();
     const int nn = min(max(new_lens[row], 0), min(new_width, SPEC_MAXW));
-    for (int t = tid; t < nn; t += blockDim.x) s_new[t] = new_ids[(size_t)row * new_width + t];
+    // A late walk needs only the row's length: no page of it is looked up here.
+    for (int t = late ? nn : tid; t < nn; t += blockDim.x)
+        s_new[t] = new_ids[(size_t)row * new_width + t];
     if (late) {
         for (int t = tid; t < nn; t += blockDim.x) s_hit[t] = t;
         if (tid == 0) s_count[0] = nn;
