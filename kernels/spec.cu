@@ -216,8 +216,13 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
     const int seq = row / kv_heads, h = row % kv_heads;
     const int i = blockIdx.x * 4 + warp;
     const int n = min(max(__ldcg(lens + row), 0), width);
-    if (i >= n) return;
     const size_t at = (size_t)row * width + i;
+    if (i >= n) {
+        // A place past the row's pages holds an empty partial's LSE, so that a merge may read
+        // every place without the row's length.
+        if (i < width && (threadIdx.x & 31) < SPEC_G) part_lse[at * SPEC_G + (threadIdx.x & 31)] = SPEC_NEG_INF;
+        return;
+    }
     float* o = part_o + at * SPEC_G * SPEC_D;
     float* lse = part_lse + at * SPEC_G;
     i32 valid;
@@ -293,8 +298,10 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     if (tid < 2) s_count[tid] = 0;
     pdl_wait();
     pdl_launch_dependents();
-    const int nn = min(max(new_lens[row], 0), min(new_width, SPEC_MAXW));
-    // A late walk needs only the row's length: no page of it is looked up here.
+    // A late walk reads every place of the row (its walk left an empty partial past the row's
+    // pages), so it needs neither the row's length nor its pages.
+    const int nn = late ? min(new_width, SPEC_MAXW)
+                        : min(max(new_lens[row], 0), min(new_width, SPEC_MAXW));
     for (int t = late ? nn : tid; t < nn; t += blockDim.x)
         s_new[t] = new_ids[(size_t)row * new_width + t];
     if (late) {
