@@ -221,12 +221,13 @@ pub(crate) fn bench(
         };
         // Its own generator, so that the shapes after it keep their tables.
         let mut cold_rng = Rng::new(29 + b as u64);
+        let layers = cold::Layers::new(gpu, sk, &shape, &mut cold_rng)?;
         rows.extend(cold::bench_cold(
             gpu,
             sk,
             &shape,
+            &layers,
             &mut out_attn,
-            &mut cold_rng,
             &mut traces,
         )?);
         let t = gpu.time(RUNS, || {

@@ -44,34 +44,21 @@ pub(crate) fn bench_cold(
     gpu: &mut Gpu,
     sk: &mut SelectKernels,
     sh: &Shape<'_>,
+    l: &Layers,
     out: &mut CudaSlice<f32>,
-    rng: &mut Rng,
     traces: &mut Vec<String>,
 ) -> Result<Vec<Row>, AlgoError> {
-    let quest = &quest_2k(Summary::E4m3)?;
-    let (b, ctx) = (sh.b, sh.ctx);
-    let (pool, decodes, _) = layers(gpu, sk, quest, sh, rng)?;
-    let mut top = DeviceTopK::new(gpu, quest, b, KV_HEADS, ctx, false)?;
+    let (quest, decodes) = (&l.quest, &l.decodes);
+    let mut top = DeviceTopK::new(gpu, quest, sh.b, KV_HEADS, sh.ctx, false)?;
     // The one graph's attention outputs, a buffer a layer, so that every layer's is checked.
     let mut outs = (0..COLD_LAYERS)
         .map(|_| gpu.zeros::<f32>(out.len()))
         .collect::<Result<Vec<_>, _>>()?;
     let step_tag = format!(" e4m3 {}", sh.tag);
-    let mut step = Step {
-        quest,
-        q: sh.q,
-        kv: sh.kv,
-        decode: &decodes[0],
-        slots: sh.slots,
-        pool: &pool,
-        layer: 0,
-        top: &mut top,
-        out,
-        tag: &step_tag,
-    };
+    let mut step = l.step(sh, &mut top, out, &step_tag);
     // What each layer's graph must reproduce: its step serialized, eager.
     sk.set_publish(false);
-    let wants = wants(gpu, sk, &mut step, &decodes)?;
+    let wants = wants(gpu, sk, &mut step, decodes)?;
     // A stream of its own: the context's default stream cannot be captured.
     let lane = gpu.fork()?;
     let mut lane_sk = sk.on_stream(lane.stream().clone());
@@ -180,43 +167,77 @@ pub(crate) fn bench_cold(
     ])
 }
 
-/// What [`layers`] answers.
-pub(crate) type Layers = (DeviceRepPool<bf16>, Vec<DeviceBatch>, Vec<Vec<i32>>);
+/// Every layer's E4M3 Quest step inputs at one shape: the algorithm, its min/max pool (a
+/// pool layer each, built from a prefill of the whole context), and each layer's decode
+/// metadata and block table (a fresh permutation of the KV pool's blocks).
+pub(crate) struct Layers {
+    pub quest: Quest,
+    pub pool: DeviceRepPool<bf16>,
+    pub decodes: Vec<DeviceBatch>,
+    pub tables: Vec<Vec<i32>>,
+}
 
-/// Every layer's E4M3 min/max pool (a pool layer each, built from a prefill of the whole
-/// context), decode metadata and block table, each table a fresh permutation of the KV pool's
-/// blocks drawn from `rng`.
-pub(crate) fn layers(
-    gpu: &Gpu,
-    sk: &SelectKernels,
-    quest: &Quest,
-    sh: &Shape<'_>,
-    rng: &mut Rng,
-) -> Result<Layers, AlgoError> {
-    let (b, ctx) = (sh.b, sh.ctx);
-    let blocks = ctx / PS;
-    let lens = vec![ctx; b];
-    let shape = quest.rep_shape(KV_HEADS, D);
-    let mut pool =
-        DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, Summary::E4m3)?;
-    let mut decodes: Vec<DeviceBatch> = Vec::with_capacity(COLD_LAYERS);
-    let mut tables = Vec::with_capacity(COLD_LAYERS);
-    for layer in 0..COLD_LAYERS {
-        let perm = rng.permutation(POOL_BLOCKS);
-        let table: Vec<i32> = perm[..b * blocks].iter().map(|&p| p as i32).collect();
-        let prefill = meta_for(gpu, sh.layout, &lens, &lens, &table, blocks)?;
-        sk.update_minmax(quest, sh.kv, &prefill, layer, sh.slots, &mut pool)?;
-        decodes.push(meta_for(
-            gpu,
-            sh.layout,
-            &lens,
-            &vec![1; b],
-            &table,
-            blocks,
-        )?);
-        tables.push(table);
+impl Layers {
+    /// The [`COLD_LAYERS`] layers of `sh`, their tables drawn from `rng`.
+    pub(crate) fn new(
+        gpu: &Gpu,
+        sk: &SelectKernels,
+        sh: &Shape<'_>,
+        rng: &mut Rng,
+    ) -> Result<Self, AlgoError> {
+        let quest = quest_2k(Summary::E4m3)?;
+        let (b, ctx) = (sh.b, sh.ctx);
+        let blocks = ctx / PS;
+        let lens = vec![ctx; b];
+        let shape = quest.rep_shape(KV_HEADS, D);
+        let mut pool =
+            DeviceRepPool::<bf16>::with_summary(gpu, shape, COLD_LAYERS, b, ctx, Summary::E4m3)?;
+        let mut decodes: Vec<DeviceBatch> = Vec::with_capacity(COLD_LAYERS);
+        let mut tables = Vec::with_capacity(COLD_LAYERS);
+        for layer in 0..COLD_LAYERS {
+            let perm = rng.permutation(POOL_BLOCKS);
+            let table: Vec<i32> = perm[..b * blocks].iter().map(|&p| p as i32).collect();
+            let prefill = meta_for(gpu, sh.layout, &lens, &lens, &table, blocks)?;
+            sk.update_minmax(&quest, sh.kv, &prefill, layer, sh.slots, &mut pool)?;
+            decodes.push(meta_for(
+                gpu,
+                sh.layout,
+                &lens,
+                &vec![1; b],
+                &table,
+                blocks,
+            )?);
+            tables.push(table);
+        }
+        Ok(Layers {
+            quest,
+            pool,
+            decodes,
+            tables,
+        })
     }
-    Ok((pool, decodes, tables))
+
+    /// Layer 0's step at `sh`, selecting into `top` and attending into `out`.
+    pub(crate) fn step<'a>(
+        &'a self,
+        sh: &Shape<'a>,
+        top: &'a mut DeviceTopK,
+        out: &'a mut CudaSlice<f32>,
+        tag: &'a str,
+    ) -> Step<'a> {
+        Step {
+            quest: &self.quest,
+            q: sh.q,
+            kv: sh.kv,
+            decode: &self.decodes[0],
+            slots: sh.slots,
+            pool: &self.pool,
+            layer: 0,
+            top,
+            out,
+            tag,
+        }
+    }
 }
 
 /// What each layer's step must reproduce: its step serialized and eager (`sk` not publishing).

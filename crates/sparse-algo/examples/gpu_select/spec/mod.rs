@@ -23,13 +23,12 @@ use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
-use sparse_algo::{AlgoError, Quest, Summary};
+use sparse_algo::{AlgoError, Quest};
 
-use crate::bench::{D, KV_HEADS, Q_HEADS, RUNS, kv_pool, quest_2k, untracked};
+use crate::bench::{D, KV_HEADS, Q_HEADS, RUNS, kv_pool, untracked};
 use crate::cold::{self, COLD_LAYERS, Shape};
 use crate::report::{self, Row, random_bf16, table};
 use crate::rng::Rng;
-use crate::steptrace::Step;
 pub(crate) use inputs::Host;
 use inputs::{cpu_reference, likely_sets, worst_diff, worst_of};
 use launch::{Kernels, Parts, compile, launch_finish, launch_pages, launch_warm};
@@ -174,34 +173,22 @@ pub(crate) fn bench_spec(
     check: bool,
 ) -> Result<Vec<Row>, AlgoError> {
     let mut out = gpu.zeros::<f32>(sh.b * Q_HEADS * D)?;
+    let l = cold::Layers::new(gpu, sk, sh, &mut Rng::new(seed))?;
     let mut rows = if check {
         Vec::new()
     } else {
-        cold::bench_cold(gpu, sk, sh, &mut out, &mut Rng::new(seed), &mut Vec::new())?
+        cold::bench_cold(gpu, sk, sh, &l, &mut out, &mut Vec::new())?
     };
-    // The same layers again (the same generator, so the same tables).
-    let quest = &quest_2k(Summary::E4m3)?;
-    let (pool, decodes, tables) = cold::layers(gpu, sk, quest, sh, &mut Rng::new(seed))?;
+    let (quest, pool, decodes) = (&l.quest, &l.pool, &l.decodes);
     let mut top = DeviceTopK::new(gpu, quest, sh.b, KV_HEADS, sh.ctx, false)?;
     let tag = format!(" e4m3 {}", sh.tag);
     sk.set_publish(false);
     let wants = {
-        let mut step = Step {
-            quest,
-            q: sh.q,
-            kv: sh.kv,
-            decode: &decodes[0],
-            slots: sh.slots,
-            pool: &pool,
-            layer: 0,
-            top: &mut top,
-            out: &mut out,
-            tag: &tag,
-        };
-        cold::wants(gpu, sk, &mut step, &decodes)?
+        let mut step = l.step(sh, &mut top, &mut out, &tag);
+        cold::wants(gpu, sk, &mut step, decodes)?
     };
     let width = top.sel.max_len;
-    let cpu = cpu_reference(host, sh, &tables, &wants, width)?;
+    let cpu = cpu_reference(host, sh, &l.tables, &wants, width)?;
     let plain_outs: Vec<Vec<f32>> = wants.iter().map(|w| w.out.clone()).collect();
     let plain = worst_of(&plain_outs, &cpu);
     let k = compile(gpu)?;
@@ -220,8 +207,8 @@ pub(crate) fn bench_spec(
         k: &k,
         sh,
         quest,
-        pool: &pool,
-        decodes: &decodes,
+        pool,
+        decodes,
         hi: &hi,
         lo: &lo,
         sk: &sk_hi,
