@@ -181,17 +181,28 @@ __device__ __forceinline__ void spec_queries(const __nv_bfloat16* __restrict__ q
     }
 }
 
-// An empty partial: zeros and an LSE of -inf.
-__device__ __forceinline__ void spec_empty(int nh, float* out_o, float* out_lse) {
-    const int lane = threadIdx.x & 31;
-    for (int hq = 0; hq < nh; hq++) {
-        reinterpret_cast<float4*>(out_o + hq * SPEC_D)[lane] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (lane == 0) out_lse[hq] = SPEC_NEG_INF;
-    }
+// The pool block of page `page` and its valid tokens, as spec_block, from the sequence's
+// block-table row staged in shared memory.
+__device__ __forceinline__ i32 spec_block_staged(const i32* tab, i32 max_blocks, i32 num_blocks,
+                                                 i32 page, i32 kv_len, i32* valid) {
+    *valid = min(SPEC_PS, kv_len - page * SPEC_PS);
+    if (page < 0 || page >= max_blocks || *valid <= 0) return -1;
+    const i32 b = tab[page];
+    return (b >= 0 && b < num_blocks) ? b : -1;
 }
 
+// `spec_pages`' mode bits (session 75's variants of the late walk).
+// The row's length is not read: its places past the row's pages hold -1 (the top-k pads).
+#define SPEC_NO_LEN 1
+// The sequence's block-table row is staged in dynamic shared memory before the wait.
+#define SPEC_STAGED 2
+// The CTA's four pages are merged into one partial (place blockIdx.x of a row of
+// ceil(width / 4)), so that the finish reads a quarter of the partials.
+#define SPEC_MERGE 4
+
 // Grid (ceil(width / 4), rows); 4 warps, a warp per page of the row's likely set (or, after the
-// top-k, of its selection).
+// top-k, of its selection). With SPEC_STAGED, the launch gives max_blocks i32 of dynamic shared
+// memory.
 extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
     const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
@@ -199,8 +210,31 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
     i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ ids,
     const i32* __restrict__ lens, i32 width, float scale2, float* __restrict__ part_o,
     float* __restrict__ part_lse, const unsigned int* flags, const unsigned int* epoch,
-    i32 published) {
+    i32 published, i32 mode) {
     __shared__ float p_smem[4][64];
+    __shared__ __align__(16) float s_o[4][SPEC_G * SPEC_D];
+    __shared__ float s_lse[4][SPEC_G];
+    extern __shared__ __align__(16) i32 s_table[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.y;
+    const int seq = row / kv_heads, h = row % kv_heads;
+    const bool staged = (mode & SPEC_STAGED) != 0, merge = (mode & SPEC_MERGE) != 0;
+    // The top-k never writes the block table: staged before the wait.
+    // (16-byte loads, eight in flight a thread: the host gives a max_blocks divisible by 4.)
+    if (staged) {
+        const int4* src = reinterpret_cast<const int4*>(block_table + (size_t)seq * max_blocks);
+        int4* dst = reinterpret_cast<int4*>(s_table);
+        const int n4 = max_blocks / 4;
+        for (int t0 = threadIdx.x; t0 < n4; t0 += blockDim.x * 8) {
+            int4 r[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (t0 + u * (int)blockDim.x < n4) r[u] = src[t0 + u * blockDim.x];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (t0 + u * (int)blockDim.x < n4) dst[t0 + u * blockDim.x] = r[u];
+        }
+    }
     // After the top-k on its stream (the pages it selected): with `published`, each CTA waits
     // for its row's flag (kernels/pdl.cuh), else for the whole top-k. On a stream of its own,
     // the PDL calls are no-ops. The rows are read past L1 either way.
@@ -211,31 +245,62 @@ extern "C" __global__ void __launch_bounds__(128) spec_pages_bf16_d128(
         pdl_wait();
         pdl_launch_dependents();
     }
-    const int warp = threadIdx.x >> 5;
-    const int row = blockIdx.y;
-    const int seq = row / kv_heads, h = row % kv_heads;
+    if (staged) __syncthreads();
     const int i = blockIdx.x * 4 + warp;
-    const int n = min(max(__ldcg(lens + row), 0), width);
+    const int n = (mode & SPEC_NO_LEN) ? width : min(max(__ldcg(lens + row), 0), width);
     const size_t at = (size_t)row * width + i;
-    if (i >= n) {
-        // A place past the row's pages holds an empty partial's LSE, so that a merge may read
-        // every place without the row's length.
-        if (i < width && (threadIdx.x & 31) < SPEC_G) part_lse[at * SPEC_G + (threadIdx.x & 31)] = SPEC_NEG_INF;
-        return;
+    float* o = merge ? s_o[warp] : part_o + at * SPEC_G * SPEC_D;
+    float* lse = merge ? s_lse[warp] : part_lse + at * SPEC_G;
+    bool live = false;
+    if (i < n) {
+        const i32 page = __ldcg(ids + at);
+        i32 valid;
+        const i32 block =
+            staged ? spec_block_staged(s_table, max_blocks, num_blocks, page, kv_lens[seq], &valid)
+                   : spec_block(block_table, max_blocks, num_blocks, seq, page, kv_lens[seq],
+                                &valid);
+        if (block >= 0) {
+            float qs[SPEC_G][4];
+            spec_queries<SPEC_G>(q, cu_q[seq + 1] - 1, q_heads, h, 0, scale2, qs);
+            spec_page<SPEC_G>(qs, reinterpret_cast<const uint2*>(kc),
+                              reinterpret_cast<const uint2*>(vc), block, valid, kv_heads, h, o,
+                              lse, p_smem[warp]);
+            live = true;
+        }
     }
-    float* o = part_o + at * SPEC_G * SPEC_D;
-    float* lse = part_lse + at * SPEC_G;
-    i32 valid;
-    const i32 block = spec_block(block_table, max_blocks, num_blocks, seq, __ldcg(ids + at),
-                                 kv_lens[seq], &valid);
-    if (block < 0) {
-        spec_empty(SPEC_G, o, lse);
-        return;
+    // A place past the row's pages, or a page outside the sequence, holds an empty partial's
+    // LSE, so that a merge may read every place without the row's length (a merge skips the
+    // output of an empty partial).
+    if (!live && (merge || i < width) && lane < SPEC_G) lse[lane] = SPEC_NEG_INF;
+    if (!merge) return;
+    __syncthreads();
+    // Thread t merges query head t / 32's dims 4 (t % 32) .. + 3 over the CTA's four pages.
+    const int hq = threadIdx.x >> 5;
+    float m = SPEC_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < 4; w++) m = fmaxf(m, s_lse[w][hq]);
+    float l = 0.0f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != SPEC_NEG_INF) {
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            if (s_lse[w][hq] == SPEC_NEG_INF) continue;
+            const float c = spec_exp2((s_lse[w][hq] - m) * 1.4426950408889634f);
+            const float4 v = reinterpret_cast<const float4*>(s_o[w] + hq * SPEC_D)[lane];
+            l += c;
+            acc.x += c * v.x;
+            acc.y += c * v.y;
+            acc.z += c * v.z;
+            acc.w += c * v.w;
+        }
     }
-    float qs[SPEC_G][4];
-    spec_queries<SPEC_G>(q, cu_q[seq + 1] - 1, q_heads, h, 0, scale2, qs);
-    spec_page<SPEC_G>(qs, reinterpret_cast<const uint2*>(kc), reinterpret_cast<const uint2*>(vc),
-                      block, valid, kv_heads, h, o, lse, p_smem[warp]);
+    const int places = (width + 3) / 4;
+    const size_t g = (size_t)row * places + blockIdx.x;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    reinterpret_cast<float4*>(part_o + (g * SPEC_G + hq) * SPEC_D)[lane] =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (lane == 0)
+        part_lse[g * SPEC_G + hq] = m == SPEC_NEG_INF ? m : m + spec_log2(l) * SPEC_LN2;
 }
 
 // Grid (ceil(width * 64 / 256), rows); asks L2 for every 128-byte line of K and V of the row's
@@ -420,3 +485,171 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
             make_float4(r.x * inv, r.y * inv, r.z * inv, r.w * inv);
     }
 }
+
+// A thread block cluster's rank of this CTA, its barrier (release, acquire), and a float of
+// another CTA's shared memory.
+__device__ __forceinline__ unsigned spec_cl_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void spec_cl_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
+}
+
+__device__ __forceinline__ float spec_cl_load(const float* p, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+}
+
+// Grid (CL_CTAS, rows), clusters of the CL_CTAS CTAs of a row: the late walk and its merge in
+// one kernel (session 75). Warp w of CTA c walks the row's selected pages c * CL_WARPS + w,
+// + CL_CTAS * CL_WARPS, ..., merging them in registers; the CTA merges its warps in shared
+// memory; after the cluster's barrier, CTA r < 4 merges query head r over the cluster's CTAs
+// from their shared memory and writes out[qrow, h * 4 + r, :]. No partial leaves the
+// multiprocessors.
+template <int CL_CTAS, int CL_WARPS>
+__device__ __forceinline__ void spec_cluster_body(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
+    const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
+    const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
+    i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ ids, i32 width,
+    float scale2, float* __restrict__ out) {
+    __shared__ float p_smem[CL_WARPS][64];
+    __shared__ __align__(16) float s_o[CL_WARPS][SPEC_G * SPEC_D];
+    __shared__ float s_lse[CL_WARPS][SPEC_G];
+    __shared__ float s_wl[CL_WARPS][SPEC_G];
+    __shared__ float s_acc[SPEC_G][SPEC_D];
+    __shared__ float s_m[SPEC_G];
+    __shared__ float s_l[SPEC_G];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned rank = spec_cl_rank();
+    const int row = blockIdx.y;
+    const int seq = row / kv_heads, h = row % kv_heads;
+    pdl_wait();
+    pdl_launch_dependents();
+    const i32 kv_len = kv_lens[seq];
+    float qs[SPEC_G][4];
+    spec_queries<SPEC_G>(q, cu_q[seq + 1] - 1, q_heads, h, 0, scale2, qs);
+    float M[SPEC_G], L[SPEC_G];
+    float4 acc[SPEC_G];
+#pragma unroll
+    for (int hq = 0; hq < SPEC_G; hq++) {
+        M[hq] = SPEC_NEG_INF;
+        L[hq] = 0.0f;
+        acc[hq] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int i = rank * CL_WARPS + warp; i < width; i += CL_CTAS * CL_WARPS) {
+        i32 valid;
+        const i32 block = spec_block(block_table, max_blocks, num_blocks, seq,
+                                     __ldcg(ids + (size_t)row * width + i), kv_len, &valid);
+        if (block < 0) continue;
+        spec_page<SPEC_G>(qs, reinterpret_cast<const uint2*>(kc),
+                          reinterpret_cast<const uint2*>(vc), block, valid, kv_heads, h, s_o[warp],
+                          s_lse[warp], p_smem[warp]);
+#pragma unroll
+        for (int hq = 0; hq < SPEC_G; hq++) {
+            const float lse = s_lse[warp][hq];
+            if (lse == SPEC_NEG_INF) continue;
+            const float4 v = reinterpret_cast<const float4*>(s_o[warp] + hq * SPEC_D)[lane];
+            if (lse > M[hq]) {
+                const float c = spec_exp2((M[hq] - lse) * 1.4426950408889634f);
+                L[hq] *= c;
+                acc[hq].x *= c;
+                acc[hq].y *= c;
+                acc[hq].z *= c;
+                acc[hq].w *= c;
+                M[hq] = lse;
+            }
+            const float w = spec_exp2((lse - M[hq]) * 1.4426950408889634f);
+            L[hq] += w;
+            acc[hq].x += w * v.x;
+            acc[hq].y += w * v.y;
+            acc[hq].z += w * v.z;
+            acc[hq].w += w * v.w;
+        }
+        __syncwarp();
+    }
+    // The warp's state (unnormalized sums, maximum, weight sum) into its shared memory.
+#pragma unroll
+    for (int hq = 0; hq < SPEC_G; hq++) {
+        reinterpret_cast<float4*>(s_o[warp] + hq * SPEC_D)[lane] = acc[hq];
+        if (lane == 0) {
+            s_lse[warp][hq] = M[hq];
+            s_wl[warp][hq] = L[hq];
+        }
+    }
+    __syncthreads();
+    // Item t: query head t / 128, dim t % 128, over the CTA's warps.
+    for (int t = tid; t < SPEC_G * SPEC_D; t += CL_WARPS * 32) {
+        const int hq = t >> 7, d = t & 127;
+        float mm = SPEC_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < CL_WARPS; w++) mm = fmaxf(mm, s_lse[w][hq]);
+        float ll = 0.0f, a = 0.0f;
+        if (mm != SPEC_NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < CL_WARPS; w++) {
+                if (s_lse[w][hq] == SPEC_NEG_INF) continue;
+                const float c = spec_exp2((s_lse[w][hq] - mm) * 1.4426950408889634f);
+                ll += c * s_wl[w][hq];
+                a += c * s_o[w][hq * SPEC_D + d];
+            }
+        }
+        s_acc[hq][d] = a;
+        if (d == 0) {
+            s_m[hq] = mm;
+            s_l[hq] = ll;
+        }
+    }
+    spec_cl_sync();
+    if (rank < SPEC_G && tid < SPEC_D) {
+        const int hq = rank, d = tid;
+        float m[CL_CTAS], l[CL_CTAS], a[CL_CTAS];
+#pragma unroll
+        for (int c = 0; c < CL_CTAS; c++) {
+            m[c] = spec_cl_load(&s_m[hq], c);
+            l[c] = spec_cl_load(&s_l[hq], c);
+            a[c] = spec_cl_load(&s_acc[hq][d], c);
+        }
+        float mm = SPEC_NEG_INF;
+#pragma unroll
+        for (int c = 0; c < CL_CTAS; c++) mm = fmaxf(mm, m[c]);
+        float ll = 0.0f, r = 0.0f;
+        if (mm != SPEC_NEG_INF) {
+#pragma unroll
+            for (int c = 0; c < CL_CTAS; c++) {
+                if (m[c] == SPEC_NEG_INF) continue;
+                const float w = spec_exp2((m[c] - mm) * 1.4426950408889634f);
+                ll += w * l[c];
+                r += w * a[c];
+            }
+        }
+        const int qrow = cu_q[seq + 1] - 1;
+        out[((size_t)qrow * q_heads + h * SPEC_G + hq) * SPEC_D + d] = ll > 0.0f ? r / ll : 0.0f;
+    }
+    // No CTA leaves while another may still read its shared memory.
+    spec_cl_sync();
+}
+
+#define SPEC_CLUSTER(NAME, CTAS, WARPS)                                                       \
+    extern "C" __global__ void __cluster_dims__(CTAS, 1, 1) __launch_bounds__(WARPS * 32, 1) \
+        NAME(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,       \
+             const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,              \
+             const i32* __restrict__ kv_lens, const i32* __restrict__ block_table,            \
+             i32 max_blocks, i32 num_blocks, i32 kv_heads, i32 q_heads,                       \
+             const i32* __restrict__ ids, i32 width, float scale2, float* __restrict__ out) { \
+        spec_cluster_body<CTAS, WARPS>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,     \
+                                       num_blocks, kv_heads, q_heads, ids, width, scale2,     \
+                                       out);                                                  \
+    }
+
+// Clusters of 8 CTAs of 16 warps, and (a non-portable size) of 16 CTAs of 8 warps.
+SPEC_CLUSTER(spec_cluster_bf16_d128, 8, 16)
+SPEC_CLUSTER(spec_cluster16_bf16_d128, 16, 8)

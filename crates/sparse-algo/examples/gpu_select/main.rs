@@ -27,10 +27,11 @@
 //!   one shape); `--min-chunk` and `--waves` set the attention's split planner (a split's
 //!   fewest keys, the waves of CTAs it aims for) and `--variant` its kernel
 //!   (`Gpu::set_variant`) for sweeps.
-//! - `gpu_select spec [--json FILE] [--only B1|B8] [--check]`: a prototype, attention over the
-//!   pages a step is likely to select (the previous step's, or a hot buffer's) while its top-k
-//!   runs (kernels/spec.cu), against the plain step of 8 layers in one graph, at several shares
-//!   of the selection those pages hold; `--check` only compares its outputs with the CPU.
+//! - `gpu_select spec [--json FILE] [--only B1|B8] [--check] [--late]`: a prototype, attention
+//!   over the pages a step is likely to select (the previous step's, or a hot buffer's) while
+//!   its top-k runs (kernels/spec.cu), against the plain step of 8 layers in one graph, at
+//!   several shares of the selection those pages hold; `--check` only compares its outputs
+//!   with the CPU; `--late` times only the walks after the top-k, twice each.
 //!
 //! Without a CUDA driver or device it prints "skipped: no CUDA device" and exits 0.
 #![allow(
@@ -96,6 +97,7 @@ fn run(cmd: &str, args: &[String]) -> Result<i32, AlgoError> {
                 report::json_arg(args),
                 report::flag_value(args, "--only"),
                 args.iter().any(|a| a == "--check"),
+                args.iter().any(|a| a == "--late"),
             )?;
             Ok(0)
         }
