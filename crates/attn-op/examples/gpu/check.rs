@@ -116,6 +116,21 @@ const SHAPES: &[Shape] = &[
         q_scale: 1.0,
     },
     Shape {
+        // Two decode rows of 8 KV heads: page lists of up to 48 pages take the page walk
+        // (`Gpu::page_walk_fits`) in the 16-bit types; every page (256) does not. A table row
+        // of 256 blocks is staged in 16-byte loads, and 1001 tokens end in a page of one.
+        name: "walk decode B2 32/8 D128",
+        head_dim: 128,
+        q_heads: 32,
+        kv_heads: 8,
+        block_size: 16,
+        seqs: &[(1, 4096), (1, 1001)],
+        window: None,
+        sink_tokens: 0,
+        sink_logits: false,
+        q_scale: 1.0,
+    },
+    Shape {
         name: "long decode 32/8 D128",
         head_dim: 128,
         q_heads: 32,
@@ -264,7 +279,7 @@ impl<T: CudaElement> Case<T> {
         if T::DTYPE == DType::F32 { 1e-4 } else { 1e-2 }
     }
 
-    fn run(gpu: &Gpu, shape: &Shape, seed: u64) -> Result<Results, AttnError> {
+    fn run(gpu: &mut Gpu, shape: &Shape, seed: u64) -> Result<Results, AttnError> {
         let mut rng = Rng::new(seed);
         let case = Self::new(shape, &mut rng)?;
         let tol = Self::tolerance();
@@ -316,19 +331,38 @@ impl<T: CudaElement> Case<T> {
             let (want, want_lse) = case.cpu(|q, kv, m, p, o| {
                 sparse_page_attention(q, kv, m, &cpu_g.as_selection(), p, o)
             })?;
-            let (got, got_lse) = case.gpu_out(gpu, |o, l| {
-                gpu.sparse_page_attention(&q, &dev, &meta, &dev_g.pages, &case.params, o, Some(l))
-            })?;
-            res.push((
-                format!("sparse sel_bs {sel_bs} out"),
-                rel_err(&got, &want),
-                tol,
-            ));
-            res.push((
-                format!("sparse sel_bs {sel_bs} lse"),
-                rel_err(&got_lse, &want_lse),
-                tol,
-            ));
+            // The gathered rows are as wide as the table; a top-k's are as wide as its budget.
+            // Rows of the gathered pages as wide as the longest (-1 padded, as a top-k writes
+            // them) are attended to as well: where they fit the page walk, by the walk, and
+            // by the attention kernel.
+            let tight = tighten(gpu, &dev_g.pages)?;
+            let walked = gpu.page_walk_fits(&dev, &meta, &tight, &case.params);
+            let runs = [
+                (&dev_g.pages, true, "sparse"),
+                (&tight, true, if walked { "walk" } else { "sparse tight" }),
+                (&tight, false, "sparse tight"),
+            ];
+            for (pages, walk, label) in runs {
+                if !walk && !walked {
+                    continue;
+                }
+                gpu.set_page_walk(walk);
+                let got = case.gpu_out(gpu, |o, l| {
+                    gpu.sparse_page_attention(&q, &dev, &meta, pages, &case.params, o, Some(l))
+                });
+                gpu.set_page_walk(true);
+                let (got, got_lse) = got?;
+                res.push((
+                    format!("{label} sel_bs {sel_bs} out"),
+                    rel_err(&got, &want),
+                    tol,
+                ));
+                res.push((
+                    format!("{label} sel_bs {sel_bs} lse"),
+                    rel_err(&got_lse, &want_lse),
+                    tol,
+                ));
+            }
         }
 
         // Every page selected equals dense, bit for bit, on the device too.
@@ -354,12 +388,27 @@ impl<T: CudaElement> Case<T> {
         let (dense, dense_lse) = case.gpu_out(gpu, |o, l| {
             gpu.paged_attention(&q, &dev, &meta, &case.params, o, Some(l))
         })?;
-        let same = bits(&full) == bits(&dense) && bits(&full_lse) == bits(&dense_lse);
-        res.push((
-            "all pages = dense (bits)".to_owned(),
-            f64::from(u8::from(!same)),
-            0.0,
-        ));
+        // The page walk does not repeat the attention kernel's bits: where it takes every
+        // page, it equals dense within rounding.
+        if gpu.page_walk_fits(&dev, &meta, &dall, &case.params) {
+            res.push((
+                "all pages (walk) = dense out".to_owned(),
+                rel_err(&full, &dense),
+                tol,
+            ));
+            res.push((
+                "all pages (walk) = dense lse".to_owned(),
+                rel_err(&full_lse, &dense_lse),
+                tol,
+            ));
+        } else {
+            let same = bits(&full) == bits(&dense) && bits(&full_lse) == bits(&dense_lse);
+            res.push((
+                "all pages = dense (bits)".to_owned(),
+                f64::from(u8::from(!same)),
+                0.0,
+            ));
+        }
 
         // Token-level: a random unique subset of each row's positions, in random order.
         let (ids, lens, max_len) = case.random_tokens(&mut rng);
@@ -593,4 +642,27 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// `pages` with rows as wide as its longest row: the ids past each row's length are -1.
+fn tighten(gpu: &Gpu, pages: &DeviceSelection) -> Result<DeviceSelection, AttnError> {
+    let (ids, lens) = (gpu.download(&pages.ids)?, gpu.download(&pages.lens)?);
+    let width = lens
+        .iter()
+        .map(|&n| n.max(0) as usize)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut tight = vec![-1; pages.rows * width];
+    for (r, &n) in lens.iter().enumerate() {
+        let n = (n.max(0) as usize).min(pages.max_len);
+        tight[r * width..r * width + n]
+            .copy_from_slice(&ids[r * pages.max_len..r * pages.max_len + n]);
+    }
+    let sel = Selection {
+        ids: &tight,
+        lens: &lens,
+        max_len: width,
+    };
+    DeviceSelection::upload(gpu, &sel, pages.rows)
 }

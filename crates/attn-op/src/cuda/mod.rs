@@ -17,6 +17,7 @@ mod launch;
 mod meta;
 mod ops;
 mod timing;
+mod walk;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -78,7 +79,8 @@ pub const KERNEL_SOURCE: &str = concat!(
     include_str!("../../../../kernels/pdl.cuh"),
     include_str!("../../../../kernels/mma.cuh"),
     include_str!("../../../../kernels/trace.cuh"),
-    include_str!("../../../../kernels/attn.cu")
+    include_str!("../../../../kernels/attn.cu"),
+    include_str!("../../../../kernels/walk.cu")
 );
 
 /// Device memory, as [`Memory`] types: cudarc slices.
@@ -152,6 +154,9 @@ const KERNEL_NAMES: &[&str] = &[
     "compact_f32",
     "compact_f16",
     "compact_bf16",
+    "walk_pages_f16",
+    "walk_pages_bf16",
+    "walk_merge",
 ];
 
 /// Where split-KV launches write their partial results: outputs `[splits, rows, head_dim]`,
@@ -188,6 +193,8 @@ pub struct Gpu {
     arch: &'static str,
     /// Whether the kernels that support it are launched as programmatic dependent launches.
     dependent: bool,
+    /// Whether page-list decodes that fit it take the page walk (kernels/walk.cu).
+    page_walk: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -280,6 +287,7 @@ impl Gpu {
             variant: None,
             arch,
             dependent: major >= 9,
+            page_walk: true,
         })
     }
 
@@ -408,6 +416,7 @@ impl Gpu {
             variant: self.variant,
             arch: self.arch,
             dependent: self.dependent,
+            page_walk: self.page_walk,
         })
     }
 

@@ -7,7 +7,7 @@ use super::{
     CudaElement, DeviceBatch, DeviceGathered, DevicePagedKv, DeviceSelection, Gpu, Launch,
     Published,
 };
-use super::{Scratch, WARPS, to_i32, to_u32};
+use super::{WARPS, to_i32, to_u32};
 use crate::error::check_len;
 use crate::ops::check_keep;
 use crate::{AttnError, AttnParams, KvCache, Selection};
@@ -44,7 +44,9 @@ impl Gpu {
 
     /// [`sparse_page_attention`](crate::sparse_page_attention) on the device. The pages of a
     /// row need not be sorted here (a [`DeviceGathered`] gives them sorted and unique); pages
-    /// outside the sequence are skipped.
+    /// outside the sequence are skipped. Where [`Gpu::page_walk_fits`] (few rows of decode), the
+    /// page walk runs instead of the attention kernel: f32 arithmetic throughout, so not the
+    /// attention kernel's bits.
     #[allow(
         clippy::too_many_arguments,
         reason = "the CPU entry point's arguments plus the GPU"
@@ -191,6 +193,11 @@ impl Gpu {
         if total_rows == 0 {
             return Ok(());
         }
+        if let Keys::Pages(s) = keys
+            && self.walks(T::DTYPE, &layout, meta, s, params)
+        {
+            return self.walk(q, kv, meta, s, params, out, lse);
+        }
         let sink_buf = match &params.sink_logits {
             Some(s) => Some(self.upload(s)?),
             None => None,
@@ -261,26 +268,9 @@ impl Gpu {
             .lock()
             .map_err(|_| AttnError::Device("scratch lock poisoned".to_owned()))?;
         if splits > 1 {
-            let need = splits * total_rows;
             // Sized by the largest launch so far, in each of rows, elements and units (the
             // head dim of an earlier launch may have been smaller).
-            if guard.as_ref().is_none_or(|s| {
-                s.lse.len() < need || s.out.len() < need * d || s.counters.len() < units
-            }) {
-                let old = guard.take();
-                let (rows, elems, units) = old.map_or((need, need * d, units), |s| {
-                    (
-                        need.max(s.lse.len()),
-                        (need * d).max(s.out.len()),
-                        units.max(s.counters.len()),
-                    )
-                });
-                *guard = Some(Scratch {
-                    out: self.zeros(elems)?,
-                    lse: self.zeros(rows)?,
-                    counters: self.zeros(units)?,
-                });
-            }
+            self.scratch_at_least(&mut guard, splits * total_rows, d, units)?;
         }
         // Flags only where the tensor-core kernel runs and every split's page ids fit its
         // staging; otherwise the launch waits for the selection's whole launch, as any launch

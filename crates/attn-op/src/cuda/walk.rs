@@ -1,0 +1,237 @@
+//! The page walk (kernels/walk.cu): page-list decode attention a warp a page, then one merge of
+//! the pages' partials, for launches whose rows are few enough for one wave. At B1 L128K it
+//! takes about 3 µs off the tensor-core kernel's split walk and split merge (BENCHMARKS.md,
+//! session 75), whose round trips to L2 and DRAM it halves.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{
+    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Scratch, to_i32, to_u32,
+};
+use crate::{AttnError, AttnParams, DType, KvCache, KvLayout};
+
+/// The head dim, query heads a KV head and KV page (block) size the walk is built for.
+const WALK_D: usize = 128;
+const WALK_GROUP: usize = 4;
+const WALK_PAGE: usize = 16;
+/// Places (pages of a row) a walking CTA takes, a warp each.
+const PLACES_PER_CTA: usize = 4;
+/// The most walking CTAs a launch may have, per multiprocessor: one wave, with room left.
+const CTAS_PER_SM: usize = 2;
+/// The most dynamic shared memory a launch takes without opting in. Where a sequence's
+/// block-table row is longer, the walk reads the table in global memory.
+const STAGE_BYTES: usize = 48 * 1024;
+/// Warps of a merging CTA (`WALK_MERGE_WARPS` in kernels/walk.cu).
+const MERGE_WARPS: usize = 16;
+
+impl Gpu {
+    /// Whether the page walk runs on the device's page-list decodes (the default), or the
+    /// tensor-core kernel always does.
+    pub fn page_walk(&self) -> bool {
+        self.page_walk
+    }
+
+    /// Turns the page walk on or off. Off, every page-list launch runs the attention kernel
+    /// (bits equal to dense attention where every page is selected).
+    pub fn set_page_walk(&mut self, on: bool) {
+        self.page_walk = on;
+    }
+
+    /// Whether [`sparse_page_attention`](Self::sparse_page_attention) (and its published form)
+    /// over `pages` runs the page walk (kernels/walk.cu) instead of the attention kernel: where
+    /// the walk is on and no kernel variant is pinned ([`Gpu::set_variant`]), for f16 and bf16
+    /// caches of head dim 128 in pages of 16 tokens, 4 query heads a KV head, a batch of decode
+    /// rows (one query a sequence) without window or sinks, and a selection whose rows take at
+    /// most two CTAs of 4 pages a multiprocessor. Its arithmetic is f32 throughout; it does
+    /// not repeat the attention kernel's bits, so where it runs, every page selected equals
+    /// dense attention within rounding rather than bit for bit.
+    pub fn page_walk_fits<T: CudaElement>(
+        &self,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        pages: &DeviceSelection,
+        params: &AttnParams,
+    ) -> bool {
+        self.walks(T::DTYPE, &kv.layout(), meta, pages, params)
+    }
+
+    /// [`Gpu::page_walk_fits`] on a launch's parts.
+    pub(super) fn walks(
+        &self,
+        dtype: DType,
+        layout: &KvLayout,
+        meta: &DeviceBatch,
+        pages: &DeviceSelection,
+        params: &AttnParams,
+    ) -> bool {
+        let ctas = pages.rows * pages.max_len.div_ceil(PLACES_PER_CTA);
+        self.page_walk
+            && self.variant.is_none()
+            && matches!(dtype, DType::F16 | DType::BF16)
+            && layout.head_dim == WALK_D
+            && layout.block_size == WALK_PAGE
+            && params.q_heads == WALK_GROUP * layout.kv_heads
+            && params.window.is_none()
+            && params.sink_tokens == 0
+            && params.sink_logits.is_none()
+            && !meta.q_lens.is_empty()
+            && meta.q_lens.iter().all(|&n| n == 1)
+            && pages.max_len > 0
+            && ctas <= CTAS_PER_SM * self.sms
+    }
+
+    /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's
+    /// partial into the scratch, `walk_merge` merges each row's. The caller has checked the
+    /// lengths of `q`, `out` and `lse`, and that [`Gpu::walks`] holds.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "sparse_page_attention's arguments"
+    )]
+    pub(super) fn walk<T: CudaElement>(
+        &self,
+        q: &CudaSlice<T>,
+        kv: &DevicePagedKv<T>,
+        meta: &DeviceBatch,
+        pages: &DeviceSelection,
+        params: &AttnParams,
+        out: &mut CudaSlice<f32>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<(), AttnError> {
+        let layout = kv.layout();
+        let (rows, width) = (pages.rows, pages.max_len);
+        // The walk reads every place of every row, whatever the row's length.
+        if pages.ids.len() < rows * width || pages.lens.len() < rows {
+            return Err(AttnError::Invalid(format!(
+                "a selection of {rows} rows of {width} holds {} ids and {} lengths",
+                pages.ids.len(),
+                pages.lens.len()
+            )));
+        }
+        let places = rows * width;
+        let pages_name = match T::DTYPE {
+            DType::F16 => "walk_pages_f16",
+            DType::BF16 => "walk_pages_bf16",
+            DType::F32 => {
+                return Err(AttnError::Invalid(
+                    "the page walk is built for 16-bit caches".to_owned(),
+                ));
+            }
+        };
+        let table = meta.max_blocks * size_of::<i32>();
+        let staged = table <= STAGE_BYTES;
+        let ints = [
+            to_i32(meta.max_blocks)?,
+            to_i32(layout.num_blocks)?,
+            to_i32(layout.kv_heads)?,
+            to_i32(params.q_heads)?,
+            to_i32(width)?,
+            i32::from(staged),
+            i32::from(lse.is_some()),
+        ];
+        let [
+            max_blocks,
+            num_blocks,
+            kvh,
+            q_heads,
+            width_i,
+            staged_i,
+            has_lse,
+        ] = ints;
+        let scale2 = params.scale * std::f32::consts::LOG2_E;
+        let mut guard = self
+            .scratch
+            .lock()
+            .map_err(|_| AttnError::Device("scratch lock poisoned".to_owned()))?;
+        let scratch = self.scratch_at_least(&mut guard, places * WALK_GROUP, WALK_D, 0)?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(width.div_ceil(PLACES_PER_CTA))?, to_u32(rows)?, 1),
+            block_dim: (to_u32(PLACES_PER_CTA * 32)?, 1, 1),
+            shared_mem_bytes: to_u32(if staged { table } else { 0 })?,
+        };
+        let mut b = Launch::new(&self.stream, self.function(pages_name)?);
+        b.dependent(self.dependent);
+        b.arg(q)
+            .arg(kv.k())
+            .arg(kv.v())
+            .arg(&meta.cu_seqlens_q)
+            .arg(&meta.seq_lens_kv)
+            .arg(&meta.block_table)
+            .arg(&max_blocks)
+            .arg(&num_blocks)
+            .arg(&kvh)
+            .arg(&q_heads)
+            .arg(&pages.ids)
+            .arg(&pages.lens)
+            .arg(&width_i)
+            .arg(&scale2)
+            .arg(&mut scratch.out)
+            .arg(&mut scratch.lse)
+            .arg(&staged_i);
+        // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu: q, K and V of a
+        // 16-bit cache of head dim 128 in pages of 16 tokens, 4 query heads a KV head (checked
+        // by `walks`), the batch's metadata (validated against the layout on upload), rows of
+        // `width` page ids and their lengths (their sizes checked above), and the scratch's
+        // partials, which hold `places * 4` rows of 128 and their LSEs; the kernel range-checks
+        // every page and block it reads, and stages the table row only where the launch gave
+        // its bytes (`staged`).
+        unsafe { b.launch(cfg) }?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(rows)?, to_u32(WALK_GROUP)?, 1),
+            block_dim: (to_u32(MERGE_WARPS * 32)?, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = Launch::new(&self.stream, self.function("walk_merge")?);
+        b.dependent(self.dependent);
+        b.arg(&meta.cu_seqlens_q)
+            .arg(&kvh)
+            .arg(&q_heads)
+            .arg(&width_i)
+            .arg(&scratch.out)
+            .arg(&scratch.lse)
+            .arg(out);
+        // Without an lse the kernel is told so (has_lse = 0) and never writes the dummy.
+        match lse {
+            Some(l) => b.arg(l),
+            None => b.arg(&self.dummy_f32),
+        };
+        b.arg(&has_lse);
+        // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu: the batch's query
+        // offsets (one query a sequence, checked by `walks`), the partials `walk_pages` wrote
+        // just before on this stream (it waits for them), and `out` and `lse`, whose lengths
+        // the caller checked against the batch's rows.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The scratch in `guard`, grown to hold at least `rows` rows of `dim` partial outputs,
+    /// their LSEs and `units` split counters (sized by the largest launch so far in each).
+    pub(super) fn scratch_at_least<'g>(
+        &self,
+        guard: &'g mut Option<Scratch>,
+        rows: usize,
+        dim: usize,
+        units: usize,
+    ) -> Result<&'g mut Scratch, AttnError> {
+        if guard.as_ref().is_none_or(|s| {
+            s.lse.len() < rows || s.out.len() < rows * dim || s.counters.len() < units
+        }) {
+            let (rows, elems, units) = guard.take().map_or((rows, rows * dim, units), |s| {
+                (
+                    rows.max(s.lse.len()),
+                    (rows * dim).max(s.out.len()),
+                    units.max(s.counters.len()),
+                )
+            });
+            *guard = Some(Scratch {
+                out: self.zeros(elems)?,
+                lse: self.zeros(rows)?,
+                counters: self.zeros(units)?,
+            });
+        }
+        guard
+            .as_mut()
+            .ok_or_else(|| AttnError::Device("the scratch was just allocated".to_owned()))
+    }
+}
