@@ -84,7 +84,10 @@ def main():
                                            " tc published e4m3", " tc graph published e4m3",
                                            " tc graph published e4m3 1 of 8 layers",
                                            " tc graph published e4m3 8 layers",
-                                           " tc graph published e4m3 8 layers one graph"]]:
+                                           " tc graph published e4m3 8 layers one graph",
+                                           " tc graph e4m3 1 of 8 layers",
+                                           " tc graph e4m3 8 layers",
+                                           " tc graph e4m3 8 layers one graph"]]:
             o = sel.get(f"quest+sparse attn 2K{how} {tag}")
             if not o:
                 continue

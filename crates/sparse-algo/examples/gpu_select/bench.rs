@@ -229,6 +229,7 @@ pub(crate) fn bench(
             &layers,
             &mut out_attn,
             &mut traces,
+            None,
         )?);
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)

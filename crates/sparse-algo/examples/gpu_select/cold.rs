@@ -7,13 +7,15 @@
 //! seven times as many bytes, and L2 holds none of them.
 
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, Timing};
-use attn_op::{AttnError, KvLayout};
+use attn_op::{AttnError, AttnParams, KvLayout};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
 use sparse_algo::{AlgoError, Quest, SparseAlgorithm, Summary};
 
-use super::bench::{D, KV_HEADS, POOL_BLOCKS, PS, RUNS, Want, capture, quest_2k, untracked};
+use super::bench::{
+    D, KV_HEADS, POOL_BLOCKS, PS, Q_HEADS, RUNS, Want, capture, quest_2k, untracked,
+};
 use super::check::meta_for;
 use super::report::Row;
 use super::rng::Rng;
@@ -47,9 +49,19 @@ pub(crate) fn bench_cold(
     l: &Layers,
     out: &mut CudaSlice<f32>,
     traces: &mut Vec<String>,
+    publish: Option<bool>,
 ) -> Result<Vec<Row>, AlgoError> {
     let (quest, decodes) = (&l.quest, &l.decodes);
     let mut top = DeviceTopK::new(gpu, quest, sh.b, KV_HEADS, sh.ctx, false)?;
+    // The page walk waits for the whole top-k, so by default the top-k publishes its rows only
+    // where the tensor-core kernel attends.
+    let walks = gpu.page_walk_fits(sh.kv, &decodes[0], &top.sel, &AttnParams::new(Q_HEADS, D));
+    let publish = publish.unwrap_or(!walks);
+    let attention = if walks {
+        "; attention: the page walk"
+    } else {
+        "; attention: the tensor-core kernel"
+    };
     // The one graph's attention outputs, a buffer a layer, so that every layer's is checked.
     let mut outs = (0..COLD_LAYERS)
         .map(|_| gpu.zeros::<f32>(out.len()))
@@ -62,7 +74,7 @@ pub(crate) fn bench_cold(
     // A stream of its own: the context's default stream cannot be captured.
     let lane = gpu.fork()?;
     let mut lane_sk = sk.on_stream(lane.stream().clone());
-    lane_sk.set_publish(true);
+    lane_sk.set_publish(publish);
     // Each layer once uncaptured, so that the lane's attention scratch exists.
     gpu.synchronize()?;
     for (layer, decode) in decodes.iter().enumerate() {
@@ -138,12 +150,13 @@ pub(crate) fn bench_cold(
     traces.push(traced?);
     let row = |t: Timing, layers: String, note: &str| Row {
         name: format!(
-            "quest+sparse attn 2K tc graph published e4m3 {layers} {}",
+            "quest+sparse attn 2K tc graph{} e4m3 {layers} {}",
+            if publish { " published" } else { "" },
             sh.tag
         ),
         t,
         bytes: 0.0,
-        note: note.to_owned(),
+        note: format!("{note}{attention}"),
     };
     Ok(vec![
         row(

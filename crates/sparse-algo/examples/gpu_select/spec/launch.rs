@@ -10,26 +10,15 @@ use sparse_algo::cuda::DeviceTopK;
 use crate::bench::{D, KV_HEADS, Q_HEADS};
 use crate::cold::Shape;
 
-/// The prototype's kernels, after kernels/pdl.cuh.
+/// The prototype's kernels, after kernels/pdl.cuh and the page walk's helpers.
 const SOURCE: &str = concat!(
     include_str!("../../../../../kernels/pdl.cuh"),
+    include_str!("../../../../../kernels/walk.cu"),
     include_str!("../../../../../kernels/spec.cu")
 );
 
-/// `spec_pages` reads no row length, the top-k's -1 padding marking the row's end
-/// (`SPEC_NO_LEN`).
-pub(super) const NO_LEN: i32 = 1;
-/// `spec_pages` stages the sequence's block-table row in shared memory before its wait
-/// (`SPEC_STAGED`).
-pub(super) const STAGED: i32 = 2;
-/// `spec_pages` merges each CTA's four pages into one partial (`SPEC_MERGE`).
-pub(super) const MERGE: i32 = 4;
-/// Not a kernel bit: the walk and its merge in one kernel of clusters (`spec_cluster`).
-pub(super) const CLUSTER: i32 = 8;
-/// With [`CLUSTER`]: clusters of 16 CTAs of 8 warps (`spec_cluster16`) instead of 8 of 16.
-pub(super) const CLUSTER16: i32 = 16;
-
-/// The most dynamic shared memory a launch may take without opting in.
+/// The most dynamic shared memory a launch may take without opting in: `spec_pages` stages a
+/// block-table row of at most this many bytes.
 const SMEM_DEFAULT: usize = 48 * 1024;
 
 /// The widest row `spec_finish` stages (`SPEC_MAXW` in kernels/spec.cu).
@@ -40,8 +29,6 @@ pub(super) struct Kernels {
     pages: CudaFunction,
     finish: CudaFunction,
     warm: CudaFunction,
-    cluster: CudaFunction,
-    cluster16: CudaFunction,
 }
 
 /// The partials per walked page `[rows, width, 4, D]` and their LSEs, and a flag buffer
@@ -59,14 +46,10 @@ pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
     let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
     let ptx = attn_op::cuda::compile_source("kernels/spec.cu", SOURCE, arch)?;
     let module = ctx.load_module(ptx).map_err(AttnError::from)?;
-    for name in [
-        "spec_pages_bf16_d128",
-        "spec_finish_bf16_d128",
-        "spec_cluster_bf16_d128",
-    ] {
+    for name in ["spec_pages_bf16_d128", "spec_finish_bf16_d128"] {
+        use cudarc::driver::sys::CUfunction_attribute as A;
         let func = module.load_function(name).map_err(AttnError::from)?;
         let attr = |a| func.get_attribute(a).map_err(AttnError::from);
-        use cudarc::driver::sys::CUfunction_attribute as A;
         println!(
             "{name}: {} registers, {} bytes of local memory a thread",
             attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
@@ -82,16 +65,6 @@ pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
         pages: f("spec_pages_bf16_d128")?,
         finish: f("spec_finish_bf16_d128")?,
         warm: f("spec_warm_bf16_d128")?,
-        cluster: f("spec_cluster_bf16_d128")?,
-        cluster16: {
-            let func = f("spec_cluster16_bf16_d128")?;
-            func.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                1,
-            )
-            .map_err(AttnError::from)?;
-            func
-        },
     })
 }
 
@@ -125,8 +98,7 @@ fn common_args<'a>(
 }
 
 /// `after`: `None` on a stream of its own; else right after the top-k, which published its
-/// rows or not. `mode`: the kernel's mode bits ([`NO_LEN`], [`STAGED`], [`MERGE`]).
-#[allow(clippy::too_many_arguments, reason = "a prototype's launch")]
+/// rows or not.
 pub(super) fn launch_pages(
     k: &Kernels,
     stream: &CudaStream,
@@ -134,23 +106,17 @@ pub(super) fn launch_pages(
     sh: &Shape<'_>,
     decode: &DeviceBatch,
     prev: &DeviceSelection,
-    mode: i32,
     parts: &mut Parts,
 ) -> Result<(), AlgoError> {
-    let table = if mode & STAGED != 0 {
+    // A walk after the top-k stages its sequence's block-table row in shared memory.
+    let table = if after.is_some() {
         decode.max_blocks() * size_of::<i32>()
     } else {
         0
     };
-    if table > 0 && !decode.max_blocks().is_multiple_of(4) {
-        return Err(AlgoError::Invalid(format!(
-            "a staged block-table row takes a multiple of 4 blocks, not {}",
-            decode.max_blocks()
-        )));
-    }
     if table > SMEM_DEFAULT {
         return Err(AlgoError::Invalid(format!(
-            "a staged block-table row of {table} bytes exceeds {SMEM_DEFAULT}"
+            "spec_pages stages a block-table row of at most {SMEM_DEFAULT} bytes, not {table}"
         )));
     }
     let ints = [
@@ -160,7 +126,7 @@ pub(super) fn launch_pages(
         int(Q_HEADS)?,
         int(prev.max_len)?,
         i32::from(matches!(after, Some(Some(_)))),
-        mode,
+        i32::from(table > 0),
     ];
     let (flags, epoch) = match &after {
         Some(Some(p)) => (p.flags, p.epoch),
@@ -181,7 +147,6 @@ pub(super) fn launch_pages(
     l.dependent(after.is_some());
     common_args(&mut l, sh, decode, &ints);
     l.arg(&prev.ids)
-        .arg(&prev.lens)
         .arg(&ints[4])
         .arg(&scale)
         .arg(&mut parts.prev_o)
@@ -191,10 +156,11 @@ pub(super) fn launch_pages(
         .arg(&ints[5])
         .arg(&ints[6]);
     // SAFETY: the arguments follow `spec_pages_bf16_d128` in kernels/spec.cu: bf16 q, K and V of
-    // the shape's pool (head dim 128), the decode's metadata, rows of `max_len` page ids and the
-    // partials sized for them, and the top-k's flags and step value where it published its
-    // rows (one flag a row: a per-head selection), the mode, and the table row's dynamic shared
-    // memory where it is staged; every id and block is range-checked in the kernel.
+    // the shape's pool (head dim 128), the decode's metadata, rows of `max_len` page ids (-1
+    // padded) and the partials sized for them, and the top-k's flags and step value where it
+    // published its rows (one flag a row: a per-head selection); where it is staged, the
+    // dynamic shared memory holds the sequence's block-table row; every id and block is
+    // range-checked in the kernel.
     unsafe { l.launch(cfg) }?;
     Ok(())
 }
@@ -207,30 +173,19 @@ pub(super) fn launch_finish(
     decode: &DeviceBatch,
     top: &DeviceTopK,
     walked: Option<&DeviceSelection>,
-    merged: bool,
     parts: &Parts,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), AlgoError> {
     let new = &top.sel;
-    // None: the walk was of the top-k's own rows, every selected page at its own index, or
-    // with `merged` every four pages' partial at a quarter of their index.
+    // None: the walk was of the top-k's own rows, every selected page at its own index.
     let prev = walked.unwrap_or(new);
-    let (new_width, prev_width) = match (walked, merged) {
-        (None, true) => (new.max_len.div_ceil(4), new.max_len.div_ceil(4)),
-        (Some(_), true) => {
-            return Err(AlgoError::Invalid(
-                "only a late walk merges its pages".into(),
-            ));
-        }
-        _ => (new.max_len, prev.max_len),
-    };
     let ints = [
         int(decode.max_blocks())?,
         int(sh.layout.num_blocks)?,
         int(KV_HEADS)?,
         int(Q_HEADS)?,
-        int(new_width)?,
-        int(prev_width)?,
+        int(new.max_len)?,
+        int(prev.max_len)?,
         i32::from(walked.is_none()),
     ];
     let scale = scale2();
@@ -320,52 +275,6 @@ pub(super) fn launch_warm(
     // SAFETY: the arguments follow `spec_warm_bf16_d128` in kernels/spec.cu: the shape's K and
     // V pool (head dim 128), the decode's lengths and block table, and rows of `max_len` page
     // ids; every id and block is range-checked in the kernel, which only prefetches.
-    unsafe { l.launch(cfg) }?;
-    Ok(())
-}
-
-/// `spec_cluster` (or with `sixteen` `spec_cluster16`) on `stream` right after the top-k: the
-/// selection `sel`'s walk and merge into `out`.
-#[allow(clippy::too_many_arguments, reason = "a prototype's launch")]
-pub(super) fn launch_cluster(
-    k: &Kernels,
-    sixteen: bool,
-    stream: &CudaStream,
-    sh: &Shape<'_>,
-    decode: &DeviceBatch,
-    sel: &DeviceSelection,
-    out: &mut CudaSlice<f32>,
-) -> Result<(), AlgoError> {
-    let ints = [
-        int(decode.max_blocks())?,
-        int(sh.layout.num_blocks)?,
-        int(KV_HEADS)?,
-        int(Q_HEADS)?,
-        int(sel.max_len)?,
-    ];
-    let scale = scale2();
-    let (ctas, warps, func) = if sixteen {
-        (16, 8, &k.cluster16)
-    } else {
-        (8, 16, &k.cluster)
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            ctas,
-            u32::try_from(sel.rows).map_err(|_| AlgoError::Invalid("grid".into()))?,
-            1,
-        ),
-        block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut l = Launch::new(stream, func);
-    l.dependent(true);
-    common_args(&mut l, sh, decode, &ints);
-    l.arg(&sel.ids).arg(&ints[4]).arg(&scale).arg(out);
-    // SAFETY: the arguments follow `spec_cluster_bf16_d128` in kernels/spec.cu: bf16 q, K and V
-    // of the shape's pool (head dim 128), the decode's metadata, the top-k's rows of `max_len`
-    // page ids (range-checked in the kernel) and the output `[b, q_heads, 128]`; the grid's x
-    // is the kernel's compiled cluster size, and it waits for the top-k (`pdl_wait`) first.
     unsafe { l.launch(cfg) }?;
     Ok(())
 }

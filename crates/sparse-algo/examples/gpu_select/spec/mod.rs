@@ -16,9 +16,9 @@
 mod inputs;
 mod launch;
 
-use attn_op::AttnError;
 use attn_op::PagedKv;
 use attn_op::cuda::{DeviceBatch, DeviceSelection, Gpu, Timing};
+use attn_op::{AttnError, AttnParams};
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::bf16;
@@ -31,19 +31,15 @@ use crate::report::{self, Row, random_bf16, table};
 use crate::rng::Rng;
 pub(crate) use inputs::Host;
 use inputs::{cpu_reference, likely_sets, worst_diff, worst_of};
-use launch::{
-    CLUSTER, CLUSTER16, Kernels, MERGE, NO_LEN, Parts, STAGED, compile, launch_cluster,
-    launch_finish, launch_pages, launch_warm,
-};
+use launch::{Kernels, Parts, compile, launch_finish, launch_pages, launch_warm};
 
 /// Which pages a step walks when.
 #[derive(Clone, Copy, Debug)]
 enum Walk {
     /// The selection's pages after the top-k, a warp each; with `published`, each row's CTAs
     /// start at the row's flag ([`SelectKernels::set_publish`]) instead of the whole top-k's
-    /// end. `mode` holds `spec_pages`' mode bits ([`launch::NO_LEN`], [`launch::STAGED`],
-    /// [`launch::MERGE`]).
-    Late { published: bool, mode: i32 },
+    /// end.
+    Late { published: bool },
     /// Likely pages during the top-k: `count` times the selection's, holding `share` of it.
     /// A count of 1 stands for the previous step's selection, 2 for a hot buffer of twice the
     /// budget. `examples/overlap.rs` of the engine measures the shares on the real model.
@@ -53,39 +49,9 @@ enum Walk {
 }
 
 /// The walks the bench times.
-const WALKS: [Walk; 20] = [
-    Walk::Late {
-        published: false,
-        mode: 0,
-    },
-    Walk::Late {
-        published: true,
-        mode: 0,
-    },
-    Walk::Late {
-        published: false,
-        mode: NO_LEN,
-    },
-    Walk::Late {
-        published: false,
-        mode: NO_LEN | STAGED,
-    },
-    Walk::Late {
-        published: false,
-        mode: NO_LEN | MERGE,
-    },
-    Walk::Late {
-        published: false,
-        mode: NO_LEN | STAGED | MERGE,
-    },
-    Walk::Late {
-        published: false,
-        mode: CLUSTER,
-    },
-    Walk::Late {
-        published: false,
-        mode: CLUSTER | CLUSTER16,
-    },
+const WALKS: [Walk; 14] = [
+    Walk::Late { published: false },
+    Walk::Late { published: true },
     Walk::Early {
         share: 1.0,
         count: 1,
@@ -151,9 +117,9 @@ struct Spec<'a> {
 }
 
 /// `gpu_select spec [--json FILE] [--only B1|B8] [--check] [--late]`: each shape's plain and
-/// speculative rows; with `--check`, only the speculative steps' eager outputs against the CPU
-/// (every late walk, and an early and a warmed walk with a hot buffer holding 88 %: for
-/// compute-sanitizer); with `late`, only the late walks, timed twice each.
+/// speculative rows; with `--check`, only the speculative steps' eager outputs against the CPU,
+/// with no early walk and with a hot buffer holding 88 % (for compute-sanitizer); with `late`,
+/// only the walks after the top-k, timed twice each.
 pub(crate) fn run(
     gpu: &mut Gpu,
     sk: &mut SelectKernels,
@@ -211,11 +177,30 @@ pub(crate) fn bench_spec(
 ) -> Result<Vec<Row>, AlgoError> {
     let mut out = gpu.zeros::<f32>(sh.b * Q_HEADS * D)?;
     let l = cold::Layers::new(gpu, sk, sh, &mut Rng::new(seed))?;
-    let mut rows = if check {
-        Vec::new()
-    } else {
-        cold::bench_cold(gpu, sk, sh, &l, &mut out, &mut Vec::new())?
-    };
+    // The shipped step as it runs (the page walk where it fits), with the top-k publishing its
+    // rows and not, then with the tensor-core attention kernel throughout.
+    let mut rows = Vec::new();
+    if !check {
+        for publish in [true, false] {
+            let traces = &mut Vec::new();
+            rows.extend(cold::bench_cold(
+                gpu,
+                sk,
+                sh,
+                &l,
+                &mut out,
+                traces,
+                Some(publish),
+            )?);
+        }
+        gpu.set_page_walk(false);
+        let off = cold::bench_cold(gpu, sk, sh, &l, &mut out, &mut Vec::new(), Some(true));
+        gpu.set_page_walk(true);
+        rows.extend(off?.into_iter().map(|mut r| {
+            r.name.push_str(" (page walk off)");
+            r
+        }));
+    }
     let (quest, pool, decodes) = (&l.quest, &l.pool, &l.decodes);
     let mut top = DeviceTopK::new(gpu, quest, sh.b, KV_HEADS, sh.ctx, false)?;
     let tag = format!(" e4m3 {}", sh.tag);
@@ -225,6 +210,11 @@ pub(crate) fn bench_spec(
         cold::wants(gpu, sk, &mut step, decodes)?
     };
     let width = top.sel.max_len;
+    let fits = gpu.page_walk_fits(sh.kv, &decodes[0], &top.sel, &AttnParams::new(Q_HEADS, D));
+    println!(
+        "{}: {} rows of {width} pages; the page walk fits: {fits}",
+        sh.tag, top.sel.rows
+    );
     let cpu = cpu_reference(host, sh, &l.tables, &wants, width)?;
     let plain_outs: Vec<Vec<f32>> = wants.iter().map(|w| w.out.clone()).collect();
     let plain = worst_of(&plain_outs, &cpu);
@@ -253,18 +243,10 @@ pub(crate) fn bench_spec(
         parts: &mut parts,
     };
     gpu.synchronize()?;
-    // A check runs every late walk, and an early walk and a warmed one with a hot buffer of twice
-    // the budget; `late` times the late walks only, in two rounds.
-    let twice = |w: &Walk| matches!(w, Walk::Early { count: 2, share } | Walk::Warm { count: 2, share } if *share < 0.9);
-    let walks: Vec<Walk> = if check {
-        WALKS
-            .iter()
-            .copied()
-            .filter(|w| w.is_late() || twice(w))
-            .collect()
+    let walks = if check {
+        vec![WALKS[1], WALKS[10], WALKS[13]]
     } else if late {
-        let once = WALKS.iter().copied().filter(Walk::is_late);
-        once.clone().chain(once).collect()
+        [WALKS[0], WALKS[1], WALKS[0], WALKS[1]].to_vec()
     } else {
         WALKS.to_vec()
     };
@@ -272,13 +254,7 @@ pub(crate) fn bench_spec(
     let selected = likely_sets(gpu, &wants, WALKS[0], width, sh)?.1;
     for walk in walks {
         let (sets, late) = likely_sets(gpu, &wants, walk, width, sh)?;
-        spec.sk = if matches!(
-            walk,
-            Walk::Late {
-                published: true,
-                ..
-            }
-        ) {
+        spec.sk = if matches!(walk, Walk::Late { published: true }) {
             &sk_pub
         } else {
             &sk_hi
@@ -326,51 +302,12 @@ pub(crate) fn bench_spec(
     Ok(rows)
 }
 
-/// ` (…)` naming `spec_pages`' mode bits, or nothing for none.
-fn mode_name(mode: i32) -> String {
-    let names: Vec<&str> = [
-        (NO_LEN, "no length"),
-        (STAGED, "table staged"),
-        (MERGE, "4 merged"),
-        (CLUSTER, "a row's clusters merging"),
-        (CLUSTER16, "16 CTAs of 8 warps"),
-    ]
-    .iter()
-    .filter(|(bit, _)| mode & bit != 0)
-    .map(|&(_, name)| name)
-    .collect();
-    if names.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", names.join(", "))
-    }
-}
-
 impl Walk {
-    /// Whether the walk is of the top-k's own selection.
-    fn is_late(&self) -> bool {
-        matches!(self, Walk::Late { .. })
-    }
-
-    /// `spec_pages`' mode bits for the walk.
-    fn mode(self) -> i32 {
-        match self {
-            Walk::Late { mode, .. } => mode,
-            _ => 0,
-        }
-    }
-
     /// The walk, as its rows name it.
     fn name(self) -> String {
         match self {
-            Walk::Late {
-                published: false,
-                mode,
-            } => format!("pages a warp each after the top-k{}", mode_name(mode)),
-            Walk::Late {
-                published: true,
-                mode,
-            } => format!("pages a warp each from each row's flag{}", mode_name(mode)),
+            Walk::Late { published: false } => "pages a warp each after the top-k".to_owned(),
+            Walk::Late { published: true } => "pages a warp each from each row's flag".to_owned(),
             Walk::Early { share, count } => {
                 format!("{count}x pages holding {:.0}%", share * 100.0)
             }
@@ -403,7 +340,7 @@ impl Spec<'_> {
                 if matches!(walk, Walk::Warm { .. }) {
                     launch_warm(self.k, lo, self.sh, decode, prev)?;
                 } else {
-                    launch_pages(self.k, lo, None, self.sh, decode, prev, 0, self.parts)?;
+                    launch_pages(self.k, lo, None, self.sh, decode, prev, self.parts)?;
                 }
                 Some(lo.record_event(event()).map_err(AttnError::from)?)
             }
@@ -431,7 +368,6 @@ impl Spec<'_> {
                     decode,
                     self.top,
                     Some(prev),
-                    false,
                     self.parts,
                     out,
                 )
@@ -439,21 +375,13 @@ impl Spec<'_> {
             _ => {
                 let sel = &self.top.sel;
                 let after = Some(self.top.published());
-                let mode = walk.mode();
-                if mode & CLUSTER != 0 {
-                    let sixteen = mode & CLUSTER16 != 0;
-                    return launch_cluster(self.k, sixteen, hi, self.sh, decode, sel, out);
-                }
-                launch_pages(self.k, hi, after, self.sh, decode, sel, mode, self.parts)?;
+                launch_pages(self.k, hi, after, self.sh, decode, sel, self.parts)?;
                 // The warm's stream rejoins before the finish (it holds no data the finish
                 // reads).
                 if let Some(e) = &side {
                     hi.wait(e).map_err(AttnError::from)?;
                 }
-                let merged = mode & MERGE != 0;
-                launch_finish(
-                    self.k, hi, self.sh, decode, self.top, None, merged, self.parts, out,
-                )
+                launch_finish(self.k, hi, self.sh, decode, self.top, None, self.parts, out)
             }
         }
     }
