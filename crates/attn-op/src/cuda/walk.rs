@@ -24,6 +24,31 @@ const STAGE_BYTES: usize = 48 * 1024;
 /// Warps of a merging CTA (`WALK_MERGE_WARPS` in kernels/walk.cu).
 const MERGE_WARPS: usize = 16;
 
+/// The page walk's shapes: `dtype` and `layout` of the cache, each sequence's query count
+/// `q_lens`, the selection's `(rows, width)`, the attention's `params`, on a device of `sms`
+/// multiprocessors.
+fn fits(
+    dtype: DType,
+    layout: &KvLayout,
+    q_lens: &[usize],
+    (rows, width): (usize, usize),
+    params: &AttnParams,
+    sms: usize,
+) -> bool {
+    let ctas = rows.saturating_mul(width.div_ceil(PLACES_PER_CTA));
+    matches!(dtype, DType::F16 | DType::BF16)
+        && layout.head_dim == WALK_D
+        && layout.block_size == WALK_PAGE
+        && params.q_heads == WALK_GROUP * layout.kv_heads
+        && params.window.is_none()
+        && params.sink_tokens == 0
+        && params.sink_logits.is_none()
+        && !q_lens.is_empty()
+        && q_lens.iter().all(|&n| n == 1)
+        && width > 0
+        && ctas <= CTAS_PER_SM * sms
+}
+
 impl Gpu {
     /// Whether the page walk runs on the device's page-list decodes (the default), or the
     /// tensor-core kernel always does.
@@ -64,20 +89,16 @@ impl Gpu {
         pages: &DeviceSelection,
         params: &AttnParams,
     ) -> bool {
-        let ctas = pages.rows * pages.max_len.div_ceil(PLACES_PER_CTA);
         self.page_walk
             && self.variant.is_none()
-            && matches!(dtype, DType::F16 | DType::BF16)
-            && layout.head_dim == WALK_D
-            && layout.block_size == WALK_PAGE
-            && params.q_heads == WALK_GROUP * layout.kv_heads
-            && params.window.is_none()
-            && params.sink_tokens == 0
-            && params.sink_logits.is_none()
-            && !meta.q_lens.is_empty()
-            && meta.q_lens.iter().all(|&n| n == 1)
-            && pages.max_len > 0
-            && ctas <= CTAS_PER_SM * self.sms
+            && fits(
+                dtype,
+                layout,
+                &meta.q_lens,
+                (pages.rows, pages.max_len),
+                params,
+                self.sms,
+            )
     }
 
     /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's
@@ -233,5 +254,261 @@ impl Gpu {
         guard
             .as_mut()
             .ok_or_else(|| AttnError::Device("the scratch was just allocated".to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fits;
+    use crate::{AttnParams, DType, KvLayout};
+
+    /// One launch's shapes against the page walk's rule, on an H200's 132 multiprocessors:
+    /// `(what, dtype, head_dim, block_size, kv_heads, q_heads, q_lens, (rows, width), change
+    /// to the params, want)`.
+    type Case<'a> = (
+        &'a str,
+        DType,
+        usize,
+        usize,
+        usize,
+        usize,
+        &'a [usize],
+        (usize, usize),
+        fn(&mut AttnParams),
+        bool,
+    );
+
+    fn check(cases: &[Case<'_>]) {
+        for &(what, dtype, head_dim, block_size, kv_heads, q_heads, q_lens, sel, edit, want) in
+            cases
+        {
+            let layout = KvLayout {
+                num_blocks: 1024,
+                block_size,
+                kv_heads,
+                head_dim,
+            };
+            let mut params = AttnParams::new(q_heads, head_dim);
+            edit(&mut params);
+            assert_eq!(
+                fits(dtype, &layout, q_lens, sel, &params, 132),
+                want,
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_walk_takes_few_decode_rows_of_its_shape() {
+        let none: fn(&mut AttnParams) = |_| {};
+        let bf16 = DType::BF16;
+        check(&[
+            (
+                "B1 L128K, 128 pages",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 128),
+                none,
+                true,
+            ),
+            (
+                "f16",
+                DType::F16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 128),
+                none,
+                true,
+            ),
+            (
+                "B2, 48 pages",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1, 1],
+                (16, 48),
+                none,
+                true,
+            ),
+            (
+                "a wave's two CTAs a multiprocessor",
+                bf16,
+                128,
+                16,
+                1,
+                4,
+                &[1],
+                (1, 1056),
+                none,
+                true,
+            ),
+            (
+                "one CTA past them",
+                bf16,
+                128,
+                16,
+                1,
+                4,
+                &[1],
+                (1, 1057),
+                none,
+                false,
+            ),
+            (
+                "B8 L32K, 128 pages",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1; 8],
+                (64, 128),
+                none,
+                false,
+            ),
+            (
+                "every page of B2 L4K",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1, 1],
+                (16, 256),
+                none,
+                false,
+            ),
+            (
+                "f32",
+                DType::F32,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 128),
+                none,
+                false,
+            ),
+            (
+                "head dim 64",
+                bf16,
+                64,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 128),
+                none,
+                false,
+            ),
+            (
+                "pages of 32",
+                bf16,
+                128,
+                32,
+                8,
+                32,
+                &[1],
+                (8, 128),
+                none,
+                false,
+            ),
+            ("GQA 8", bf16, 128, 16, 4, 32, &[1], (4, 128), none, false),
+            ("MHA", bf16, 128, 16, 8, 8, &[1], (8, 128), none, false),
+            (
+                "a prefill row",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1, 2],
+                (16, 8),
+                none,
+                false,
+            ),
+            (
+                "no sequence",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[],
+                (0, 8),
+                none,
+                false,
+            ),
+            (
+                "empty rows",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 0),
+                none,
+                false,
+            ),
+            (
+                "a window",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 16),
+                |p| p.window = Some(64),
+                false,
+            ),
+            (
+                "sink tokens",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 16),
+                |p| p.sink_tokens = 4,
+                false,
+            ),
+            (
+                "sink logits",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, 16),
+                |p| p.sink_logits = Some(vec![0.5; 32]),
+                false,
+            ),
+            (
+                "widths near usize::MAX",
+                bf16,
+                128,
+                16,
+                8,
+                32,
+                &[1],
+                (8, usize::MAX),
+                none,
+                false,
+            ),
+        ]);
     }
 }
