@@ -1,7 +1,8 @@
 //! The page walk (kernels/walk.cu): page-list decode attention a warp a page, then one merge of
-//! the pages' partials, for launches whose rows are few enough for one wave. At B1 L128K it
-//! takes about 3 µs off the tensor-core kernel's split walk and split merge (BENCHMARKS.md,
-//! session 75), whose round trips to L2 and DRAM it halves.
+//! the pages' partials, for launches whose rows are few enough for one wave. It hands data
+//! between multiprocessors once where the tensor-core kernel's split walk and split merge do
+//! twice; on an H200 it took B1 L128K's Quest step from 25.0 to 23.7 µs (8 layers in one graph,
+//! queued; BENCHMARKS.md, session 75).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -262,251 +263,81 @@ mod tests {
     use super::fits;
     use crate::{AttnParams, DType, KvLayout};
 
-    /// One launch's shapes against the page walk's rule, on an H200's 132 multiprocessors:
-    /// `(what, dtype, head_dim, block_size, kv_heads, q_heads, q_lens, (rows, width), change
-    /// to the params, want)`.
-    type Case<'a> = (
-        &'a str,
-        DType,
-        usize,
-        usize,
-        usize,
-        usize,
-        &'a [usize],
-        (usize, usize),
-        fn(&mut AttnParams),
-        bool,
-    );
+    /// A launch's shapes, as `fits` takes them.
+    struct Shape {
+        dtype: DType,
+        layout: KvLayout,
+        q_lens: Vec<usize>,
+        sel: (usize, usize),
+        params: AttnParams,
+    }
 
-    fn check(cases: &[Case<'_>]) {
-        for &(what, dtype, head_dim, block_size, kv_heads, q_heads, q_lens, sel, edit, want) in
-            cases
-        {
-            let layout = KvLayout {
-                num_blocks: 1024,
-                block_size,
-                kv_heads,
-                head_dim,
-            };
-            let mut params = AttnParams::new(q_heads, head_dim);
-            edit(&mut params);
-            assert_eq!(
-                fits(dtype, &layout, q_lens, sel, &params, 132),
-                want,
-                "{what}"
-            );
+    /// B1 L128K's step: bf16, 32 query and 8 KV heads of 128, pages of 16, rows of 128 pages.
+    fn b1() -> Shape {
+        Shape {
+            dtype: DType::BF16,
+            layout: KvLayout {
+                num_blocks: 8192,
+                block_size: 16,
+                kv_heads: 8,
+                head_dim: 128,
+            },
+            q_lens: vec![1],
+            sel: (8, 128),
+            params: AttnParams::new(32, 128),
+        }
+    }
+
+    /// A case: what it is, its change to B1's shapes, and whether the walk takes them.
+    type Case = (&'static str, fn(&mut Shape), bool);
+
+    /// For each case, B1's shapes changed by `edit` take the walk on an H200's 132
+    /// multiprocessors, or not, as `want` says.
+    fn check(cases: &[Case]) {
+        for &(what, edit, want) in cases {
+            let mut s = b1();
+            edit(&mut s);
+            let got = fits(s.dtype, &s.layout, &s.q_lens, s.sel, &s.params, 132);
+            assert_eq!(got, want, "{what}");
         }
     }
 
     #[test]
     fn the_walk_takes_few_decode_rows_of_its_shape() {
-        let none: fn(&mut AttnParams) = |_| {};
-        let bf16 = DType::BF16;
         check(&[
-            (
-                "B1 L128K, 128 pages",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 128),
-                none,
-                true,
-            ),
-            (
-                "f16",
-                DType::F16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 128),
-                none,
-                true,
-            ),
+            ("B1 L128K, 128 pages", |_| {}, true),
+            ("f16", |s| s.dtype = DType::F16, true),
             (
                 "B2, 48 pages",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1, 1],
-                (16, 48),
-                none,
+                |s| (s.q_lens, s.sel) = (vec![1, 1], (16, 48)),
                 true,
             ),
+            ("two CTAs a multiprocessor", |s| s.sel = (1, 1056), true),
+            ("one CTA more", |s| s.sel = (1, 1057), false),
             (
-                "a wave's two CTAs a multiprocessor",
-                bf16,
-                128,
-                16,
-                1,
-                4,
-                &[1],
-                (1, 1056),
-                none,
-                true,
-            ),
-            (
-                "one CTA past them",
-                bf16,
-                128,
-                16,
-                1,
-                4,
-                &[1],
-                (1, 1057),
-                none,
-                false,
-            ),
-            (
-                "B8 L32K, 128 pages",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1; 8],
-                (64, 128),
-                none,
+                "B8 L32K",
+                |s| (s.q_lens, s.sel) = (vec![1; 8], (64, 128)),
                 false,
             ),
             (
                 "every page of B2 L4K",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1, 1],
-                (16, 256),
-                none,
+                |s| (s.q_lens, s.sel) = (vec![1, 1], (16, 256)),
                 false,
             ),
-            (
-                "f32",
-                DType::F32,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 128),
-                none,
-                false,
-            ),
-            (
-                "head dim 64",
-                bf16,
-                64,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 128),
-                none,
-                false,
-            ),
-            (
-                "pages of 32",
-                bf16,
-                128,
-                32,
-                8,
-                32,
-                &[1],
-                (8, 128),
-                none,
-                false,
-            ),
-            ("GQA 8", bf16, 128, 16, 4, 32, &[1], (4, 128), none, false),
-            ("MHA", bf16, 128, 16, 8, 8, &[1], (8, 128), none, false),
-            (
-                "a prefill row",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1, 2],
-                (16, 8),
-                none,
-                false,
-            ),
-            (
-                "no sequence",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[],
-                (0, 8),
-                none,
-                false,
-            ),
-            (
-                "empty rows",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 0),
-                none,
-                false,
-            ),
-            (
-                "a window",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 16),
-                |p| p.window = Some(64),
-                false,
-            ),
-            (
-                "sink tokens",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 16),
-                |p| p.sink_tokens = 4,
-                false,
-            ),
+            ("widths near usize::MAX", |s| s.sel = (8, usize::MAX), false),
+            ("f32", |s| s.dtype = DType::F32, false),
+            ("head dim 64", |s| s.layout.head_dim = 64, false),
+            ("pages of 32", |s| s.layout.block_size = 32, false),
+            ("GQA 8", |s| s.layout.kv_heads = 4, false),
+            ("MHA", |s| s.params.q_heads = 8, false),
+            ("a prefill row", |s| s.q_lens = vec![2], false),
+            ("no sequence", |s| s.q_lens = Vec::new(), false),
+            ("empty rows", |s| s.sel = (8, 0), false),
+            ("a window", |s| s.params.window = Some(64), false),
+            ("sink tokens", |s| s.params.sink_tokens = 4, false),
             (
                 "sink logits",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, 16),
-                |p| p.sink_logits = Some(vec![0.5; 32]),
-                false,
-            ),
-            (
-                "widths near usize::MAX",
-                bf16,
-                128,
-                16,
-                8,
-                32,
-                &[1],
-                (8, usize::MAX),
-                none,
+                |s| s.params.sink_logits = Some(vec![0.5; 32]),
                 false,
             ),
         ]);
