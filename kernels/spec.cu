@@ -182,24 +182,6 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     }
     float M = SPEC_NEG_INF, L = 0.0f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    auto join = [&](float lse, float4 v) {
-        if (lse == SPEC_NEG_INF) return;
-        if (lse > M) {
-            const float c = walk_exp2((M - lse) * WALK_LOG2E);
-            L *= c;
-            acc.x *= c;
-            acc.y *= c;
-            acc.z *= c;
-            acc.w *= c;
-            M = lse;
-        }
-        const float w = walk_exp2((lse - M) * WALK_LOG2E);
-        L += w;
-        acc.x += w * v.x;
-        acc.y += w * v.y;
-        acc.z += w * v.z;
-        acc.w += w * v.w;
-    };
     // Every warp: its share of the hits' partials (their loads issued together), then its
     // share of the misses.
     for (int i0 = warp; i0 < nh; i0 += FIN_WARPS * BATCH) {
@@ -217,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
             }
         }
 #pragma unroll
-        for (int u = 0; u < BATCH; u++) join(lv[u], vv[u]);
+        for (int u = 0; u < BATCH; u++) walk_join(M, L, acc, lv[u], vv[u]);
     }
     if (warp < nm) {
         float qs[1][4];
@@ -228,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
             walk_page<__nv_bfloat16, 1>(qs, reinterpret_cast<const uint2*>(kc),
                                  reinterpret_cast<const uint2*>(vc), s_mblock[m], s_mvalid[m],
                                  kv_heads, h, part, part + SPEC_D, p_smem[warp]);
-            join(part[SPEC_D], reinterpret_cast<const float4*>(part)[lane]);
+            walk_join(M, L, acc, part[SPEC_D], reinterpret_cast<const float4*>(part)[lane]);
             __syncwarp();
         }
     }
@@ -239,22 +221,8 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     }
     __syncthreads();
     if (warp == 0) {
-        float mm = SPEC_NEG_INF;
-        for (int w = 0; w < FIN_WARPS; w++) mm = fmaxf(mm, s_m[w]);
-        float ll = 0.0f;
-        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int w = 0; w < FIN_WARPS; w++) {
-            if (s_m[w] == SPEC_NEG_INF) continue;
-            const float c = walk_exp2((s_m[w] - mm) * WALK_LOG2E);
-            ll += c * s_l[w];
-            const float4 a = s_acc[w][lane];
-            r.x += c * a.x;
-            r.y += c * a.y;
-            r.z += c * a.z;
-            r.w += c * a.w;
-        }
-        const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
-        reinterpret_cast<float4*>(out + ((size_t)qrow * q_heads + h * SPEC_G + hq) * SPEC_D)[lane] =
-            make_float4(r.x * inv, r.y * inv, r.z * inv, r.w * inv);
+        float4 r;
+        walk_warps<FIN_WARPS>(s_acc, s_m, s_l, lane, r);
+        reinterpret_cast<float4*>(out + ((size_t)qrow * q_heads + h * SPEC_G + hq) * SPEC_D)[lane] = r;
     }
 }

@@ -277,6 +277,53 @@ __device__ __forceinline__ void walk_pages_body(
 WALK_PAGES(f16, __half)
 WALK_PAGES(bf16, __nv_bfloat16)
 
+// Joins a normalized partial (natural-log LSE x, this lane's four dims v) into an online
+// softmax state: maximum M, weight sum L, weighted sums acc. An empty partial (x = -inf)
+// changes nothing.
+__device__ __forceinline__ void walk_join(float& M, float& L, float4& acc, float x, float4 v) {
+    if (x == WALK_NEG_INF) return;
+    if (x > M) {
+        const float c = walk_exp2((M - x) * WALK_LOG2E);
+        L *= c;
+        acc.x *= c;
+        acc.y *= c;
+        acc.z *= c;
+        acc.w *= c;
+        M = x;
+    }
+    const float w = walk_exp2((x - M) * WALK_LOG2E);
+    L += w;
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
+}
+
+// Merges NW warps' states from shared memory (maxima s_m, weight sums s_l, this lane's sums
+// s_acc[w][lane]) into r / ll, this lane's four dims of the normalized output (zeros where no
+// warp saw a key), and the natural-log LSE (-inf there).
+template <int NW>
+__device__ __forceinline__ float walk_warps(const float4 (*s_acc)[32], const float* s_m,
+                                            const float* s_l, int lane, float4& out) {
+    float mm = WALK_NEG_INF;
+    for (int w = 0; w < NW; w++) mm = fmaxf(mm, s_m[w]);
+    float ll = 0.0f;
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int w = 0; w < NW; w++) {
+        if (s_m[w] == WALK_NEG_INF) continue;
+        const float c = walk_exp2((s_m[w] - mm) * WALK_LOG2E);
+        ll += c * s_l[w];
+        const float4 a = s_acc[w][lane];
+        r.x += c * a.x;
+        r.y += c * a.y;
+        r.z += c * a.z;
+        r.w += c * a.w;
+    }
+    const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+    out = make_float4(r.x * inv, r.y * inv, r.z * inv, r.w * inv);
+    return ll > 0.0f ? mm + walk_log2(ll) * WALK_LN2 : WALK_NEG_INF;
+}
+
 // Grid (rows, 4): one CTA of WALK_MERGE_WARPS warps per (row, query head of the group), after
 // walk_pages. Each warp merges its share of the row's `width` partials (WALK_BATCH loads at
 // once), then warp 0 merges the warps' states and writes out[qrow, h * 4 + hq, :] and, with
@@ -312,25 +359,7 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
             }
         }
 #pragma unroll
-        for (int u = 0; u < WALK_BATCH; u++) {
-            const float x = lv[u];
-            if (x == WALK_NEG_INF) continue;
-            if (x > M) {
-                const float c = walk_exp2((M - x) * WALK_LOG2E);
-                L *= c;
-                acc.x *= c;
-                acc.y *= c;
-                acc.z *= c;
-                acc.w *= c;
-                M = x;
-            }
-            const float w = walk_exp2((x - M) * WALK_LOG2E);
-            L += w;
-            acc.x += w * vv[u].x;
-            acc.y += w * vv[u].y;
-            acc.z += w * vv[u].z;
-            acc.w += w * vv[u].w;
-        }
+        for (int u = 0; u < WALK_BATCH; u++) walk_join(M, L, acc, lv[u], vv[u]);
     }
     s_acc[warp][lane] = acc;
     if (lane == 0) {
@@ -339,23 +368,9 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     }
     __syncthreads();
     if (warp != 0) return;
-    float mm = WALK_NEG_INF;
-    for (int w = 0; w < WALK_MERGE_WARPS; w++) mm = fmaxf(mm, s_m[w]);
-    float ll = 0.0f;
-    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int w = 0; w < WALK_MERGE_WARPS; w++) {
-        if (s_m[w] == WALK_NEG_INF) continue;
-        const float c = walk_exp2((s_m[w] - mm) * WALK_LOG2E);
-        ll += c * s_l[w];
-        const float4 a = s_acc[w][lane];
-        r.x += c * a.x;
-        r.y += c * a.y;
-        r.z += c * a.z;
-        r.w += c * a.w;
-    }
-    const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
     const size_t o = (size_t)qrow * q_heads + h * WALK_G + hq;
-    reinterpret_cast<float4*>(out + o * WALK_D)[lane] =
-        make_float4(r.x * inv, r.y * inv, r.z * inv, r.w * inv);
-    if (has_lse && lane == 0) lse_out[o] = ll > 0.0f ? mm + walk_log2(ll) * WALK_LN2 : WALK_NEG_INF;
+    float4 r;
+    const float lse = walk_warps<WALK_MERGE_WARPS>(s_acc, s_m, s_l, lane, r);
+    reinterpret_cast<float4*>(out + o * WALK_D)[lane] = r;
+    if (has_lse && lane == 0) lse_out[o] = lse;
 }
