@@ -184,23 +184,10 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // Every warp: its share of the hits' partials (their loads issued together), then its
     // share of the misses.
-    for (int i0 = warp; i0 < nh; i0 += FIN_WARPS * BATCH) {
-        float lv[BATCH];
-        float4 vv[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; u++) {
-            const int i = i0 + u * FIN_WARPS;
-            lv[u] = SPEC_NEG_INF;
-            vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < nh) {
-                const size_t at = ((size_t)row * prev_width + (late ? i : s_hit[i])) * SPEC_G + hq;
-                lv[u] = part_lse[at];
-                vv[u] = reinterpret_cast<const float4*>(part_o + at * SPEC_D)[lane];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < BATCH; u++) walk_join(M, L, acc, lv[u], vv[u]);
-    }
+    const auto place = [&](int i) {
+        return ((size_t)row * prev_width + (late ? i : s_hit[i])) * SPEC_G + hq;
+    };
+    walk_partials<FIN_WARPS, BATCH>(warp, lane, nh, place, part_lse, part_o, M, L, acc);
     if (warp < nm) {
         float qs[1][4];
         walk_queries<__nv_bfloat16, 1>(q, cu_q[seq + 1] - 1, q_heads, h, hq, scale2, qs);

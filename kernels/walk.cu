@@ -299,6 +299,33 @@ __device__ __forceinline__ void walk_join(float& M, float& L, float4& acc, float
     acc.w += w * v.w;
 }
 
+// Joins this warp's share of n partials into an online softmax state (walk_join): the warp
+// takes partials warp, warp + NW, ..., B of them loaded at once (past L1: a launch before wrote
+// them); place(i) is partial i's index in part_lse (and its row of 128 in part_o).
+template <int NW, int B, typename Place>
+__device__ __forceinline__ void walk_partials(int warp, int lane, int n, Place place,
+                                              const float* __restrict__ part_lse,
+                                              const float* __restrict__ part_o, float& M,
+                                              float& L, float4& acc) {
+    for (int i0 = warp; i0 < n; i0 += NW * B) {
+        float lv[B];
+        float4 vv[B];
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            const int i = i0 + u * NW;
+            lv[u] = WALK_NEG_INF;
+            vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < n) {
+                const size_t at = place(i);
+                lv[u] = __ldcg(part_lse + at);
+                vv[u] = __ldcg(reinterpret_cast<const float4*>(part_o + at * WALK_D) + lane);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < B; u++) walk_join(M, L, acc, lv[u], vv[u]);
+    }
+}
+
 // Merges NW warps' states from shared memory (maxima s_m, weight sums s_l, this lane's sums
 // s_acc[w][lane]) into r / ll, this lane's four dims of the normalized output (zeros where no
 // warp saw a key), and the natural-log LSE (-inf there).
@@ -344,23 +371,9 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     const int qrow = cu_q[seq + 1] - 1;
     float M = WALK_NEG_INF, L = 0.0f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i0 = warp; i0 < width; i0 += WALK_MERGE_WARPS * WALK_BATCH) {
-        float lv[WALK_BATCH];
-        float4 vv[WALK_BATCH];
-#pragma unroll
-        for (int u = 0; u < WALK_BATCH; u++) {
-            const int i = i0 + u * WALK_MERGE_WARPS;
-            lv[u] = WALK_NEG_INF;
-            vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < width) {
-                const size_t at = ((size_t)row * width + i) * WALK_G + hq;
-                lv[u] = __ldcg(part_lse + at);
-                vv[u] = __ldcg(reinterpret_cast<const float4*>(part_o + at * WALK_D) + lane);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < WALK_BATCH; u++) walk_join(M, L, acc, lv[u], vv[u]);
-    }
+    const auto place = [&](int i) { return ((size_t)row * width + i) * WALK_G + hq; };
+    walk_partials<WALK_MERGE_WARPS, WALK_BATCH>(warp, lane, width, place, part_lse, part_o, M, L,
+                                                acc);
     s_acc[warp][lane] = acc;
     if (lane == 0) {
         s_m[warp] = M;
