@@ -229,7 +229,7 @@ pub(crate) fn bench(
             &layers,
             &mut out_attn,
             &mut traces,
-            None,
+            cold::ColdRun::default(),
         )?);
         let t = gpu.time(RUNS, || {
             gpu.paged_attention(&q, &kv, &decode, &params, &mut out_attn, None)
@@ -507,7 +507,7 @@ fn bench_graph(
     s.run(&lane, &sk)?;
     lane.synchronize()?;
     let t = untracked(gpu.context(), lane.stream(), || {
-        let graph = capture(&lane, || s.run(&lane, &sk))?;
+        let graph = capture(&lane, CUgraphInstantiate_flags(0), || s.run(&lane, &sk))?;
         lane.time(RUNS, || {
             graph
                 .launch()
@@ -560,6 +560,7 @@ pub(crate) fn untracked<R>(
 /// step has run on `lane` once uncaptured (so that the lane's attention scratch exists).
 pub(crate) fn capture(
     lane: &Gpu,
+    flags: CUgraphInstantiate_flags,
     enqueue: impl FnOnce() -> Result<(), AlgoError>,
 ) -> Result<CudaGraph, AlgoError> {
     let stream = lane.stream();
@@ -567,9 +568,7 @@ pub(crate) fn capture(
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(AttnError::from)?;
     let enqueued = enqueue();
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(AttnError::from)?;
+    let graph = stream.end_capture(flags).map_err(AttnError::from)?;
     enqueued?;
     let graph = graph.ok_or_else(|| AlgoError::Invalid("the capture made no graph".into()))?;
     graph.upload().map_err(AttnError::from)?;

@@ -8,6 +8,7 @@
 
 use attn_op::cuda::{DeviceBatch, DevicePagedKv, Gpu, Timing};
 use attn_op::{AttnError, AttnParams, KvLayout};
+use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::{CudaGraph, CudaSlice};
 use half::bf16;
 use sparse_algo::cuda::{DeviceRepPool, DeviceTopK, SelectKernels};
@@ -37,6 +38,16 @@ pub(crate) struct Shape<'a> {
     pub tag: &'a str,
 }
 
+/// How [`bench_cold`] runs the step.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ColdRun {
+    /// Whether the top-k publishes its rows; by default where the tensor-core kernel attends.
+    pub publish: Option<bool>,
+    /// The step on a stream of the device's highest priority, its graphs keeping that
+    /// priority per node (as `gpu_select spec` runs its walks).
+    pub high: bool,
+}
+
 /// Times the E4M3 Quest step ([`quest_2k`]), published and replayed from CUDA graphs, on one layer
 /// over and over, rotating over [`COLD_LAYERS`] layers (a graph each), and every layer's step in
 /// one graph, in one call, and checks that each graph selects and attends as the serialized
@@ -49,14 +60,14 @@ pub(crate) fn bench_cold(
     l: &Layers,
     out: &mut CudaSlice<f32>,
     traces: &mut Vec<String>,
-    publish: Option<bool>,
+    run: ColdRun,
 ) -> Result<Vec<Row>, AlgoError> {
     let (quest, decodes) = (&l.quest, &l.decodes);
     let mut top = DeviceTopK::new(gpu, quest, sh.b, KV_HEADS, sh.ctx, false)?;
     // The page walk waits for the whole top-k, so by default the top-k publishes its rows only
     // where the tensor-core kernel attends.
     let walks = gpu.page_walk_fits(sh.kv, &decodes[0], &top.sel, &AttnParams::new(Q_HEADS, D));
-    let publish = publish.unwrap_or(!walks);
+    let publish = run.publish.unwrap_or(!walks);
     let attention = if walks {
         "; attention: the page walk"
     } else {
@@ -72,7 +83,16 @@ pub(crate) fn bench_cold(
     sk.set_publish(false);
     let wants = wants(gpu, sk, &mut step, decodes)?;
     // A stream of its own: the context's default stream cannot be captured.
-    let lane = gpu.fork()?;
+    let lane = if run.high {
+        gpu.fork_with_priority(true)?
+    } else {
+        gpu.fork()?
+    };
+    let flags = if run.high {
+        CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+    } else {
+        CUgraphInstantiate_flags(0)
+    };
     let mut lane_sk = sk.on_stream(lane.stream().clone());
     lane_sk.set_publish(publish);
     // Each layer once uncaptured, so that the lane's attention scratch exists.
@@ -86,13 +106,13 @@ pub(crate) fn bench_cold(
         let mut graphs = Vec::with_capacity(COLD_LAYERS);
         for (layer, decode) in decodes.iter().enumerate() {
             step.set_layer(layer, decode);
-            graphs.push(capture(&lane, || step.run(&lane, &lane_sk))?);
+            graphs.push(capture(&lane, flags, || step.run(&lane, &lane_sk))?);
         }
         // Every layer's step in one graph, as an engine captures a whole decode step: each
         // scoring launch depends programmatically on the attention before it, as in the
         // eager steps, instead of waiting for a graph launch. Each layer attends into its own
         // output; the rows go to the one top-k, as the steps before use it.
-        let whole = capture(&lane, || {
+        let whole = capture(&lane, flags, || {
             for ((layer, decode), out) in decodes.iter().enumerate().zip(&mut outs) {
                 step.for_layer(layer, decode, out).run(&lane, &lane_sk)?;
             }
@@ -150,9 +170,10 @@ pub(crate) fn bench_cold(
     traces.push(traced?);
     let row = |t: Timing, layers: String, note: &str| Row {
         name: format!(
-            "quest+sparse attn 2K tc graph{} e4m3 {layers} {}",
+            "quest+sparse attn 2K tc graph{} e4m3 {layers} {}{}",
             if publish { " published" } else { "" },
-            sh.tag
+            sh.tag,
+            if run.high { " (high priority)" } else { "" }
         ),
         t,
         bytes: 0.0,

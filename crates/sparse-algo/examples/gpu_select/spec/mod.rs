@@ -178,23 +178,26 @@ pub(crate) fn bench_spec(
     let mut out = gpu.zeros::<f32>(sh.b * Q_HEADS * D)?;
     let l = cold::Layers::new(gpu, sk, sh, &mut Rng::new(seed))?;
     // The shipped step as it runs (the page walk where it fits), with the top-k publishing its
-    // rows and not, then with the tensor-core attention kernel throughout.
+    // rows and not, unpublished on a high-priority stream as the walks below run, then with
+    // the tensor-core attention kernel throughout.
     let mut rows = Vec::new();
     if !check {
-        for publish in [true, false] {
+        let runs = [
+            (Some(true), false),
+            (Some(false), false),
+            (Some(false), true),
+        ];
+        for (publish, high) in runs {
+            let run = cold::ColdRun { publish, high };
             let traces = &mut Vec::new();
-            rows.extend(cold::bench_cold(
-                gpu,
-                sk,
-                sh,
-                &l,
-                &mut out,
-                traces,
-                Some(publish),
-            )?);
+            rows.extend(cold::bench_cold(gpu, sk, sh, &l, &mut out, traces, run)?);
         }
         gpu.set_page_walk(false);
-        let off = cold::bench_cold(gpu, sk, sh, &l, &mut out, &mut Vec::new(), Some(true));
+        let run = cold::ColdRun {
+            publish: Some(true),
+            high: false,
+        };
+        let off = cold::bench_cold(gpu, sk, sh, &l, &mut out, &mut Vec::new(), run);
         gpu.set_page_walk(true);
         rows.extend(off?.into_iter().map(|mut r| {
             r.name.push_str(" (page walk off)");
