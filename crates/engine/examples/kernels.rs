@@ -3,10 +3,12 @@
 //! takes both from PyPI's `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels and runs it, so
 //! that a kernel that does not compile fails CI instead of the next device run.
 //!
-//! `cargo run -p engine --features cuda --example kernels [ARCH]` (default `sm_90`), with the
-//! library on `LD_LIBRARY_PATH` and the headers in `HSA_CUDA_INCLUDE` (or
+//! `cargo run -p engine --features cuda --example kernels [ARCH] [--ptx DIR]` (default
+//! `sm_90`), with the library on `LD_LIBRARY_PATH` and the headers in `HSA_CUDA_INCLUDE` (or
 //! `/usr/local/cuda/include`). Prints each module's PTX size; exits 1 on the first module that
-//! does not compile, with NVRTC's log.
+//! does not compile, with NVRTC's log. With `--ptx DIR` it also writes each module's PTX there
+//! (`attn.ptx`, …): two trees' PTX compared show whether a change of the sources changed the
+//! code, where no device is at hand to run it.
 #![allow(
     clippy::print_stdout,
     clippy::print_stderr,
@@ -26,8 +28,21 @@ const SPEC_SOURCE: &str = concat!(
 );
 
 fn main() -> ExitCode {
-    let arch: &'static str = match std::env::args().nth(1) {
-        Some(a) => Box::leak(a.into_boxed_str()),
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let ptx_dir = args
+        .iter()
+        .position(|a| a == "--ptx")
+        .map(|i| args.get(i + 1).map(std::path::PathBuf::from));
+    let ptx_dir = match ptx_dir {
+        Some(None) => {
+            eprintln!("--ptx takes a directory");
+            return ExitCode::from(2);
+        }
+        Some(Some(dir)) => Some(dir),
+        None => None,
+    };
+    let arch: &'static str = match args.first().filter(|a| !a.starts_with("--")) {
+        Some(a) => Box::leak(a.clone().into_boxed_str()),
         None => "sm_90",
     };
     let modules = [
@@ -40,11 +55,24 @@ fn main() -> ExitCode {
     for (name, source) in modules {
         let start = Instant::now();
         match compile_source(name, source, arch) {
-            Ok(ptx) => println!(
-                "{name}: {} bytes of PTX for {arch} in {:.1} s",
-                ptx.to_src().len(),
-                start.elapsed().as_secs_f64()
-            ),
+            Ok(ptx) => {
+                let src = ptx.to_src();
+                println!(
+                    "{name}: {} bytes of PTX for {arch} in {:.1} s",
+                    src.len(),
+                    start.elapsed().as_secs_f64()
+                );
+                if let Some(dir) = &ptx_dir {
+                    let stem = name.trim_start_matches("kernels/").trim_end_matches(".cu");
+                    let path = dir.join(format!("{stem}.ptx"));
+                    let written =
+                        std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, src));
+                    if let Err(e) = written {
+                        eprintln!("{}: {e}", path.display());
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
             Err(e) => {
                 eprintln!("{name}: {e}");
                 return ExitCode::FAILURE;
