@@ -28,23 +28,18 @@ const SPEC_SOURCE: &str = concat!(
 );
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let ptx_dir = args
-        .iter()
-        .position(|a| a == "--ptx")
-        .map(|i| args.get(i + 1).map(std::path::PathBuf::from));
-    let ptx_dir = match ptx_dir {
-        Some(None) => {
+    let (mut arch, mut ptx_dir) = ("sm_90", None);
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if arg != "--ptx" {
+            arch = Box::leak(arg.into_boxed_str());
+        } else if let Some(dir) = args.next() {
+            ptx_dir = Some(std::path::PathBuf::from(dir));
+        } else {
             eprintln!("--ptx takes a directory");
             return ExitCode::from(2);
         }
-        Some(Some(dir)) => Some(dir),
-        None => None,
-    };
-    let arch: &'static str = match args.first().filter(|a| !a.starts_with("--")) {
-        Some(a) => Box::leak(a.clone().into_boxed_str()),
-        None => "sm_90",
-    };
+    }
     let modules = [
         ("kernels/attn.cu", attn_op::cuda::KERNEL_SOURCE),
         ("kernels/select.cu", sparse_algo::cuda::KERNEL_SOURCE),

@@ -194,7 +194,7 @@ impl Gpu {
             return Ok(());
         }
         if let Keys::Pages(s) = keys
-            && self.walks(T::DTYPE, &layout, meta, s, params)
+            && self.page_walk_fits(kv, meta, s, params)
         {
             return self.walk(q, kv, meta, s, params, out, lse);
         }

@@ -78,23 +78,11 @@ impl Gpu {
         pages: &DeviceSelection,
         params: &AttnParams,
     ) -> bool {
-        self.walks(T::DTYPE, &kv.layout(), meta, pages, params)
-    }
-
-    /// [`Gpu::page_walk_fits`] on a launch's parts.
-    pub(super) fn walks(
-        &self,
-        dtype: DType,
-        layout: &KvLayout,
-        meta: &DeviceBatch,
-        pages: &DeviceSelection,
-        params: &AttnParams,
-    ) -> bool {
         self.page_walk
             && self.variant.is_none()
             && fits(
-                dtype,
-                layout,
+                T::DTYPE,
+                &kv.layout(),
                 &meta.q_lens,
                 (pages.rows, pages.max_len),
                 params,
@@ -104,7 +92,7 @@ impl Gpu {
 
     /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's
     /// partial into the scratch, `walk_merge` merges each row's. The caller has checked the
-    /// lengths of `q`, `out` and `lse`, and that [`Gpu::walks`] holds.
+    /// lengths of `q`, `out` and `lse`, and that [`Gpu::page_walk_fits`] holds.
     #[allow(
         clippy::too_many_arguments,
         reason = "sparse_page_attention's arguments"
@@ -192,7 +180,7 @@ impl Gpu {
             .arg(&staged_i);
         // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu: q, K and V of a
         // 16-bit cache of head dim 128 in pages of 16 tokens, 4 query heads a KV head (checked
-        // by `walks`), the batch's metadata (validated against the layout on upload), rows of
+        // by `page_walk_fits`), the batch's metadata (validated against the layout on upload), rows of
         // `width` page ids and their lengths (their sizes checked above), and the scratch's
         // partials, which hold `places * 4` rows of 128 and their LSEs; the kernel range-checks
         // every page and block it reads, and stages the table row only where the launch gave
@@ -220,7 +208,7 @@ impl Gpu {
         };
         b.arg(&has_lse);
         // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu: the batch's query
-        // offsets (one query a sequence, checked by `walks`), the partials `walk_pages` wrote
+        // offsets (one query a sequence, checked by `page_walk_fits`), the partials `walk_pages` wrote
         // just before on this stream (it waits for them), and `out` and `lse`, whose lengths
         // the caller checked against the batch's rows.
         unsafe { b.launch(cfg) }?;
