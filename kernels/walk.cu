@@ -26,9 +26,11 @@ typedef int i32;
 #define WALK_LN2 0.6931471805599453f
 #define WALK_LOG2E 1.4426950408889634f
 #define WALK_FULL 0xffffffffu
-// Warps of a merging CTA, and the partials each warp loads at once.
-#define WALK_MERGE_WARPS 16
-#define WALK_BATCH 8
+// Warps of a merging CTA, and the partials each warp loads at once. 8 warps of 16 took B1
+// L128K's 8-layer graph 0.0 to 0.7 us a step below 16 warps of 8 in six paired H200 runs, never
+// above; 8 of 8 and 16 of 4 were 1 us slower (kernels/NOTES.md, session 76).
+#define WALK_MERGE_WARPS 8
+#define WALK_BATCH 16
 
 __device__ __forceinline__ float walk_exp2(float x) {
     float y;
