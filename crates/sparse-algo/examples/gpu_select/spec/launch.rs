@@ -21,6 +21,9 @@ const SOURCE: &str = concat!(
 /// block-table row of at most this many bytes.
 const SMEM_DEFAULT: usize = 48 * 1024;
 
+/// Warps of a `walk_merge` CTA (`WALK_MERGE_WARPS` in kernels/walk.cu).
+const MERGE_WARPS: u32 = 8;
+
 /// The widest row `spec_finish` stages (`SPEC_MAXW` in kernels/spec.cu).
 pub(super) const MAX_WIDTH: usize = 256;
 
@@ -29,6 +32,8 @@ pub(super) struct Kernels {
     pages: CudaFunction,
     finish: CudaFunction,
     warm: CudaFunction,
+    walk_pages: CudaFunction,
+    walk_merge: CudaFunction,
 }
 
 /// The partials per walked page `[rows, width, 4, D]` and their LSEs, and a flag buffer
@@ -46,7 +51,11 @@ pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
     let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
     let ptx = attn_op::cuda::compile_source("kernels/spec.cu", SOURCE, arch)?;
     let module = ctx.load_module(ptx).map_err(AttnError::from)?;
-    for name in ["spec_pages_bf16_d128", "spec_finish_bf16_d128"] {
+    for name in [
+        "spec_pages_bf16_d128",
+        "spec_finish_bf16_d128",
+        "walk_merge",
+    ] {
         use cudarc::driver::sys::CUfunction_attribute as A;
         let func = module.load_function(name).map_err(AttnError::from)?;
         let attr = |a| func.get_attribute(a).map_err(AttnError::from);
@@ -65,6 +74,8 @@ pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
         pages: f("spec_pages_bf16_d128")?,
         finish: f("spec_finish_bf16_d128")?,
         warm: f("spec_warm_bf16_d128")?,
+        walk_pages: f("walk_pages_bf16")?,
+        walk_merge: f("walk_merge")?,
     })
 }
 
@@ -275,6 +286,90 @@ pub(super) fn launch_warm(
     // SAFETY: the arguments follow `spec_warm_bf16_d128` in kernels/spec.cu: the shape's K and
     // V pool (head dim 128), the decode's lengths and block table, and rows of `max_len` page
     // ids; every id and block is range-checked in the kernel, which only prefetches.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+/// attn-op's `walk_pages_bf16` (compiled in this module) over the top-k's rows, right after it,
+/// into `parts`: half of the shipped walk, for the comparison with `spec_pages`.
+pub(super) fn launch_walk_pages(
+    k: &Kernels,
+    stream: &CudaStream,
+    sh: &Shape<'_>,
+    decode: &DeviceBatch,
+    sel: &DeviceSelection,
+    parts: &mut Parts,
+) -> Result<(), AlgoError> {
+    let table = decode.max_blocks() * size_of::<i32>();
+    if table > SMEM_DEFAULT {
+        return Err(AlgoError::Invalid(format!(
+            "walk_pages stages a block-table row of at most {SMEM_DEFAULT} bytes, not {table}"
+        )));
+    }
+    let ints = [
+        int(decode.max_blocks())?,
+        int(sh.layout.num_blocks)?,
+        int(KV_HEADS)?,
+        int(Q_HEADS)?,
+        int(sel.max_len)?,
+        1,
+    ];
+    let scale = scale2();
+    let grid = |x: usize| u32::try_from(x).map_err(|_| AlgoError::Invalid("grid".into()));
+    let cfg = LaunchConfig {
+        grid_dim: (grid(sel.max_len.div_ceil(4))?, grid(sel.rows)?, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: grid(table)?,
+    };
+    let mut l = Launch::new(stream, &k.walk_pages);
+    l.dependent(true);
+    common_args(&mut l, sh, decode, &ints);
+    l.arg(&sel.ids)
+        .arg(&sel.lens)
+        .arg(&ints[4])
+        .arg(&scale)
+        .arg(&mut parts.prev_o)
+        .arg(&mut parts.prev_lse)
+        .arg(&ints[5]);
+    // SAFETY: the arguments follow `walk_pages_bf16` in kernels/walk.cu: as for `spec_pages`,
+    // with the selection's rows and lengths, the partials sized for rows of `max_len` (Parts
+    // holds twice that), and the staged table row's bytes given.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+/// attn-op's `walk_merge` (compiled in this module) over the partials of a late walk of rows
+/// `width` wide, into `out`.
+pub(super) fn launch_walk_merge(
+    k: &Kernels,
+    stream: &CudaStream,
+    decode: &DeviceBatch,
+    width: usize,
+    parts: &Parts,
+    out: &mut CudaSlice<f32>,
+) -> Result<(), AlgoError> {
+    let ints = [int(KV_HEADS)?, int(Q_HEADS)?, int(width)?, 0];
+    let grid = |x: usize| u32::try_from(x).map_err(|_| AlgoError::Invalid("grid".into()));
+    let cfg = LaunchConfig {
+        grid_dim: (grid(decode.num_seqs() * KV_HEADS)?, 4, 1),
+        block_dim: (MERGE_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = Launch::new(stream, &k.walk_merge);
+    l.dependent(true);
+    l.arg(decode.cu_seqlens_q())
+        .arg(&ints[0])
+        .arg(&ints[1])
+        .arg(&ints[2])
+        .arg(&parts.prev_o)
+        .arg(&parts.prev_lse)
+        .arg(out)
+        .arg(&parts.none)
+        .arg(&ints[3]);
+    // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu: the decode's query offsets
+    // (one query a sequence), the partials a late walk wrote for rows of `width` just before
+    // on this stream, and the output `[b, q_heads, 128]`; with has_lse 0 the kernel never
+    // writes the LSE argument (a placeholder).
     unsafe { l.launch(cfg) }?;
     Ok(())
 }

@@ -31,7 +31,10 @@ use crate::report::{self, Row, random_bf16, table};
 use crate::rng::Rng;
 pub(crate) use inputs::Host;
 use inputs::{cpu_reference, likely_sets, worst_diff, worst_of};
-use launch::{Kernels, Parts, compile, launch_finish, launch_pages, launch_warm};
+use launch::{
+    Kernels, Parts, compile, launch_finish, launch_pages, launch_walk_merge, launch_walk_pages,
+    launch_warm,
+};
 
 /// Which pages a step walks when.
 #[derive(Clone, Copy, Debug)]
@@ -46,6 +49,13 @@ enum Walk {
     Early { share: f64, count: usize },
     /// Likely pages only asked of L2 during the top-k (`spec_warm`), then the late walk.
     Warm { share: f64, count: usize },
+    /// attn-op's page walk (`Gpu::sparse_page_attention`, unpublished) after the top-k: the
+    /// shipped step's kernels in this bench's graph, to tell the kernels' difference from
+    /// the two benches'.
+    Shipped,
+    /// The late walk with one of its kernels swapped for attn-op's (compiled in the
+    /// prototype's module): `walk_pages` (`pages`) or `walk_merge`.
+    Swapped { pages: bool },
 }
 
 /// The walks the bench times.
@@ -249,7 +259,13 @@ pub(crate) fn bench_spec(
     let walks = if check {
         vec![WALKS[1], WALKS[10], WALKS[13]]
     } else if late {
-        [WALKS[0], WALKS[1], WALKS[0], WALKS[1]].to_vec()
+        [
+            WALKS[0],
+            Walk::Shipped,
+            Walk::Swapped { pages: true },
+            Walk::Swapped { pages: false },
+        ]
+        .to_vec()
     } else {
         WALKS.to_vec()
     };
@@ -311,6 +327,9 @@ impl Walk {
         match self {
             Walk::Late { published: false } => "pages a warp each after the top-k".to_owned(),
             Walk::Late { published: true } => "pages a warp each from each row's flag".to_owned(),
+            Walk::Shipped => "attn-op's page walk after the top-k".to_owned(),
+            Walk::Swapped { pages: true } => "walk_pages then spec_finish".to_owned(),
+            Walk::Swapped { pages: false } => "spec_pages then walk_merge".to_owned(),
             Walk::Early { share, count } => {
                 format!("{count}x pages holding {:.0}%", share * 100.0)
             }
@@ -360,6 +379,25 @@ impl Spec<'_> {
             self.top,
         )?;
         match (walk, likely) {
+            (Walk::Shipped, _) => {
+                let params = AttnParams::new(Q_HEADS, D);
+                let sel = &self.top.sel;
+                let (q, kv) = (self.sh.q, self.sh.kv);
+                self.hi
+                    .sparse_page_attention(q, kv, decode, sel, &params, out, None)?;
+                Ok(())
+            }
+            (Walk::Swapped { pages }, _) => {
+                let sel = &self.top.sel;
+                if pages {
+                    launch_walk_pages(self.k, hi, self.sh, decode, sel, self.parts)?;
+                    launch_finish(self.k, hi, self.sh, decode, self.top, None, self.parts, out)
+                } else {
+                    launch_pages(self.k, hi, Some(None), self.sh, decode, sel, self.parts)?;
+                    let (w, p) = (sel.max_len, &*self.parts);
+                    launch_walk_merge(self.k, hi, decode, w, p, out)
+                }
+            }
             (Walk::Early { .. }, Some(prev)) => {
                 if let Some(e) = &side {
                     hi.wait(e).map_err(AttnError::from)?;
