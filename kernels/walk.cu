@@ -26,11 +26,10 @@ typedef int i32;
 #define WALK_LN2 0.6931471805599453f
 #define WALK_LOG2E 1.4426950408889634f
 #define WALK_FULL 0xffffffffu
-// Warps of a merging CTA, and the partials each warp loads at once. 8 warps of 16 took B1
-// L128K's 8-layer graph 0.0 to 0.7 us a step below 16 warps of 8 in six paired H200 runs, never
-// above; 8 of 8 and 16 of 4 were 1 us slower (kernels/NOTES.md, session 76).
-#define WALK_MERGE_WARPS 8
-#define WALK_BATCH 16
+// Warps of a merging CTA, and the partials each warp loads at once (kernels/NOTES.md, session
+// 76).
+#define WALK_MERGE_WARPS 16
+#define WALK_BATCH 8
 
 __device__ __forceinline__ float walk_exp2(float x) {
     float y;
@@ -329,6 +328,32 @@ __device__ __forceinline__ void walk_partials(int warp, int lane, int n, Place p
     }
 }
 
+// walk_partials over n consecutive partials, partial i's LSE at lse0[i * WALK_G] and its row
+// of 128 at o0[i * WALK_G * WALK_D]: one address a batch, each load at a constant offset from it.
+template <int NW, int B>
+__device__ __forceinline__ void walk_strided(int warp, int lane, int n,
+                                             const float* __restrict__ lse0,
+                                             const float* __restrict__ o0, float& M, float& L,
+                                             float4& acc) {
+    for (int i0 = warp; i0 < n; i0 += NW * B) {
+        const float* pl = lse0 + (size_t)i0 * WALK_G;
+        const float4* po = reinterpret_cast<const float4*>(o0 + (size_t)i0 * WALK_G * WALK_D) + lane;
+        float lv[B];
+        float4 vv[B];
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            lv[u] = WALK_NEG_INF;
+            vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i0 + u * NW < n) {
+                lv[u] = __ldcg(pl + u * NW * WALK_G);
+                vv[u] = __ldcg(po + u * NW * WALK_G * (WALK_D / 4));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < B; u++) walk_join(M, L, acc, lv[u], vv[u]);
+    }
+}
+
 // Merges NW warps' states from shared memory (maxima s_m, weight sums s_l, this lane's sums
 // s_acc[w][lane]) into r / ll, this lane's four dims of the normalized output (zeros where no
 // warp saw a key), and the natural-log LSE (-inf there).
@@ -374,9 +399,10 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     const int qrow = cu_q[seq + 1] - 1;
     float M = WALK_NEG_INF, L = 0.0f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const auto place = [&](int i) { return ((size_t)row * width + i) * WALK_G + hq; };
-    walk_partials<WALK_MERGE_WARPS, WALK_BATCH>(warp, lane, width, place, part_lse, part_o, M, L,
-                                                acc);
+    // Partial i of this (row, query head) is place row * width + i's head hq.
+    const size_t first = (size_t)row * width * WALK_G + hq;
+    walk_strided<WALK_MERGE_WARPS, WALK_BATCH>(warp, lane, width, part_lse + first,
+                                               part_o + first * WALK_D, M, L, acc);
     s_acc[warp][lane] = acc;
     if (lane == 0) {
         s_m[warp] = M;

@@ -23,7 +23,7 @@ const CTAS_PER_SM: usize = 2;
 /// block-table row is longer, the walk reads the table in global memory.
 const STAGE_BYTES: usize = 48 * 1024;
 /// Warps of a merging CTA (`WALK_MERGE_WARPS` in kernels/walk.cu).
-const MERGE_WARPS: usize = 8;
+const MERGE_WARPS: usize = 16;
 
 /// The page walk's shapes: `dtype` and `layout` of the cache, each sequence's query count
 /// `q_lens`, the selection's `(rows, width)`, the attention's `params`, on a device of `sms`
