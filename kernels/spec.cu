@@ -104,14 +104,18 @@ extern "C" __global__ void __launch_bounds__(256) spec_warm_bf16_d128(
 // Every warp merges its share of the partials of the selected pages the likely ones hold, then
 // computes its share of the other selected pages (their K and V asked of L2 first) and merges
 // those, from shared memory. Writes out[qrow, h * 4 + hq, :].
-extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d128(
+// FIXED: a late walk's finish only, `late` then ignored (session 76's probe of what the late
+// path costs without the other paths' code).
+template <bool FIXED>
+__device__ __forceinline__ void spec_finish_body(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
     const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,
     const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks,
     i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ new_ids,
     const i32* __restrict__ new_lens, i32 new_width, const i32* __restrict__ prev_ids,
     const i32* __restrict__ prev_lens, i32 prev_width, const float* __restrict__ part_o,
-    const float* __restrict__ part_lse, i32 late, float scale2, float* __restrict__ out) {
+    const float* __restrict__ part_lse, i32 late_arg, float scale2, float* __restrict__ out) {
+    const bool late = FIXED || late_arg != 0;
     constexpr int BATCH = 8;
     __shared__ i32 s_new[SPEC_MAXW];
     __shared__ i32 s_prev[SPEC_MAXW];
@@ -213,3 +217,19 @@ extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) spec_finish_bf16_d1
         reinterpret_cast<float4*>(out + ((size_t)qrow * q_heads + h * SPEC_G + hq) * SPEC_D)[lane] = r;
     }
 }
+
+#define SPEC_FINISH(NAME, FIXED)                                                              \
+    extern "C" __global__ void __launch_bounds__(FIN_WARPS * 32) NAME(                        \
+        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,            \
+        const __nv_bfloat16* __restrict__ vc, const i32* __restrict__ cu_q,                   \
+        const i32* __restrict__ kv_lens, const i32* __restrict__ block_table, i32 max_blocks, \
+        i32 num_blocks, i32 kv_heads, i32 q_heads, const i32* __restrict__ new_ids,           \
+        const i32* __restrict__ new_lens, i32 new_width, const i32* __restrict__ prev_ids,    \
+        const i32* __restrict__ prev_lens, i32 prev_width, const float* __restrict__ part_o,  \
+        const float* __restrict__ part_lse, i32 late, float scale2, float* __restrict__ out) { \
+        spec_finish_body<FIXED>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks, num_blocks, \
+                                kv_heads, q_heads, new_ids, new_lens, new_width, prev_ids,    \
+                                prev_lens, prev_width, part_o, part_lse, late, scale2, out);  \
+    }
+SPEC_FINISH(spec_finish_bf16_d128, false)
+SPEC_FINISH(spec_finish_late_bf16_d128, true)

@@ -22,7 +22,7 @@ const SOURCE: &str = concat!(
 const SMEM_DEFAULT: usize = 48 * 1024;
 
 /// Warps of a `walk_merge` CTA (`WALK_MERGE_WARPS` in kernels/walk.cu).
-const MERGE_WARPS: u32 = 8;
+const MERGE_WARPS: u32 = 16;
 
 /// The widest row `spec_finish` stages (`SPEC_MAXW` in kernels/spec.cu).
 pub(super) const MAX_WIDTH: usize = 256;
@@ -34,6 +34,21 @@ pub(super) struct Kernels {
     warm: CudaFunction,
     walk_pages: CudaFunction,
     walk_merge: CudaFunction,
+    finish_late: CudaFunction,
+}
+
+impl Kernels {
+    /// The same kernels with the finish of a late walk only (`spec_finish_late`).
+    pub(super) fn fixed(&self) -> Kernels {
+        Kernels {
+            finish: self.finish_late.clone(),
+            pages: self.pages.clone(),
+            warm: self.warm.clone(),
+            walk_pages: self.walk_pages.clone(),
+            walk_merge: self.walk_merge.clone(),
+            finish_late: self.finish_late.clone(),
+        }
+    }
 }
 
 /// The partials per walked page `[rows, width, 4, D]` and their LSEs, and a flag buffer
@@ -76,6 +91,7 @@ pub(super) fn compile(gpu: &Gpu) -> Result<Kernels, AlgoError> {
         warm: f("spec_warm_bf16_d128")?,
         walk_pages: f("walk_pages_bf16")?,
         walk_merge: f("walk_merge")?,
+        finish_late: f("spec_finish_late_bf16_d128")?,
     })
 }
 

@@ -56,6 +56,11 @@ enum Walk {
     /// The late walk with one of its kernels swapped for attn-op's (compiled in the
     /// prototype's module): `walk_pages` (`pages`) or `walk_merge`.
     Swapped { pages: bool },
+    /// The late walk with `spec_finish_late`, its finish compiled for a late walk only.
+    FixedLate,
+    /// attn-op's `walk_pages` and `walk_merge`, compiled in the prototype's module, over its
+    /// partials' buffer.
+    BothSwapped,
 }
 
 /// The walks the bench times.
@@ -264,6 +269,9 @@ pub(crate) fn bench_spec(
             Walk::Shipped,
             Walk::Swapped { pages: true },
             Walk::Swapped { pages: false },
+            Walk::FixedLate,
+            Walk::BothSwapped,
+            WALKS[0],
         ]
         .to_vec()
     } else {
@@ -330,6 +338,8 @@ impl Walk {
             Walk::Shipped => "attn-op's page walk after the top-k".to_owned(),
             Walk::Swapped { pages: true } => "walk_pages then spec_finish".to_owned(),
             Walk::Swapped { pages: false } => "spec_pages then walk_merge".to_owned(),
+            Walk::FixedLate => "spec_pages then spec_finish_late".to_owned(),
+            Walk::BothSwapped => "walk_pages then walk_merge".to_owned(),
             Walk::Early { share, count } => {
                 format!("{count}x pages holding {:.0}%", share * 100.0)
             }
@@ -386,6 +396,17 @@ impl Spec<'_> {
                 self.hi
                     .sparse_page_attention(q, kv, decode, sel, &params, out, None)?;
                 Ok(())
+            }
+            (Walk::BothSwapped, _) => {
+                let sel = &self.top.sel;
+                launch_walk_pages(self.k, hi, self.sh, decode, sel, self.parts)?;
+                let (w, p) = (sel.max_len, &*self.parts);
+                launch_walk_merge(self.k, hi, decode, w, p, out)
+            }
+            (Walk::FixedLate, _) => {
+                let (k, sel) = (self.k.fixed(), &self.top.sel);
+                launch_pages(&k, hi, Some(None), self.sh, decode, sel, self.parts)?;
+                launch_finish(&k, hi, self.sh, decode, self.top, None, self.parts, out)
             }
             (Walk::Swapped { pages }, _) => {
                 let sel = &self.top.sel;
