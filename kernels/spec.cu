@@ -214,7 +214,8 @@ __device__ __forceinline__ void spec_finish_body(
     if (warp == 0) {
         float4 r;
         walk_warps<FIN_WARPS>(s_acc, s_m, s_l, lane, r);
-        reinterpret_cast<float4*>(out + ((size_t)qrow * q_heads + h * SPEC_G + hq) * SPEC_D)[lane] = r;
+        const size_t o = (size_t)qrow * q_heads + h * SPEC_G + hq;
+        reinterpret_cast<float4*>(out + o * SPEC_D)[lane] = r;
     }
 }
 

@@ -337,7 +337,8 @@ __device__ __forceinline__ void walk_strided(int warp, int lane, int n,
                                              float4& acc) {
     for (int i0 = warp; i0 < n; i0 += NW * B) {
         const float* pl = lse0 + (size_t)i0 * WALK_G;
-        const float4* po = reinterpret_cast<const float4*>(o0 + (size_t)i0 * WALK_G * WALK_D) + lane;
+        const float4* po =
+            reinterpret_cast<const float4*>(o0 + (size_t)i0 * WALK_G * WALK_D) + lane;
         float lv[B];
         float4 vv[B];
 #pragma unroll
