@@ -124,6 +124,44 @@ fn common_args<'a>(
         .arg(&ints[3]);
 }
 
+/// A walk's launch over the rows of `sel` (a CTA of 4 warps per 4 places, the block-table row
+/// staged in dynamic shared memory where `staged`) and its integers: max_blocks, num_blocks,
+/// kv_heads, q_heads, the rows' width, 0 (the caller's), and whether the table is staged.
+fn walk_setup(
+    kernel: &str,
+    sh: &Shape<'_>,
+    decode: &DeviceBatch,
+    sel: &DeviceSelection,
+    staged: bool,
+) -> Result<([i32; 7], LaunchConfig), AlgoError> {
+    let table = if staged {
+        decode.max_blocks() * size_of::<i32>()
+    } else {
+        0
+    };
+    if table > SMEM_DEFAULT {
+        return Err(AlgoError::Invalid(format!(
+            "{kernel} stages a block-table row of at most {SMEM_DEFAULT} bytes, not {table}"
+        )));
+    }
+    let ints = [
+        int(decode.max_blocks())?,
+        int(sh.layout.num_blocks)?,
+        int(KV_HEADS)?,
+        int(Q_HEADS)?,
+        int(sel.max_len)?,
+        0,
+        i32::from(staged),
+    ];
+    let grid = |x: usize| u32::try_from(x).map_err(|_| AlgoError::Invalid("grid".into()));
+    let cfg = LaunchConfig {
+        grid_dim: (grid(sel.max_len.div_ceil(4))?, grid(sel.rows)?, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: grid(table)?,
+    };
+    Ok((ints, cfg))
+}
+
 /// `after`: `None` on a stream of its own; else right after the top-k, which published its
 /// rows or not.
 pub(super) fn launch_pages(
@@ -136,40 +174,13 @@ pub(super) fn launch_pages(
     parts: &mut Parts,
 ) -> Result<(), AlgoError> {
     // A walk after the top-k stages its sequence's block-table row in shared memory.
-    let table = if after.is_some() {
-        decode.max_blocks() * size_of::<i32>()
-    } else {
-        0
-    };
-    if table > SMEM_DEFAULT {
-        return Err(AlgoError::Invalid(format!(
-            "spec_pages stages a block-table row of at most {SMEM_DEFAULT} bytes, not {table}"
-        )));
-    }
-    let ints = [
-        int(decode.max_blocks())?,
-        int(sh.layout.num_blocks)?,
-        int(KV_HEADS)?,
-        int(Q_HEADS)?,
-        int(prev.max_len)?,
-        i32::from(matches!(after, Some(Some(_)))),
-        i32::from(table > 0),
-    ];
+    let (mut ints, cfg) = walk_setup("spec_pages", sh, decode, prev, after.is_some())?;
+    ints[5] = i32::from(matches!(after, Some(Some(_))));
     let (flags, epoch) = match &after {
         Some(Some(p)) => (p.flags, p.epoch),
         _ => (&parts.none, &parts.none),
     };
     let scale = scale2();
-    let cfg = LaunchConfig {
-        grid_dim: (
-            u32::try_from(prev.max_len.div_ceil(4))
-                .map_err(|_| AlgoError::Invalid("grid".into()))?,
-            u32::try_from(prev.rows).map_err(|_| AlgoError::Invalid("grid".into()))?,
-            1,
-        ),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: u32::try_from(table).map_err(|_| AlgoError::Invalid("smem".into()))?,
-    };
     let mut l = Launch::new(stream, &k.pages);
     l.dependent(after.is_some());
     common_args(&mut l, sh, decode, &ints);
@@ -316,27 +327,8 @@ pub(super) fn launch_walk_pages(
     sel: &DeviceSelection,
     parts: &mut Parts,
 ) -> Result<(), AlgoError> {
-    let table = decode.max_blocks() * size_of::<i32>();
-    if table > SMEM_DEFAULT {
-        return Err(AlgoError::Invalid(format!(
-            "walk_pages stages a block-table row of at most {SMEM_DEFAULT} bytes, not {table}"
-        )));
-    }
-    let ints = [
-        int(decode.max_blocks())?,
-        int(sh.layout.num_blocks)?,
-        int(KV_HEADS)?,
-        int(Q_HEADS)?,
-        int(sel.max_len)?,
-        1,
-    ];
+    let (ints, cfg) = walk_setup("walk_pages", sh, decode, sel, true)?;
     let scale = scale2();
-    let grid = |x: usize| u32::try_from(x).map_err(|_| AlgoError::Invalid("grid".into()));
-    let cfg = LaunchConfig {
-        grid_dim: (grid(sel.max_len.div_ceil(4))?, grid(sel.rows)?, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: grid(table)?,
-    };
     let mut l = Launch::new(stream, &k.walk_pages);
     l.dependent(true);
     common_args(&mut l, sh, decode, &ints);
@@ -346,7 +338,7 @@ pub(super) fn launch_walk_pages(
         .arg(&scale)
         .arg(&mut parts.prev_o)
         .arg(&mut parts.prev_lse)
-        .arg(&ints[5]);
+        .arg(&ints[6]);
     // SAFETY: the arguments follow `walk_pages_bf16` in kernels/walk.cu: as for `spec_pages`,
     // with the selection's rows and lengths, the partials sized for rows of `max_len` (Parts
     // holds twice that), and the staged table row's bytes given.
