@@ -50,8 +50,8 @@ enum Walk {
     /// Likely pages only asked of L2 during the top-k (`spec_warm`), then the late walk.
     Warm { share: f64, count: usize },
     /// attn-op's page walk (`Gpu::sparse_page_attention`, unpublished) after the top-k: the
-    /// shipped step's kernels in this bench's graph, to tell the kernels' difference from
-    /// the two benches'.
+    /// shipped step's kernels in this bench's graph, which tells whether the shipped step's
+    /// time comes from its kernels or from the cold bench.
     Shipped,
     /// The late walk with one of its kernels swapped for attn-op's (compiled in the
     /// prototype's module): `walk_pages` (`pages`) or `walk_merge`.
@@ -264,6 +264,9 @@ pub(crate) fn bench_spec(
     let walks = if check {
         vec![WALKS[1], WALKS[10], WALKS[13]]
     } else if late {
+        // The late walk first and last (the call's drift between them), then attn-op's walk,
+        // each half of it in the prototype's walk, both halves, and the finish compiled for a
+        // late walk only.
         [
             WALKS[0],
             Walk::Shipped,
