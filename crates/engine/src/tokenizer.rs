@@ -123,8 +123,17 @@ impl Tokenizer {
         bos: Option<u32>,
         eos: Option<u32>,
     ) -> Result<Tokenizer, EngineError> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let err =
+            |e: &dyn std::fmt::Display| EngineError::Tokenizer(format!("{}: {e}", path.display()));
+        let text = std::fs::read_to_string(path).map_err(|e| err(&e))?;
+        // The text must be JSON before the tokenizers crate reads it: its decoder section's
+        // parse panics on a syntax error there (`expect("Helper")` in tokenizers 0.22), where
+        // it accepts any JSON value.
+        serde_json::from_str::<serde_json::Value>(&text).map_err(|e| err(&e))?;
+        // Any other panic of the crate on a malformed file becomes an error too.
+        let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| err(&"the tokenizers crate panicked reading it"))?;
+        let inner = parsed.map_err(|e| err(&e))?;
         let vocab = inner.get_vocab_size(true);
         if let Some(bad) = [bos, eos]
             .into_iter()
