@@ -53,14 +53,11 @@ enum Walk {
     /// shipped step's kernels in this bench's graph, which tells whether the shipped step's
     /// time comes from its kernels or from the cold bench.
     Shipped,
-    /// The late walk with one of its kernels swapped for attn-op's (compiled in the
-    /// prototype's module): `walk_pages` (`pages`) or `walk_merge`.
-    Swapped { pages: bool },
+    /// The late walk with attn-op's `walk_pages` (`pages`), its `walk_merge` (`merge`), or
+    /// both (compiled in the prototype's module, over its partials' buffer) in place of its own.
+    Swapped { pages: bool, merge: bool },
     /// The late walk with `spec_finish_late`, its finish compiled for a late walk only.
     FixedLate,
-    /// attn-op's `walk_pages` and `walk_merge`, compiled in the prototype's module, over its
-    /// partials' buffer.
-    BothSwapped,
 }
 
 /// The walks the bench times.
@@ -270,10 +267,19 @@ pub(crate) fn bench_spec(
         [
             WALKS[0],
             Walk::Shipped,
-            Walk::Swapped { pages: true },
-            Walk::Swapped { pages: false },
+            Walk::Swapped {
+                pages: true,
+                merge: false,
+            },
+            Walk::Swapped {
+                pages: false,
+                merge: true,
+            },
             Walk::FixedLate,
-            Walk::BothSwapped,
+            Walk::Swapped {
+                pages: true,
+                merge: true,
+            },
             WALKS[0],
         ]
         .to_vec()
@@ -339,10 +345,12 @@ impl Walk {
             Walk::Late { published: false } => "pages a warp each after the top-k".to_owned(),
             Walk::Late { published: true } => "pages a warp each from each row's flag".to_owned(),
             Walk::Shipped => "attn-op's page walk after the top-k".to_owned(),
-            Walk::Swapped { pages: true } => "walk_pages then spec_finish".to_owned(),
-            Walk::Swapped { pages: false } => "spec_pages then walk_merge".to_owned(),
+            Walk::Swapped { pages, merge } => format!(
+                "{} then {}",
+                if pages { "walk_pages" } else { "spec_pages" },
+                if merge { "walk_merge" } else { "spec_finish" }
+            ),
             Walk::FixedLate => "spec_pages then spec_finish_late".to_owned(),
-            Walk::BothSwapped => "walk_pages then walk_merge".to_owned(),
             Walk::Early { share, count } => {
                 format!("{count}x pages holding {:.0}%", share * 100.0)
             }
@@ -400,26 +408,23 @@ impl Spec<'_> {
                     .sparse_page_attention(q, kv, decode, sel, &params, out, None)?;
                 Ok(())
             }
-            (Walk::BothSwapped, _) => {
-                let sel = &self.top.sel;
-                launch_walk_pages(self.k, hi, self.sh, decode, sel, self.parts)?;
-                let (w, p) = (sel.max_len, &*self.parts);
-                launch_walk_merge(self.k, hi, decode, w, p, out)
-            }
             (Walk::FixedLate, _) => {
                 let (k, sel) = (self.k.fixed(), &self.top.sel);
                 launch_pages(&k, hi, Some(None), self.sh, decode, sel, self.parts)?;
                 launch_finish(&k, hi, self.sh, decode, self.top, None, self.parts, out)
             }
-            (Walk::Swapped { pages }, _) => {
+            (Walk::Swapped { pages, merge }, _) => {
                 let sel = &self.top.sel;
                 if pages {
                     launch_walk_pages(self.k, hi, self.sh, decode, sel, self.parts)?;
-                    launch_finish(self.k, hi, self.sh, decode, self.top, None, self.parts, out)
                 } else {
                     launch_pages(self.k, hi, Some(None), self.sh, decode, sel, self.parts)?;
+                }
+                if merge {
                     let (w, p) = (sel.max_len, &*self.parts);
                     launch_walk_merge(self.k, hi, decode, w, p, out)
+                } else {
+                    launch_finish(self.k, hi, self.sh, decode, self.top, None, self.parts, out)
                 }
             }
             (Walk::Early { .. }, Some(prev)) => {
