@@ -237,6 +237,11 @@ __device__ __forceinline__ void walk_pages_body(
     const int seq = row / kv_heads, h = row % kv_heads;
     const i32* seq_table = block_table + (size_t)seq * max_blocks;
     if (staged) walk_stage(seq_table, table, max_blocks);
+    // The sequence's query row and KV length, which only the host uploads, are read before
+    // the wait too, so that the queries' loads need not wait for them. (Not through the
+    // read-only path: ptxas may sink such a load past the wait.)
+    const i32 qrow = __ldcg(cu_q + seq + 1) - 1;
+    const i32 kv_len = __ldcg(kv_lens + seq);
     pdl_wait();
     pdl_launch_dependents();
     __syncthreads();
@@ -250,15 +255,16 @@ __device__ __forceinline__ void walk_pages_body(
     float* o = part_o + at * WALK_G * WALK_D;
     float* lse = part_lse + at * WALK_G;
     i32 valid;
-    const i32 block = walk_block(staged ? table : seq_table, max_blocks, num_blocks,
-                                 i < n ? id : -1, kv_lens[seq], &valid);
+    const i32 page = i < n ? id : -1;
+    const i32 block = staged ? walk_block(table, max_blocks, num_blocks, page, kv_len, &valid)
+                             : walk_block(seq_table, max_blocks, num_blocks, page, kv_len, &valid);
     if (block < 0) {
         // An empty partial: its LSE alone, as the merge skips an empty partial's output.
         if (lane < WALK_G) lse[lane] = WALK_NEG_INF;
         return;
     }
     float qs[WALK_G][4];
-    walk_queries<T, WALK_G>(q, cu_q[seq + 1] - 1, q_heads, h, 0, scale2, qs);
+    walk_queries<T, WALK_G>(q, qrow, q_heads, h, 0, scale2, qs);
     walk_page<T, WALK_G>(qs, reinterpret_cast<const uint2*>(kc), reinterpret_cast<const uint2*>(vc),
                          block, valid, kv_heads, h, o, lse, p_smem[warp]);
 }
@@ -394,10 +400,10 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x, hq = blockIdx.y;
     const int seq = row / kv_heads, h = row % kv_heads;
+    // The output row, which only the host uploads, read before the wait (as in walk_pages).
+    const int qrow = __ldcg(cu_q + seq + 1) - 1;
     pdl_wait();
     pdl_launch_dependents();
-    // The output row, asked for now so that its load overlaps the partials'.
-    const int qrow = cu_q[seq + 1] - 1;
     float M = WALK_NEG_INF, L = 0.0f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // Partial i of this (row, query head) is place row * width + i's head hq.
