@@ -232,26 +232,40 @@ __device__ __forceinline__ void walk_pages_body(
     float scale2, float* __restrict__ part_o, float* __restrict__ part_lse, i32 staged,
     i32* table) {
     __shared__ float p_smem[4][64];
+    // What the CTA's warps share, loaded once for all four: the sequence's query row and KV
+    // length, the row's length, and the CTA's four page ids.
+    __shared__ i32 s_seq[2];
+    __shared__ i32 s_len;
+    __shared__ i32 s_ids[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.y;
     const int seq = row / kv_heads, h = row % kv_heads;
     const i32* seq_table = block_table + (size_t)seq * max_blocks;
     if (staged) walk_stage(seq_table, table, max_blocks);
     // The sequence's query row and KV length, which only the host uploads, are read before
-    // the wait too, so that the queries' loads need not wait for them. (Not through the
-    // read-only path: ptxas may sink such a load past the wait.)
-    const i32 qrow = __ldcg(cu_q + seq + 1) - 1;
-    const i32 kv_len = __ldcg(kv_lens + seq);
+    // the wait too (through L2: ptxas may sink a read-only load past the wait).
+    if (threadIdx.x < 2)
+        s_seq[threadIdx.x] = __ldcg(threadIdx.x == 0 ? cu_q + seq + 1 : kv_lens + seq);
     pdl_wait();
     pdl_launch_dependents();
+    // The row's length and the CTA's ids, which the launch before wrote: read past L1, a load
+    // for the CTA rather than one a warp (a row's 32 CTAs read one length).
+    const int first = blockIdx.x * 4;
+    const int mine = first + (int)threadIdx.x;
+    if (threadIdx.x < 4) {
+        // Both loads in flight before either store (the four lanes' length loads are one
+        // request).
+        const i32 id = mine < width ? __ldcg(ids + (size_t)row * width + mine) : -1;
+        const i32 len = __ldcg(lens + row);
+        s_ids[threadIdx.x] = id;
+        if (threadIdx.x == 0) s_len = len;
+    }
     __syncthreads();
-    const int i = blockIdx.x * 4 + warp;
+    const int i = first + warp;
     if (i >= width) return;
     const size_t at = (size_t)row * width + i;
-    // The row's length and the place's id are asked for together (the place is inside the
-    // rows whatever the length); both past L1, as the launch before wrote them.
-    const i32 n = __ldcg(lens + row);
-    const i32 id = __ldcg(ids + at);
+    const i32 qrow = s_seq[0] - 1, kv_len = s_seq[1];
+    const i32 n = s_len, id = s_ids[warp];
     float* o = part_o + at * WALK_G * WALK_D;
     float* lse = part_lse + at * WALK_G;
     i32 valid;
@@ -400,8 +414,9 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x, hq = blockIdx.y;
     const int seq = row / kv_heads, h = row % kv_heads;
-    // The output row, which only the host uploads, read before the wait (as in walk_pages).
-    const int qrow = __ldcg(cu_q + seq + 1) - 1;
+    // The output row, which only the host uploads, read before the wait (as in walk_pages),
+    // by warp 0 alone, which writes the output.
+    const int qrow = warp == 0 ? __ldcg(cu_q + seq + 1) - 1 : 0;
     pdl_wait();
     pdl_launch_dependents();
     float M = WALK_NEG_INF, L = 0.0f;
