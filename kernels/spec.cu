@@ -188,10 +188,11 @@ __device__ __forceinline__ void spec_finish_body(
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // Every warp: its share of the hits' partials (their loads issued together), then its
     // share of the misses.
-    const auto place = [&](int i) {
+    const auto at = [&](int i0, int u) {
+        const int i = i0 + u * FIN_WARPS;
         return ((size_t)row * prev_width + (late ? i : s_hit[i])) * SPEC_G + hq;
     };
-    walk_partials<FIN_WARPS, BATCH>(warp, lane, nh, place, part_lse, part_o, M, L, acc);
+    walk_partials<FIN_WARPS, BATCH>(warp, lane, nh, at, part_lse, part_o, M, L, acc);
     if (warp < nm) {
         float qs[1][4];
         walk_queries<__nv_bfloat16, 1>(q, cu_q[seq + 1] - 1, q_heads, h, hq, scale2, qs);

@@ -323,9 +323,12 @@ __device__ __forceinline__ void walk_join(float& M, float& L, float4& acc, float
 
 // Joins this warp's share of n partials into an online softmax state (walk_join): the warp
 // takes partials warp, warp + NW, ..., B of them loaded at once (past L1: a launch before wrote
-// them); place(i) is partial i's index in part_lse (and its row of 128 in part_o).
-template <int NW, int B, typename Place>
-__device__ __forceinline__ void walk_partials(int warp, int lane, int n, Place place,
+// them). at(i0, u) is the index in part_lse (and the row of 128 in part_o) of partial
+// i0 + u * NW; where it is a base from i0 plus a multiple of u, each batch's loads sit at
+// constant offsets from one address (walk_merge: 0.5 us a B1 step less than an index computed
+// from i0 + u * NW, kernels/NOTES.md, session 76).
+template <int NW, int B, typename At>
+__device__ __forceinline__ void walk_partials(int warp, int lane, int n, At at,
                                               const float* __restrict__ part_lse,
                                               const float* __restrict__ part_o, float& M,
                                               float& L, float4& acc) {
@@ -334,40 +337,12 @@ __device__ __forceinline__ void walk_partials(int warp, int lane, int n, Place p
         float4 vv[B];
 #pragma unroll
         for (int u = 0; u < B; u++) {
-            const int i = i0 + u * NW;
-            lv[u] = WALK_NEG_INF;
-            vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < n) {
-                const size_t at = place(i);
-                lv[u] = __ldcg(part_lse + at);
-                vv[u] = __ldcg(reinterpret_cast<const float4*>(part_o + at * WALK_D) + lane);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < B; u++) walk_join(M, L, acc, lv[u], vv[u]);
-    }
-}
-
-// walk_partials over n consecutive partials, partial i's LSE at lse0[i * WALK_G] and its row
-// of 128 at o0[i * WALK_G * WALK_D]: one address a batch, each load at a constant offset from it.
-template <int NW, int B>
-__device__ __forceinline__ void walk_strided(int warp, int lane, int n,
-                                             const float* __restrict__ lse0,
-                                             const float* __restrict__ o0, float& M, float& L,
-                                             float4& acc) {
-    for (int i0 = warp; i0 < n; i0 += NW * B) {
-        const float* pl = lse0 + (size_t)i0 * WALK_G;
-        const float4* po =
-            reinterpret_cast<const float4*>(o0 + (size_t)i0 * WALK_G * WALK_D) + lane;
-        float lv[B];
-        float4 vv[B];
-#pragma unroll
-        for (int u = 0; u < B; u++) {
             lv[u] = WALK_NEG_INF;
             vv[u] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (i0 + u * NW < n) {
-                lv[u] = __ldcg(pl + u * NW * WALK_G);
-                vv[u] = __ldcg(po + u * NW * WALK_G * (WALK_D / 4));
+                const size_t k = at(i0, u);
+                lv[u] = __ldcg(part_lse + k);
+                vv[u] = __ldcg(reinterpret_cast<const float4*>(part_o + k * WALK_D) + lane);
             }
         }
 #pragma unroll
@@ -423,8 +398,11 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // Partial i of this (row, query head) is place row * width + i's head hq.
     const size_t first = (size_t)row * width * WALK_G + hq;
-    walk_strided<WALK_MERGE_WARPS, WALK_BATCH>(warp, lane, width, part_lse + first,
-                                               part_o + first * WALK_D, M, L, acc);
+    const auto at = [&](int i0, int u) {
+        return first + (size_t)i0 * WALK_G + (size_t)(u * WALK_MERGE_WARPS * WALK_G);
+    };
+    walk_partials<WALK_MERGE_WARPS, WALK_BATCH>(warp, lane, width, at, part_lse, part_o, M, L,
+                                                acc);
     s_acc[warp][lane] = acc;
     if (lane == 0) {
         s_m[warp] = M;
