@@ -11,14 +11,15 @@
 // launch, writes its rows' plan this way). pdl_wait() and pdl_launch_dependents() are no-ops in
 // a kernel launched the ordinary way and on older architectures.
 //
-// One exception: the tensor-core attention over a published selection (`attn_*_tc_pub`, after
-// a pick_rows that publishes its rows). It signals first and never waits for pick_rows; each
-// CTA waits instead for a flag that pick_rows sets once the CTA's row is written (below), to
-// the step's value, a counter the scoring launch before pick_rows advanced after its wait. It
-// still starts only after pick_rows has signalled, which pick_rows does after its own wait,
-// so every kernel before pick_rows has finished. And the kernel after the attention waits for
-// the attention, whose CTAs each waited on their row's flag, set last by pick_rows: so no
-// write of pick_rows is left in flight behind it.
+// One exception: the attention over a published selection (the tensor-core `attn_*_tc_pub`
+// and the page walk's `walk_pages_pub_*`, after a pick_rows that publishes its rows). It
+// signals first and never waits for pick_rows; each CTA waits instead for a flag that
+// pick_rows sets once the CTA's row is written (below), to the step's value, a counter the
+// scoring launch before pick_rows advanced after its wait. It still starts only after
+// pick_rows has signalled, which pick_rows does after its own wait, so every kernel before
+// pick_rows has finished. And the kernel after the attention (the walk's merge, or the next
+// layer's) waits for the attention, whose CTAs each waited on their row's flag, set last by
+// pick_rows: so no write of pick_rows is left in flight behind it.
 
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -62,15 +63,19 @@ __device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
 #endif
 }
 
+// The calling thread waits until *flag holds `want` (acquire): it may then read what the
+// flag published, and so may the threads that meet it at a barrier after.
+__device__ __forceinline__ void poll_flag(const unsigned int* flag, unsigned int want) {
+    while (load_acquire(flag) != want) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        __nanosleep(128);
+#endif
+    }
+}
+
 // Thread 0 waits until *flag holds `want`, then the CTA meets: every thread may read what
 // the flag published.
 __device__ __forceinline__ void wait_flag(const unsigned int* flag, unsigned int want) {
-    if (threadIdx.x == 0) {
-        while (load_acquire(flag) != want) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-            __nanosleep(128);
-#endif
-        }
-    }
+    if (threadIdx.x == 0) poll_flag(flag, want);
     __syncthreads();
 }

@@ -222,14 +222,17 @@ __device__ __forceinline__ void walk_stage(const i32* __restrict__ src, i32* dst
 // (sequence row / kv_heads, KV head row % kv_heads). With `staged`, the launch gives max_blocks
 // i32 of dynamic shared memory (`table`), and the sequence's block-table row is staged there
 // before the wait for the launch that writes the selection (the table is not that launch's to
-// write); else pages are looked up in global memory.
-template <typename T>
+// write); else pages are looked up in global memory. With PUB (`walk_pages_pub_*`, a published
+// selection, pdl.cuh) the CTA signals first, loads its queries too, and then waits for its
+// row's flag, ready[row / ready_div] == *epoch, instead of the launch before.
+template <typename T, bool PUB>
 __device__ __forceinline__ void walk_pages_body(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const i32* __restrict__ cu_q, const i32* __restrict__ kv_lens,
     const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks, i32 kv_heads,
     i32 q_heads, const i32* __restrict__ ids, const i32* __restrict__ lens, i32 width,
     float scale2, float* __restrict__ part_o, float* __restrict__ part_lse, i32 staged,
+    const unsigned* __restrict__ ready, const unsigned* __restrict__ epoch, i32 ready_div,
     i32* table) {
     __shared__ float p_smem[4][64];
     // What the CTA's warps share, loaded once for all four: the sequence's query row and KV
@@ -246,8 +249,19 @@ __device__ __forceinline__ void walk_pages_body(
     // the wait too (through L2: ptxas may sink a read-only load past the wait).
     if (threadIdx.x < 2)
         s_seq[threadIdx.x] = __ldcg(threadIdx.x == 0 ? cu_q + seq + 1 : kv_lens + seq);
-    pdl_wait();
-    pdl_launch_dependents();
+    float qs[WALK_G][4];
+    if (PUB) {
+        // The queries were complete before the selection's scoring began: they are loaded
+        // now, and only the row (its ids and length, read by warp 0's first lanes below)
+        // waits for its flag.
+        pdl_launch_dependents();
+        walk_queries<T, WALK_G>(q, __ldcg(cu_q + seq + 1) - 1, q_heads, h, 0, scale2, qs);
+        if (threadIdx.x == 0) poll_flag(ready + row / ready_div, __ldcg(epoch));
+        __syncwarp();
+    } else {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
     // The row's length and the CTA's ids, which the launch before wrote: read past L1, a load
     // for the CTA rather than one a warp (a row's 32 CTAs read one length).
     const int first = blockIdx.x * 4;
@@ -277,12 +291,12 @@ __device__ __forceinline__ void walk_pages_body(
         if (lane < WALK_G) lse[lane] = WALK_NEG_INF;
         return;
     }
-    float qs[WALK_G][4];
-    walk_queries<T, WALK_G>(q, qrow, q_heads, h, 0, scale2, qs);
+    if (!PUB) walk_queries<T, WALK_G>(q, qrow, q_heads, h, 0, scale2, qs);
     walk_page<T, WALK_G>(qs, reinterpret_cast<const uint2*>(kc), reinterpret_cast<const uint2*>(vc),
                          block, valid, kv_heads, h, o, lse, p_smem[warp]);
 }
 
+// walk_pages_<type> and, over a published selection, walk_pages_pub_<type> (its flags last).
 #define WALK_PAGES(TN, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) walk_pages_##TN(                        \
         const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,          \
@@ -291,9 +305,23 @@ __device__ __forceinline__ void walk_pages_body(
         i32 q_heads, const i32* __restrict__ ids, const i32* __restrict__ lens, i32 width,    \
         float scale2, float* __restrict__ part_o, float* __restrict__ part_lse, i32 staged) { \
         extern __shared__ __align__(16) i32 walk_table[];                                     \
-        walk_pages_body<T>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks, num_blocks,     \
-                           kv_heads, q_heads, ids, lens, width, scale2, part_o, part_lse,     \
-                           staged, walk_table);                                               \
+        walk_pages_body<T, false>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,          \
+                                  num_blocks, kv_heads, q_heads, ids, lens, width, scale2,    \
+                                  part_o, part_lse, staged, nullptr, nullptr, 1, walk_table); \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) walk_pages_pub_##TN(                    \
+        const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,          \
+        const i32* __restrict__ cu_q, const i32* __restrict__ kv_lens,                        \
+        const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks, i32 kv_heads,    \
+        i32 q_heads, const i32* __restrict__ ids, const i32* __restrict__ lens, i32 width,    \
+        float scale2, float* __restrict__ part_o, float* __restrict__ part_lse, i32 staged,   \
+        const unsigned* __restrict__ ready, const unsigned* __restrict__ epoch,               \
+        i32 ready_div) {                                                                      \
+        extern __shared__ __align__(16) i32 walk_table[];                                     \
+        walk_pages_body<T, true>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,           \
+                                 num_blocks, kv_heads, q_heads, ids, lens, width, scale2,     \
+                                 part_o, part_lse, staged, ready, epoch, ready_div,           \
+                                 walk_table);                                                 \
     }
 
 WALK_PAGES(f16, __half)

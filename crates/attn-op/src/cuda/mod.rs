@@ -156,6 +156,8 @@ const KERNEL_NAMES: &[&str] = &[
     "compact_bf16",
     "walk_pages_f16",
     "walk_pages_bf16",
+    "walk_pages_pub_f16",
+    "walk_pages_pub_bf16",
     "walk_merge",
 ];
 

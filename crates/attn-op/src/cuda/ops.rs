@@ -69,8 +69,9 @@ impl Gpu {
     /// (sparse-algo's `SelectKernels::set_publish`): this launch starts while that one runs,
     /// and each of its CTAs reads its queries and metadata, then waits only for its own row's
     /// flag, so the first rows are attended to while the last ones are still being selected.
-    /// Where the tensor-core kernel does not run, or a split spans more than 256 pages, it
-    /// waits for the whole launch before it instead, like
+    /// The page walk ([`Gpu::page_walk_fits`]) takes published rows too. Where neither it nor
+    /// the tensor-core kernel runs, or a split spans more than 256 pages, it waits for the
+    /// whole launch before it instead, like
     /// [`sparse_page_attention`](Self::sparse_page_attention). Outputs are the same bits.
     ///
     /// # Safety
@@ -196,7 +197,7 @@ impl Gpu {
         if let Keys::Pages(s) = keys
             && self.page_walk_fits(kv, meta, s, params)
         {
-            return self.walk(q, kv, meta, s, params, out, lse);
+            return self.walk(q, kv, meta, s, published, params, out, lse);
         }
         let sink_buf = match &params.sink_logits {
             Some(s) => Some(self.upload(s)?),

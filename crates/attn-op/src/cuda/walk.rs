@@ -7,7 +7,8 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{
-    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Scratch, to_i32, to_u32,
+    CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Published, Scratch,
+    to_i32, to_u32,
 };
 use crate::{AttnError, AttnParams, DType, KvCache, KvLayout};
 
@@ -91,8 +92,11 @@ impl Gpu {
     }
 
     /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's
-    /// partial into the scratch, `walk_merge` merges each row's. The caller has checked the
-    /// lengths of `q`, `out` and `lse`, and that [`Gpu::page_walk_fits`] holds.
+    /// partial into the scratch, `walk_merge` merges each row's. With `published`, the walk's
+    /// CTAs wait for their rows' flags instead of the launch before (`walk_pages_pub`; the
+    /// same bits). The caller has checked the lengths of `q`, `out` and `lse`, that
+    /// [`Gpu::page_walk_fits`] holds, and the flags' counts, and holds the published form's
+    /// contract (`sparse_page_attention_published`).
     #[allow(
         clippy::too_many_arguments,
         reason = "sparse_page_attention's arguments"
@@ -103,6 +107,7 @@ impl Gpu {
         kv: &DevicePagedKv<T>,
         meta: &DeviceBatch,
         pages: &DeviceSelection,
+        published: Option<Published<'_>>,
         params: &AttnParams,
         out: &mut CudaSlice<f32>,
         lse: Option<&mut CudaSlice<f32>>,
@@ -118,10 +123,12 @@ impl Gpu {
             )));
         }
         let places = rows * width;
-        let pages_name = match T::DTYPE {
-            DType::F16 => "walk_pages_f16",
-            DType::BF16 => "walk_pages_bf16",
-            DType::F32 => {
+        let pages_name = match (T::DTYPE, published.is_some()) {
+            (DType::F16, false) => "walk_pages_f16",
+            (DType::BF16, false) => "walk_pages_bf16",
+            (DType::F16, true) => "walk_pages_pub_f16",
+            (DType::BF16, true) => "walk_pages_pub_bf16",
+            (DType::F32, _) => {
                 return Err(AttnError::Invalid(
                     "the page walk is built for 16-bit caches".to_owned(),
                 ));
@@ -178,7 +185,16 @@ impl Gpu {
             .arg(&mut scratch.out)
             .arg(&mut scratch.lse)
             .arg(&staged_i);
-        // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu: q, K and V of a
+        let per_flag = match published {
+            Some(p) => to_i32(p.rows_per_flag)?,
+            None => 1,
+        };
+        if let Some(p) = published {
+            b.arg(p.flags).arg(p.epoch).arg(&per_flag);
+        }
+        // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu (with
+        // `published`, `walk_pages_pub_<type>`, whose flags come last: one per `rows_per_flag`
+        // rows and a step value, checked by `sparse_page_attention_published`): q, K and V of a
         // 16-bit cache of head dim 128 in pages of 16 tokens, 4 query heads a KV head (checked
         // by `page_walk_fits`), the batch's metadata (validated against the layout on upload), rows of
         // `width` page ids and their lengths (their sizes checked above), and the scratch's

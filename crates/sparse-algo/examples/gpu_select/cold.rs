@@ -41,8 +41,9 @@ pub(crate) struct Shape<'a> {
 /// How [`bench_cold`] runs the step.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct ColdRun {
-    /// Whether the top-k publishes its rows; by default where the tensor-core kernel attends.
-    pub publish: Option<bool>,
+    /// The top-k leaves its rows unpublished, and the attention waits for its whole launch
+    /// (by default both the page walk and the tensor-core kernel wait for their rows' flags).
+    pub unpublished: bool,
     /// The step on a stream of the device's highest priority, its graphs keeping that
     /// priority per node (as `gpu_select spec` runs its walks).
     pub high: bool,
@@ -64,10 +65,8 @@ pub(crate) fn bench_cold(
 ) -> Result<Vec<Row>, AlgoError> {
     let (quest, decodes) = (&l.quest, &l.decodes);
     let mut top = DeviceTopK::new(gpu, quest, sh.b, KV_HEADS, sh.ctx, false)?;
-    // The page walk waits for the whole top-k, so by default the top-k publishes its rows only
-    // where the tensor-core kernel attends.
     let walks = gpu.page_walk_fits(sh.kv, &decodes[0], &top.sel, &AttnParams::new(Q_HEADS, D));
-    let publish = run.publish.unwrap_or(!walks);
+    let publish = !run.unpublished;
     let attention = if walks {
         "; attention: the page walk"
     } else {

@@ -194,21 +194,14 @@ pub(crate) fn bench_spec(
     // the tensor-core attention kernel throughout.
     let mut rows = Vec::new();
     if !check {
-        let runs = [
-            (Some(true), false),
-            (Some(false), false),
-            (Some(false), true),
-        ];
-        for (publish, high) in runs {
-            let run = cold::ColdRun { publish, high };
+        let runs = [(false, false), (true, false), (true, true)];
+        for (unpublished, high) in runs {
+            let run = cold::ColdRun { unpublished, high };
             let traces = &mut Vec::new();
             rows.extend(cold::bench_cold(gpu, sk, sh, &l, &mut out, traces, run)?);
         }
         gpu.set_page_walk(false);
-        let run = cold::ColdRun {
-            publish: Some(true),
-            high: false,
-        };
+        let run = cold::ColdRun::default();
         let off = cold::bench_cold(gpu, sk, sh, &l, &mut out, &mut Vec::new(), run);
         gpu.set_page_walk(true);
         rows.extend(off?.into_iter().map(|mut r| {
