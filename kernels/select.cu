@@ -255,13 +255,17 @@ __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
 // binned, warp totals written, bin found.
 // Then each warp takes, in id order, every key above T and the first (pick - #above) keys equal
 // to T of its run of ids, placed by one scan of the warps' counts. Key i's id is id0 + i, or
-// ids[i] where `ids` is given (a list of candidates in id order, pick_candidates). Every thread
-// of a CTA of THREADS (1024) threads calls it.
+// ids[i] where `ids` is given (a list of candidates in id order, pick_candidates); with TAGS
+// each id taken is also stored tagged with `tag_step` at the same place of
+// `tag_out` and of its tag_copies - 1 copies (pdl.cuh, store_tagged). Every thread of a CTA of
+// THREADS (1024) threads calls it.
 #define SEL_BINS 4096
 
-template <int THREADS, bool SMEM, bool TRACE>
+template <int THREADS, bool SMEM, bool TRACE, bool TAGS = false>
 __device__ int select_top(const u32* keys, int n, int pick, int id0, i32* out, u32 lo, u32 top,
-                          int* hist, Trace<TRACE>& tr, const i32* ids = nullptr) {
+                          int* hist, Trace<TRACE>& tr, const i32* ids = nullptr,
+                          unsigned long long* tag_out = nullptr, int tag_copies = 0,
+                          int tag_stride = 0, u32 tag_step = 0) {
     constexpr int PER = SEL_BINS / THREADS;  // bins per thread
     constexpr int WARPS = THREADS / 32;
     static_assert(WARPS == 32, "a lane per warp in the scans over warps");
@@ -384,7 +388,15 @@ __device__ int select_top(const u32* keys, int n, int pick, int id0, i32* out, u
         const bool take =
             i < w1 && (key > t || (key == t && eq_seen + __popc(eqs & below) < remaining));
         const u32 takes = __ballot_sync(0xffffffffu, take);
-        if (take) out[at + __popc(takes & below)] = ids != nullptr ? ids[i] : id0 + i;
+        if (take) {
+            const int p = at + __popc(takes & below);
+            const i32 id = ids != nullptr ? ids[i] : id0 + i;
+            out[p] = id;
+            // Tagged places (pick_body): each copy of the row, tag_stride apart.
+            if (TAGS)
+                for (int c = 0; c < tag_copies; c++)
+                    store_tagged(tag_out + (size_t)c * tag_stride + p, tag_step, id);
+        }
         at += __popc(takes);
         eq_seen += __popc(eqs);
     }
@@ -1018,13 +1030,13 @@ __device__ __forceinline__ int pick_candidates(const u32 (&k)[PICK_KEYS], int n,
     return total;
 }
 
-template <bool TRACE>
+template <bool TRACE, bool TAGS>
 __device__ __forceinline__ void pick_body(
     const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh,
     i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,
     u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,
     i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies, i32 zero_keys,
-    u32* __restrict__ ready, const u32* __restrict__ epoch) {
+    u32* __restrict__ ready, const u32* __restrict__ epoch, unsigned long long* __restrict__ tags) {
     // Traced (`pick_rows_traced`): entry, after the wait, the keys read and the first
     // histogram's range found, the threshold found and the chosen ids written, the row's
     // other entries written; the candidates gathered (5; 7 and 8 within) and the threshold
@@ -1076,6 +1088,25 @@ __device__ __forceinline__ void pick_body(
         }
     }
     if (early) pdl_enter();
+    // Tagged rows (TAGS, `pick_rows_tagged`, with `ready`): every place of every copy also
+    // stored with the step's value (pdl.cuh, store_tagged), the forced pages and the padding
+    // now, the chosen ones as select_top takes them. The step's value is final now: the
+    // scoring launch advanced it. A kernel of its own: the code for the tags, unused, cost
+    // pick_rows 0.5-0.7 us a step (kernels/NOTES.md, session 77).
+    const u32 tag_step = TAGS ? __ldcg(epoch) : 0u;
+    const int tag_copies = shared ? copies : 1;
+    unsigned long long* tag_row = TAGS ? tags + (size_t)out_row0 * width : nullptr;
+    if (TAGS) {
+        const int chosen_end = plan.head_end + pick;
+        for (int i = threadIdx.x; i < width; i += PICK_THREADS) {
+            if (valid && i >= plan.head_end && i < chosen_end) continue;
+            const i32 id = !valid || i >= count   ? -1
+                           : i < plan.head_end    ? i
+                                                  : plan.tail_start + (i - chosen_end);
+            for (int c = 0; c < tag_copies; c++)
+                store_tagged(tag_row + (size_t)c * width + i, tag_step, id);
+        }
+    }
     tr.mark(1, 0u);
     if (pick > 0) {
         // A row of 3 to PICK_KEYS keys a thread is read once into registers and selected from
@@ -1112,17 +1143,21 @@ __device__ __forceinline__ void pick_body(
         row_floor(lo, top, pick, red);
         tr.mark(2, lo);
         i32* dst = out + plan.head_end;
+        unsigned long long* tag_dst = TAGS ? tag_row + plan.head_end : nullptr;
         const int found = in_regs ? pick_candidates(k, n, lo, plan.head_end, cand, tr) : -1;
         tr.mark(5, (u32)found);
         if (found >= 0) {
-            rounds = select_top<PICK_THREADS, true>(cand.keys, found, pick, 0, dst, lo, top, hist,
-                                                    tr, cand.ids);
+            rounds = select_top<PICK_THREADS, true, TRACE, TAGS>(cand.keys, found, pick, 0, dst, lo, top, hist,
+                                                    tr, cand.ids, tag_dst, tag_copies, width,
+                                                    tag_step);
         } else if (keys_smem && !in_regs) {
-            rounds = select_top<PICK_THREADS, true>(sk, n, pick, plan.head_end, dst, lo, top,
-                                                    hist, tr);
+            rounds = select_top<PICK_THREADS, true, TRACE, TAGS>(sk, n, pick, plan.head_end, dst, lo, top,
+                                                    hist, tr, nullptr, tag_dst, tag_copies,
+                                                    width, tag_step);
         } else {
-            rounds = select_top<PICK_THREADS, false>(row_keys, n, pick, plan.head_end, dst, lo,
-                                                     top, hist, tr);
+            rounds = select_top<PICK_THREADS, false, TRACE, TAGS>(row_keys, n, pick, plan.head_end, dst, lo,
+                                                     top, hist, tr, nullptr, tag_dst,
+                                                     tag_copies, width, tag_step);
         }
         tr.mark(3, 0u);
         // Once every thread has read the keys, zero them for the next launch where its scoring
@@ -1149,21 +1184,24 @@ __device__ __forceinline__ void pick_body(
     tr.finish(0, (u32)rounds);
 }
 
-#define PICK_KERNEL(NAME, TRACE)                                                                 \
+#define PICK_KERNEL(NAME, TRACE, TAGS)                                                           \
     extern "C" __global__ void __launch_bounds__(PICK_THREADS) NAME(                             \
         const i32* __restrict__ slots, const i32* __restrict__ seq_lens, i32 num_slots, i32 kvh, \
         i32 ps, i32 budget, i32 sink_tokens, i32 recent_tokens, i32 shared,                      \
         u32* __restrict__ scores, i32 score_stride, i32 keys_smem, i32* __restrict__ ids,        \
         i32* __restrict__ lens, i32* __restrict__ covered, i32 width, i32 copies,                \
-        i32 zero_keys, u32* __restrict__ ready, const u32* __restrict__ epoch) {                 \
-        pick_body<TRACE>(slots, seq_lens, num_slots, kvh, ps, budget, sink_tokens,               \
-                         recent_tokens, shared, scores, score_stride, keys_smem, ids, lens,      \
-                         covered, width, copies, zero_keys, ready, epoch);                       \
+        i32 zero_keys, u32* __restrict__ ready, const u32* __restrict__ epoch,                   \
+        unsigned long long* __restrict__ tags) {                                                 \
+        pick_body<TRACE, TAGS>(slots, seq_lens, num_slots, kvh, ps, budget, sink_tokens,         \
+                               recent_tokens, shared, scores, score_stride, keys_smem, ids,      \
+                               lens, covered, width, copies, zero_keys, ready, epoch, tags);     \
     }
 
-PICK_KERNEL(pick_rows, false)
+PICK_KERNEL(pick_rows, false, false)
 // For the bench's trace of a whole step.
-PICK_KERNEL(pick_rows_traced, true)
+PICK_KERNEL(pick_rows_traced, true, false)
+// Over a published selection whose ids the page walk reads tagged (pdl.cuh).
+PICK_KERNEL(pick_rows_tagged, false, true)
 
 // ---------------------------------------------------------------------------------------------
 // DSA's trained indexer (dsa.rs, `Dsa` with an `Indexer`): the score of token t of sequence s is

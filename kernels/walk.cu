@@ -223,8 +223,9 @@ __device__ __forceinline__ void walk_stage(const i32* __restrict__ src, i32* dst
 // i32 of dynamic shared memory (`table`), and the sequence's block-table row is staged there
 // before the wait for the launch that writes the selection (the table is not that launch's to
 // write); else pages are looked up in global memory. With PUB (`walk_pages_pub_*`, a published
-// selection, pdl.cuh) the CTA signals first, loads its queries too, and then waits for its
-// row's flag, ready[row / ready_div] == *epoch, instead of the launch before.
+// selection, pdl.cuh) the CTA signals first, loads its queries too, and then reads its ids
+// from the row's tagged copy (`tags`, [rows, width]) once they hold the step's value, *epoch,
+// instead of waiting for the launch before.
 template <typename T, bool PUB>
 __device__ __forceinline__ void walk_pages_body(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -232,7 +233,7 @@ __device__ __forceinline__ void walk_pages_body(
     const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks, i32 kv_heads,
     i32 q_heads, const i32* __restrict__ ids, const i32* __restrict__ lens, i32 width,
     float scale2, float* __restrict__ part_o, float* __restrict__ part_lse, i32 staged,
-    const unsigned* __restrict__ ready, const unsigned* __restrict__ epoch, i32 ready_div,
+    const unsigned long long* __restrict__ tags, const unsigned* __restrict__ epoch,
     i32* table) {
     __shared__ float p_smem[4][64];
     // What the CTA's warps share, loaded once for all four: the sequence's query row and KV
@@ -250,29 +251,43 @@ __device__ __forceinline__ void walk_pages_body(
     if (threadIdx.x < 2)
         s_seq[threadIdx.x] = __ldcg(threadIdx.x == 0 ? cu_q + seq + 1 : kv_lens + seq);
     float qs[WALK_G][4];
+    const int first = blockIdx.x * 4;
+    const int mine = first + (int)threadIdx.x;
     if (PUB) {
         // The queries were complete before the selection's scoring began: they are loaded
-        // now, and only the row (its ids and length, read by warp 0's first lanes below)
-        // waits for its flag.
+        // now. Then warp 0's first lanes each poll their place's tagged id (pdl.cuh) until it
+        // holds this step's value; padding is tagged too, so the row's length is not read.
         pdl_launch_dependents();
         walk_queries<T, WALK_G>(q, __ldcg(cu_q + seq + 1) - 1, q_heads, h, 0, scale2, qs);
-        if (threadIdx.x == 0) poll_flag(ready + row / ready_div, __ldcg(epoch));
-        __syncwarp();
+        if (threadIdx.x < 4) {
+            i32 id = -1;
+            if (mine < width) {
+                const unsigned step = __ldcg(epoch);
+                const unsigned long long* p = tags + (size_t)row * width + mine;
+                unsigned long long w = load_tagged(p);
+                // 64 ns between polls, half poll_flag's sleep (a place is one 8-byte load).
+                while ((unsigned)(w >> 32) != step) {
+                    __nanosleep(64);
+                    w = load_tagged(p);
+                }
+                id = (i32)(unsigned)w;
+            }
+            s_ids[threadIdx.x] = id;
+            if (threadIdx.x == 0) s_len = width;
+        }
     } else {
         pdl_wait();
         pdl_launch_dependents();
-    }
-    // The row's length and the CTA's ids, which the launch before wrote: read past L1, a load
-    // for the CTA rather than one a warp (a row's 32 CTAs read one length).
-    const int first = blockIdx.x * 4;
-    const int mine = first + (int)threadIdx.x;
-    if (threadIdx.x < 4) {
-        // Both loads in flight before either store (the four lanes' length loads are one
-        // request).
-        const i32 id = mine < width ? __ldcg(ids + (size_t)row * width + mine) : -1;
-        const i32 len = __ldcg(lens + row);
-        s_ids[threadIdx.x] = id;
-        if (threadIdx.x == 0) s_len = len;
+        // The row's length and the CTA's ids, which the launch before wrote: read past L1, a
+        // load for the CTA rather than one a warp (a row's 32 CTAs read one length).
+        if (threadIdx.x < 4) {
+            // Both loads in flight before either store (the four lanes' length loads are one
+            // request).
+            const i32 id = mine < width ? __ldcg(ids + (size_t)row * width + mine) : -1;
+            const i32 len = __ldcg(lens + row);
+            s_ids[threadIdx.x] = id;
+            if (threadIdx.x == 0) s_len = len;
+        }
     }
     __syncthreads();
     const int i = first + warp;
@@ -296,7 +311,8 @@ __device__ __forceinline__ void walk_pages_body(
                          block, valid, kv_heads, h, o, lse, p_smem[warp]);
 }
 
-// walk_pages_<type> and, over a published selection, walk_pages_pub_<type> (its flags last).
+// walk_pages_<type> and, over a published selection, walk_pages_pub_<type> (its tags and step
+// value last).
 #define WALK_PAGES(TN, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) walk_pages_##TN(                        \
         const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,          \
@@ -307,7 +323,7 @@ __device__ __forceinline__ void walk_pages_body(
         extern __shared__ __align__(16) i32 walk_table[];                                     \
         walk_pages_body<T, false>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,          \
                                   num_blocks, kv_heads, q_heads, ids, lens, width, scale2,    \
-                                  part_o, part_lse, staged, nullptr, nullptr, 1, walk_table); \
+                                  part_o, part_lse, staged, nullptr, nullptr, walk_table);    \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) walk_pages_pub_##TN(                    \
         const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,          \
@@ -315,13 +331,11 @@ __device__ __forceinline__ void walk_pages_body(
         const i32* __restrict__ block_table, i32 max_blocks, i32 num_blocks, i32 kv_heads,    \
         i32 q_heads, const i32* __restrict__ ids, const i32* __restrict__ lens, i32 width,    \
         float scale2, float* __restrict__ part_o, float* __restrict__ part_lse, i32 staged,   \
-        const unsigned* __restrict__ ready, const unsigned* __restrict__ epoch,               \
-        i32 ready_div) {                                                                      \
+        const unsigned long long* __restrict__ tags, const unsigned* __restrict__ epoch) {    \
         extern __shared__ __align__(16) i32 walk_table[];                                     \
         walk_pages_body<T, true>(q, kc, vc, cu_q, kv_lens, block_table, max_blocks,           \
                                  num_blocks, kv_heads, q_heads, ids, lens, width, scale2,     \
-                                 part_o, part_lse, staged, ready, epoch, ready_div,           \
-                                 walk_table);                                                 \
+                                 part_o, part_lse, staged, tags, epoch, walk_table);          \
     }
 
 WALK_PAGES(f16, __half)
@@ -406,11 +420,17 @@ __device__ __forceinline__ float walk_warps(const float4 (*s_acc)[32], const flo
 // Grid (rows, 4): one CTA of WALK_MERGE_WARPS warps per (row, query head of the group), after
 // walk_pages. Each warp merges its share of the row's `width` partials (WALK_BATCH loads at
 // once), then warp 0 merges the warps' states and writes out[qrow, h * 4 + hq, :] and, with
-// has_lse, lse[qrow, h * 4 + hq] (natural log; a row with no page gets zeros and -inf).
-extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
+// has_lse, lse[qrow, h * 4 + hq] (natural log; a row with no page gets zeros and -inf). With
+// PUB (`walk_merge_pub`, after walk_pages_pub) the last warp also sees the row's flag,
+// ready[row / ready_div], hold the step's value before the CTA ends: the tags the walk read
+// publish only the ids, and the launch after this one may start once it ends, so it must
+// find every write of pick_rows done (pdl.cuh).
+template <bool PUB>
+__device__ __forceinline__ void walk_merge_body(
     const i32* __restrict__ cu_q, i32 kv_heads, i32 q_heads, i32 width,
     const float* __restrict__ part_o, const float* __restrict__ part_lse,
-    float* __restrict__ out, float* __restrict__ lse_out, i32 has_lse) {
+    float* __restrict__ out, float* __restrict__ lse_out, i32 has_lse,
+    const unsigned* __restrict__ ready, const unsigned* __restrict__ epoch, i32 ready_div) {
     __shared__ float4 s_acc[WALK_MERGE_WARPS][32];
     __shared__ float s_m[WALK_MERGE_WARPS];
     __shared__ float s_l[WALK_MERGE_WARPS];
@@ -422,6 +442,14 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
     const int qrow = warp == 0 ? __ldcg(cu_q + seq + 1) - 1 : 0;
     pdl_wait();
     pdl_launch_dependents();
+    // The flag, asked for now (relaxed) so that its load overlaps the partials'.
+    constexpr int FLAG_WARP = WALK_MERGE_WARPS - 1;
+    const bool flagger = PUB && warp == FLAG_WARP && lane == 0;
+    unsigned seen = 0, step = 0;
+    if (flagger) {
+        step = __ldcg(epoch);
+        seen = load_relaxed(ready + row / ready_div);
+    }
     float M = WALK_NEG_INF, L = 0.0f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // Partial i of this (row, query head) is place row * width + i's head hq.
@@ -437,10 +465,32 @@ extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
         s_l[warp] = L;
     }
     __syncthreads();
+    if (flagger) {
+        // A relaxed load that saw the value, then an acquire fence; else poll (acquire).
+        if (seen == step) acquire_fence();
+        else poll_flag(ready + row / ready_div, step);
+    }
     if (warp != 0) return;
     const size_t o = (size_t)qrow * q_heads + h * WALK_G + hq;
     float4 r;
     const float lse = walk_warps<WALK_MERGE_WARPS>(s_acc, s_m, s_l, lane, r);
     reinterpret_cast<float4*>(out + o * WALK_D)[lane] = r;
     if (has_lse && lane == 0) lse_out[o] = lse;
+}
+
+extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge(
+    const i32* __restrict__ cu_q, i32 kv_heads, i32 q_heads, i32 width,
+    const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    float* __restrict__ out, float* __restrict__ lse_out, i32 has_lse) {
+    walk_merge_body<false>(cu_q, kv_heads, q_heads, width, part_o, part_lse, out, lse_out,
+                           has_lse, nullptr, nullptr, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(WALK_MERGE_WARPS * 32) walk_merge_pub(
+    const i32* __restrict__ cu_q, i32 kv_heads, i32 q_heads, i32 width,
+    const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    float* __restrict__ out, float* __restrict__ lse_out, i32 has_lse,
+    const unsigned* __restrict__ ready, const unsigned* __restrict__ epoch, i32 ready_div) {
+    walk_merge_body<true>(cu_q, kv_heads, q_heads, width, part_o, part_lse, out, lse_out,
+                          has_lse, ready, epoch, ready_div);
 }

@@ -236,6 +236,12 @@ pub struct Published<'a> {
     /// Selection rows per flag: the KV heads where one selecting row is written once per
     /// head, else 1.
     pub rows_per_flag: usize,
+    /// `[rows, max_len]` the selection's ids, each with the step's value in its high half
+    /// (`(epoch[0] << 32) | id as u32`), stored as each id is final, where the launch tagged
+    /// them ([`page_walk_rows_fit`](super::page_walk_rows_fit)): the page walk reads its ids
+    /// from here as soon as they carry the step's value, without waiting for the flag
+    /// (kernels/pdl.cuh, tagged rows). Untagged rows the walk reads after the whole launch.
+    pub tags: Option<&'a CudaSlice<u64>>,
 }
 
 /// The output of [`Gpu::gather_page_offsets`]: sorted unique logical pages per (sequence, KV

@@ -39,6 +39,7 @@ pub use kv::DevicePagedKv;
 pub use launch::{KernelValue, Launch};
 pub use meta::{DeviceArrays, DeviceBatch, DeviceGathered, DeviceSelection, Published};
 pub use timing::{StageClock, Timing};
+pub use walk::page_walk_rows_fit;
 
 /// CTAs whose records the traced attention kernel keeps (`TRACE_CTAS` in kernels/trace.cuh).
 pub const TRACE_CTAS: usize = 4096;
@@ -159,6 +160,7 @@ const KERNEL_NAMES: &[&str] = &[
     "walk_pages_pub_f16",
     "walk_pages_pub_bf16",
     "walk_merge",
+    "walk_merge_pub",
 ];
 
 /// Where split-KV launches write their partial results: outputs `[splits, rows, head_dim]`,

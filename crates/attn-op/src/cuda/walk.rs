@@ -26,6 +26,15 @@ const STAGE_BYTES: usize = 48 * 1024;
 /// Warps of a merging CTA (`WALK_MERGE_WARPS` in kernels/walk.cu).
 const MERGE_WARPS: usize = 16;
 
+/// Whether a selection of `rows` rows of `width` pages is few enough for the page walk on a
+/// device of `sms` multiprocessors (at most two walking CTAs of 4 pages a multiprocessor: one
+/// wave), whatever its other shapes. A top-k that publishes its rows tags their ids for the
+/// walk (`Published::tags`) only where this holds, since the tensor-core kernel never reads
+/// them.
+pub fn page_walk_rows_fit(rows: usize, width: usize, sms: usize) -> bool {
+    width > 0 && rows.saturating_mul(width.div_ceil(PLACES_PER_CTA)) <= CTAS_PER_SM * sms
+}
+
 /// The page walk's shapes: `dtype` and `layout` of the cache, each sequence's query count
 /// `q_lens`, the selection's `(rows, width)`, the attention's `params`, on a device of `sms`
 /// multiprocessors.
@@ -37,7 +46,6 @@ fn fits(
     params: &AttnParams,
     sms: usize,
 ) -> bool {
-    let ctas = rows.saturating_mul(width.div_ceil(PLACES_PER_CTA));
     matches!(dtype, DType::F16 | DType::BF16)
         && layout.head_dim == WALK_D
         && layout.block_size == WALK_PAGE
@@ -47,8 +55,7 @@ fn fits(
         && params.sink_logits.is_none()
         && !q_lens.is_empty()
         && q_lens.iter().all(|&n| n == 1)
-        && width > 0
-        && ctas <= CTAS_PER_SM * sms
+        && page_walk_rows_fit(rows, width, sms)
 }
 
 impl Gpu {
@@ -93,8 +100,9 @@ impl Gpu {
 
     /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's
     /// partial into the scratch, `walk_merge` merges each row's. With `published`, the walk's
-    /// CTAs wait for their rows' flags instead of the launch before (`walk_pages_pub`; the
-    /// same bits). The caller has checked the lengths of `q`, `out` and `lse`, that
+    /// CTAs read their ids from the tagged copy as soon as each carries the step's value
+    /// instead of waiting for the launch before, and the merge sees each row's flag before it
+    /// ends (`walk_pages_pub`, `walk_merge_pub`; the same bits). The caller has checked the lengths of `q`, `out` and `lse`, that
     /// [`Gpu::page_walk_fits`] holds, and the flags' counts, and holds the published form's
     /// contract (`sparse_page_attention_published`).
     #[allow(
@@ -123,6 +131,9 @@ impl Gpu {
             )));
         }
         let places = rows * width;
+        // Published rows whose ids were tagged (the top-k saw rows the walk may take): the
+        // walk reads the tags; untagged ones it reads after the whole top-k, as unpublished.
+        let published = published.filter(|p| p.tags.is_some());
         let pages_name = match (T::DTYPE, published.is_some()) {
             (DType::F16, false) => "walk_pages_f16",
             (DType::BF16, false) => "walk_pages_bf16",
@@ -185,16 +196,13 @@ impl Gpu {
             .arg(&mut scratch.out)
             .arg(&mut scratch.lse)
             .arg(&staged_i);
-        let per_flag = match published {
-            Some(p) => to_i32(p.rows_per_flag)?,
-            None => 1,
-        };
-        if let Some(p) = published {
-            b.arg(p.flags).arg(p.epoch).arg(&per_flag);
+        if let Some((tags, p)) = published.and_then(|p| Some((p.tags?, p))) {
+            b.arg(tags).arg(p.epoch);
         }
         // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu (with
-        // `published`, `walk_pages_pub_<type>`, whose flags come last: one per `rows_per_flag`
-        // rows and a step value, checked by `sparse_page_attention_published`): q, K and V of a
+        // `published`, `walk_pages_pub_<type>`, whose tagged ids and step value come last:
+        // `rows * width` tags and a value, checked by `sparse_page_attention_published`): q, K
+        // and V of a
         // 16-bit cache of head dim 128 in pages of 16 tokens, 4 query heads a KV head (checked
         // by `page_walk_fits`), the batch's metadata (validated against the layout on upload), rows of
         // `width` page ids and their lengths (their sizes checked above), and the scratch's
@@ -208,7 +216,12 @@ impl Gpu {
             block_dim: (to_u32(MERGE_WARPS * 32)?, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = Launch::new(&self.stream, self.function("walk_merge")?);
+        let merge_name = if published.is_some() {
+            "walk_merge_pub"
+        } else {
+            "walk_merge"
+        };
+        let mut b = Launch::new(&self.stream, self.function(merge_name)?);
         b.dependent(self.dependent);
         b.arg(&meta.cu_seqlens_q)
             .arg(&kvh)
@@ -223,7 +236,16 @@ impl Gpu {
             None => b.arg(&self.dummy_f32),
         };
         b.arg(&has_lse);
-        // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu: the batch's query
+        let per_flag = match published {
+            Some(p) => to_i32(p.rows_per_flag)?,
+            None => 1,
+        };
+        if let Some(p) = published {
+            b.arg(p.flags).arg(p.epoch).arg(&per_flag);
+        }
+        // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu (with `published`,
+        // `walk_merge_pub`, whose flags come last: one per `rows_per_flag` rows and a step
+        // value, checked by `sparse_page_attention_published`): the batch's query
         // offsets (one query a sequence, checked by `page_walk_fits`), the partials `walk_pages` wrote
         // just before on this stream (it waits for them), and `out` and `lse`, whose lengths
         // the caller checked against the batch's rows.

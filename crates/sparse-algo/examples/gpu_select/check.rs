@@ -120,6 +120,24 @@ const CASES: &[Case] = &[
         q_rows: 1,
     },
     Case {
+        // Shared rows that the page walk attends to (4 query heads a KV head, D 128, pages
+        // of 16, decode): a published row's flag serves both its KV heads' rows.
+        name: "GQA 8/2 D128, shared, per head, the page walk",
+        q_heads: 8,
+        kv_heads: 2,
+        d: 128,
+        bs: 16,
+        lens: &[2100, 900],
+        budget_tokens: 512,
+        sink: 0,
+        recent: 20,
+        shared: true,
+        per_sequence: false,
+        levels: None,
+        steps: 1,
+        q_rows: 1,
+    },
+    Case {
         name: "GQA 8/2 D64, tied scores (3 levels)",
         q_heads: 8,
         kv_heads: 2,

@@ -2,7 +2,7 @@
 //! they read.
 
 use attn_op::DType;
-use attn_op::cuda::{CudaElement, DeviceBatch, Launch};
+use attn_op::cuda::{CudaElement, DeviceBatch, Launch, page_walk_rows_fit};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{
@@ -203,7 +203,8 @@ impl SelectKernels {
     /// pool's slot count, is valid. With `keys_stored` (the scoring kernel wrote every key a
     /// row reads), the keys are left as they are; else they are zeroed for the next launch.
     /// With `publish` (the scoring just launched advanced the step's value), each row's flag
-    /// is set to that value once the row is written. With a budget, the launch right before
+    /// is set to that value once the row is written, and where the rows are few enough for
+    /// the page walk each id is also stored tagged with the value as it is final. With a budget, the launch right before
     /// must be the rows' scoring kernel: the rows' plan (forced pages, padding, lengths) is
     /// written before the kernel waits for it (kernels/select.cu, `pick_body`).
     #[allow(
@@ -245,8 +246,15 @@ impl SelectKernels {
         let ints = ints_ok(ints)?;
         // A null pointer where the rows take no slots.
         let no_slots: u64 = 0;
+        // Ids tagged only where the page walk may read them (the tensor-core kernel never
+        // does), by a kernel of their own; not in a traced step, whose walk then waits for the
+        // whole launch.
+        let rows = out.sel_rows * out.copies;
+        let tagged = publish && !self.trace && page_walk_rows_fit(rows, out.sel.max_len, self.sms);
         let pick = if self.trace {
             &self.traced.1
+        } else if tagged {
+            &self.pick_tagged
         } else {
             &self.pick
         };
@@ -277,19 +285,26 @@ impl SelectKernels {
         // pointer, which the kernel never reads.
         let no_flags: u64 = 0;
         out.published = publish;
+        out.tagged = tagged;
         if publish {
             b.arg(&mut out.ready).arg(&out.epoch);
         } else {
             b.arg(&no_flags).arg(&no_flags);
         }
-        // SAFETY: the arguments follow `pick_rows` in kernels/select.cu; scores hold
+        if out.tagged {
+            b.arg(&mut out.tags);
+        } else {
+            b.arg(&no_flags);
+        }
+        // SAFETY: the arguments follow `pick_rows` (and its twins, the same arguments) in
+        // kernels/select.cu; scores hold
         // score_stride keys for each of the sel_rows CTAs, checked against the batch by the
         // callers (a budget of 0 reads none); ids, lens and covered hold sel_rows * copies rows
         // of max_len; the dynamic shared memory holds the two histograms, and with keys_smem a
         // row of keys after them (within the limit set at load); slots, where given, hold
         // num_seqs entries and are range-checked in the kernel; the flags, where given, hold
-        // sel_rows entries, one per CTA, and the epoch one value; a null pointer is never
-        // read.
+        // sel_rows entries, one per CTA, the epoch one value, and the tags sel_rows * copies
+        // rows of max_len, as ids does; a null pointer is never read.
         unsafe { b.launch(cfg) }?;
         // A budget of 0 reads and writes no keys.
         if rule.budget_pages > 0 {

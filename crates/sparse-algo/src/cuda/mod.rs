@@ -112,6 +112,8 @@ pub struct SelectKernels {
     dsa: [CudaFunction; 3],
     /// `pick_rows`, the top-k of every algorithm and element type.
     pick: CudaFunction,
+    /// `pick_rows_tagged`: `pick_rows` that also tags a published row's ids for the page walk.
+    pick_tagged: CudaFunction,
     /// The most dynamic shared memory a Quest scoring CTA may use (set once at load).
     score_smem_max: usize,
     /// The most dynamic shared memory a DSA scoring CTA may use (set once at load).
@@ -274,6 +276,7 @@ impl SelectKernels {
             load("dsa_score_bf16".to_owned())?,
         ];
         let pick = load("pick_rows".to_owned())?;
+        let pick_tagged = load("pick_rows_tagged".to_owned())?;
         let traced = (
             load("quest_score_tc_bf16_d128_traced".to_owned())?,
             load("pick_rows_traced".to_owned())?,
@@ -305,7 +308,7 @@ impl SelectKernels {
         for f in &dsa {
             dsa_smem_max = dsa_smem_max.min(allow_all(f)?);
         }
-        let pick_smem_max = allow_all(&pick)?;
+        let pick_smem_max = allow_all(&pick)?.min(allow_all(&pick_tagged)?);
         allow_all(&traced.1)?;
         Ok(SelectKernels {
             stream: gpu.stream().clone(),
@@ -316,6 +319,7 @@ impl SelectKernels {
             scoring: QuestScoring::default(),
             dsa,
             pick,
+            pick_tagged,
             score_smem_max,
             dsa_smem_max,
             pick_smem_max,

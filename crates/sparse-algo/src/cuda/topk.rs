@@ -33,8 +33,15 @@ pub struct DeviceTopK {
     pub(super) ready: CudaSlice<u32>,
     /// `[1]` the step's value, which each publishing scoring launch advances on the device.
     pub(super) epoch: CudaSlice<u32>,
+    /// `[selection rows * copies, width]` a published row's ids, each with the step's value in
+    /// its high half, stored by `pick_rows` as each id is final (kernels/pdl.cuh, tagged
+    /// rows).
+    pub(super) tags: CudaSlice<u64>,
     /// Whether the last selection was published through `ready` (see [`Self::published`]).
     pub(super) published: bool,
+    /// Whether the last published selection also tagged its ids in `tags` (its rows few
+    /// enough for the page walk, attn_op's `page_walk_rows_fit`).
+    pub(super) tagged: bool,
 }
 
 impl DeviceTopK {
@@ -126,7 +133,9 @@ impl DeviceTopK {
             sel_rows,
             ready: gpu.zeros(sel_rows.max(1))?,
             epoch: gpu.zeros(1)?,
+            tags: gpu.zeros(out_rows * width)?,
             published: false,
+            tagged: false,
         })
     }
 
@@ -138,6 +147,7 @@ impl DeviceTopK {
             flags: &self.ready,
             epoch: &self.epoch,
             rows_per_flag: self.copies,
+            tags: self.tagged.then_some(&self.tags),
         })
     }
 
