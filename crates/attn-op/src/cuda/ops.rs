@@ -64,24 +64,24 @@ impl Gpu {
         self.attend(q, kv, meta, Keys::Pages(pages), None, params, out, lse)
     }
 
-    /// [`sparse_page_attention`](Self::sparse_page_attention) over a selection that the
-    /// launch right before it on this stream publishes row by row through `published`
-    /// (sparse-algo's `SelectKernels::set_publish`): this launch starts while that one runs,
-    /// and each of its CTAs reads its queries and metadata, then waits only for its own row's
-    /// flag, so the first rows are attended to while the last ones are still being selected.
-    /// The page walk ([`Gpu::page_walk_fits`]) takes published rows too where their ids were
-    /// tagged: its CTAs read them from `published.tags` as soon as they carry the step's value. Where neither it nor
-    /// the tensor-core kernel runs, or a split spans more than 256 pages, it waits for the
-    /// whole launch before it instead, like
-    /// [`sparse_page_attention`](Self::sparse_page_attention). Outputs are the same bits.
+    /// [`sparse_page_attention`](Self::sparse_page_attention) over a selection that the launch
+    /// right before it on this stream publishes row by row through `published` (sparse-algo's
+    /// `SelectKernels::set_publish`): this launch starts while that one runs, and each of its CTAs
+    /// reads its queries and metadata, then waits only for its own row's flag, so the first rows
+    /// are attended to while the last ones are still being selected. The page walk
+    /// ([`Gpu::page_walk_fits`]) takes published rows too where their ids were tagged: its CTAs
+    /// read them from `published.tags` as soon as they carry the step's value. Where neither it nor
+    /// the tensor-core kernel runs, or a split spans more than 256 pages, it waits for the whole
+    /// launch before it instead, like [`sparse_page_attention`](Self::sparse_page_attention).
+    /// Outputs are the same bits.
     ///
     /// # Safety
-    /// The launch right before this one on the stream must be the one that writes `pages`,
-    /// stores each id tagged with `published.epoch[0]` into `published.tags` (where given)
-    /// once it is final, and then sets `published.flags` to `published.epoch[0]` row by row, the launch before that
-    /// one (the selection's scoring) must have advanced `published.epoch[0]`, and `q`, `kv`
-    /// and `meta` must have been complete before that scoring began: this launch waits for
-    /// nothing else, so it could otherwise read them while they are written.
+    /// The launch right before this one on the stream must be the one that writes `pages`, stores
+    /// each id tagged with `published.epoch[0]` into `published.tags` (where given) once it is
+    /// final, and then sets `published.flags` to `published.epoch[0]` row by row, the launch before
+    /// that one (the selection's scoring) must have advanced `published.epoch[0]`, and `q`, `kv`
+    /// and `meta` must have been complete before that scoring began: this launch waits for nothing
+    /// else, so it could otherwise read them while they are written.
     #[allow(
         clippy::too_many_arguments,
         reason = "sparse_page_attention's arguments plus the flags"

@@ -98,13 +98,13 @@ impl Gpu {
             )
     }
 
-    /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's
-    /// partial into the scratch, `walk_merge` merges each row's. With `published`, the walk's
-    /// CTAs read their ids from the tagged copy as soon as each carries the step's value
-    /// instead of waiting for the launch before, and the merge sees each row's flag before it
-    /// ends (`walk_pages_pub`, `walk_merge_pub`; the same bits). The caller has checked the lengths of `q`, `out` and `lse`, that
-    /// [`Gpu::page_walk_fits`] holds, and the flags' counts, and holds the published form's
-    /// contract (`sparse_page_attention_published`).
+    /// The page walk over `pages` into `out` (and `lse`): `walk_pages` writes each place's partial
+    /// into the scratch, `walk_merge` merges each row's. With `published`, the walk's CTAs read
+    /// their ids from the tagged copy as soon as each carries the step's value instead of waiting
+    /// for the launch before, and the merge sees each row's flag before it ends (`walk_pages_pub`,
+    /// `walk_merge_pub`; the same bits). The caller has checked the lengths of `q`, `out` and
+    /// `lse`, that [`Gpu::page_walk_fits`] holds, and the flags' counts, and holds the published
+    /// form's contract (`sparse_page_attention_published`).
     #[allow(
         clippy::too_many_arguments,
         reason = "sparse_page_attention's arguments"
@@ -199,16 +199,15 @@ impl Gpu {
         if let Some((tags, p)) = published.and_then(|p| Some((p.tags?, p))) {
             b.arg(tags).arg(p.epoch);
         }
-        // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu (with
-        // `published`, `walk_pages_pub_<type>`, whose tagged ids and step value come last:
-        // `rows * width` tags and a value, checked by `sparse_page_attention_published`): q, K
-        // and V of a
-        // 16-bit cache of head dim 128 in pages of 16 tokens, 4 query heads a KV head (checked
-        // by `page_walk_fits`), the batch's metadata (validated against the layout on upload), rows of
+        // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu (with `published`,
+        // `walk_pages_pub_<type>`, whose tagged ids and step value come last: `rows * width` tags
+        // and a value, checked by `sparse_page_attention_published`): q, K and V of a 16-bit cache
+        // of head dim 128 in pages of 16 tokens, 4 query heads a KV head (checked by
+        // `page_walk_fits`), the batch's metadata (validated against the layout on upload), rows of
         // `width` page ids and their lengths (their sizes checked above), and the scratch's
         // partials, which hold `places * 4` rows of 128 and their LSEs; the kernel range-checks
-        // every page and block it reads, and stages the table row only where the launch gave
-        // its bytes (`staged`).
+        // every page and block it reads, and stages the table row only where the launch gave its
+        // bytes (`staged`).
         unsafe { b.launch(cfg) }?;
 
         let cfg = LaunchConfig {
@@ -244,11 +243,11 @@ impl Gpu {
             b.arg(p.flags).arg(p.epoch).arg(&per_flag);
         }
         // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu (with `published`,
-        // `walk_merge_pub`, whose flags come last: one per `rows_per_flag` rows and a step
-        // value, checked by `sparse_page_attention_published`): the batch's query
-        // offsets (one query a sequence, checked by `page_walk_fits`), the partials `walk_pages` wrote
-        // just before on this stream (it waits for them), and `out` and `lse`, whose lengths
-        // the caller checked against the batch's rows.
+        // `walk_merge_pub`, whose flags come last: one per `rows_per_flag` rows and a step value,
+        // checked by `sparse_page_attention_published`): the batch's query offsets (one query a
+        // sequence, checked by `page_walk_fits`), the partials `walk_pages` wrote just before on
+        // this stream (it waits for them), and `out` and `lse`, whose lengths the caller checked
+        // against the batch's rows.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -200,12 +200,12 @@ impl SelectKernels {
 
     /// The rows: `pick_rows`, one CTA per selection row, selecting `rule`'s pick from the score
     /// keys (none with a budget of 0) of sequences whose slot, where `slots` is given with the
-    /// pool's slot count, is valid. With `keys_stored` (the scoring kernel wrote every key a
-    /// row reads), the keys are left as they are; else they are zeroed for the next launch.
-    /// With `publish` (the scoring just launched advanced the step's value), each row's flag
-    /// is set to that value once the row is written, and where the rows are few enough for
-    /// the page walk each id is also stored tagged with the value as it is final. With a budget, the launch right before
-    /// must be the rows' scoring kernel: the rows' plan (forced pages, padding, lengths) is
+    /// pool's slot count, is valid. With `keys_stored` (the scoring kernel wrote every key a row
+    /// reads), the keys are left as they are; else they are zeroed for the next launch. With
+    /// `publish` (the scoring just launched advanced the step's value), each row's flag is set to
+    /// that value once the row is written, and where the rows are few enough for the page walk each
+    /// id is also stored tagged with the value as it is final. With a budget, the launch right
+    /// before must be the rows' scoring kernel: the rows' plan (forced pages, padding, lengths) is
     /// written before the kernel waits for it (kernels/select.cu, `pick_body`).
     #[allow(
         clippy::too_many_arguments,

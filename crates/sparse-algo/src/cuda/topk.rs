@@ -5,8 +5,8 @@ use cudarc::driver::CudaSlice;
 
 use crate::{AlgoError, Dsa, Quest, StreamingLlm};
 
-/// The output of [`SelectKernels::quest_topk`](super::SelectKernels::quest_topk) and the scratch it reuses, allocated once for a
-/// batch shape and rewritten whole by every launch.
+/// The output of [`SelectKernels::quest_topk`](super::SelectKernels::quest_topk) and the scratch it
+/// reuses, allocated once for a batch shape and rewritten whole by every launch.
 pub struct DeviceTopK {
     /// The selected pages per output row, ascending, -1 padded: rows are (sequence, KV head),
     /// or one per sequence for a head-shared selection made with `per_sequence`.
@@ -34,7 +34,7 @@ pub struct DeviceTopK {
     /// `[1]` the step's value, which each publishing scoring launch advances on the device.
     pub(super) epoch: CudaSlice<u32>,
     /// `[selection rows * copies, width]` a published row's ids, each with the step's value in
-    /// its high half, stored by `pick_rows` as each id is final (kernels/pdl.cuh, tagged
+    /// its high half, stored by `pick_rows_tagged` as each id is final (kernels/pdl.cuh, tagged
     /// rows).
     pub(super) tags: CudaSlice<u64>,
     /// Whether the last selection was published through `ready` (see [`Self::published`]).
@@ -139,9 +139,11 @@ impl DeviceTopK {
         })
     }
 
-    /// The flags through which the last [`SelectKernels::quest_topk`](super::SelectKernels::quest_topk) published its rows
-    /// ([`SelectKernels::set_publish`](super::SelectKernels::set_publish)): what [`Gpu::sparse_page_attention_published`] takes
-    /// to start before the top-k ends. `None` where the last selection was not published.
+    /// The flags through which the last
+    /// [`SelectKernels::quest_topk`](super::SelectKernels::quest_topk) published its rows
+    /// ([`SelectKernels::set_publish`](super::SelectKernels::set_publish)): what
+    /// [`Gpu::sparse_page_attention_published`] takes to start before the top-k ends. `None` where
+    /// the last selection was not published.
     pub fn published(&self) -> Option<Published<'_>> {
         self.published.then_some(Published {
             flags: &self.ready,
