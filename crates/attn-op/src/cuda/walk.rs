@@ -285,7 +285,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::fits;
+    use super::{fits, page_walk_rows_fit};
     use crate::{AttnParams, DType, KvLayout};
 
     /// A launch's shapes, as `fits` takes them.
@@ -324,6 +324,24 @@ mod tests {
             edit(&mut s);
             let got = fits(s.dtype, &s.layout, &s.q_lens, s.sel, &s.params, 132);
             assert_eq!(got, want, "{what}");
+        }
+    }
+
+    /// The rows' part alone, which decides whether a published top-k tags its ids: one wave of
+    /// two 4-page CTAs a multiprocessor, on 132 multiprocessors unless a case says otherwise.
+    #[test]
+    fn rows_fit_one_wave_of_two_ctas_a_multiprocessor() {
+        let cases: [(&str, usize, usize, usize, bool); 7] = [
+            ("B1 L128K, 8 rows of 128", 8, 128, 132, true),
+            ("264 CTAs", 1, 1056, 132, true),
+            ("265 CTAs", 1, 1057, 132, false),
+            ("B8 L32K, 64 rows of 128", 64, 128, 132, false),
+            ("empty rows", 8, 0, 132, false),
+            ("rows near usize::MAX", usize::MAX, 8, 132, false),
+            ("no multiprocessor", 1, 1, 0, false),
+        ];
+        for (what, rows, width, sms, want) in cases {
+            assert_eq!(page_walk_rows_fit(rows, width, sms), want, "{what}");
         }
     }
 
