@@ -304,12 +304,7 @@ impl Gpu {
         };
         let mut b = Launch::new(&self.stream, func);
         b.dependent(self.dependent);
-        b.arg(q)
-            .arg(kv.k())
-            .arg(kv.v())
-            .arg(&meta.cu_seqlens_q)
-            .arg(&meta.seq_lens_kv)
-            .arg(&meta.block_table)
+        push_paged(&mut b, q, kv, meta)
             .arg(&max_blocks)
             .arg(&num_blocks)
             .arg(&mode)
@@ -552,6 +547,23 @@ fn split_count(units: usize, slots: usize, waves: usize) -> usize {
     // Thousandths of the last wave's slots that the CTAs fill.
     let fill = |s: usize| units * s * 1000 / ((units * s).div_ceil(slots) * slots);
     (1..=4).rev().max_by_key(|&s| fill(s)).unwrap_or(1)
+}
+
+/// Pushes the buffers that every paged attention kernel's arguments begin with (`ATTN_KERNEL`
+/// in kernels/attn.cu, `walk_pages_*` in kernels/walk.cu): q, K and V, then the batch's query
+/// offsets, KV lengths and block table.
+pub(super) fn push_paged<'a, 'l, T: CudaElement>(
+    b: &'l mut Launch<'a>,
+    q: &'a CudaSlice<T>,
+    kv: &'a DevicePagedKv<T>,
+    meta: &'a DeviceBatch,
+) -> &'l mut Launch<'a> {
+    b.arg(q)
+        .arg(kv.k())
+        .arg(kv.v())
+        .arg(&meta.cu_seqlens_q)
+        .arg(&meta.seq_lens_kv)
+        .arg(&meta.block_table)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::ops::push_paged;
 use super::{
     CudaElement, DeviceBatch, DevicePagedKv, DeviceSelection, Gpu, Launch, Published, Scratch,
     to_i32, to_u32,
@@ -131,10 +132,11 @@ impl Gpu {
             )));
         }
         let places = rows * width;
-        // Published rows whose ids were tagged (the top-k saw rows the walk may take): the
-        // walk reads the tags; untagged ones it reads after the whole top-k, as unpublished.
-        let published = published.filter(|p| p.tags.is_some());
-        let pages_name = match (T::DTYPE, published.is_some()) {
+        // Published rows whose ids were tagged (the top-k saw rows the walk may take), with
+        // their tags: the walk reads the tags; untagged ones it reads after the whole top-k, as
+        // unpublished.
+        let tagged = published.and_then(|p| Some((p.tags?, p)));
+        let pages_name = match (T::DTYPE, tagged.is_some()) {
             (DType::F16, false) => "walk_pages_f16",
             (DType::BF16, false) => "walk_pages_bf16",
             (DType::F16, true) => "walk_pages_pub_f16",
@@ -179,12 +181,7 @@ impl Gpu {
         };
         let mut b = Launch::new(&self.stream, self.function(pages_name)?);
         b.dependent(self.dependent);
-        b.arg(q)
-            .arg(kv.k())
-            .arg(kv.v())
-            .arg(&meta.cu_seqlens_q)
-            .arg(&meta.seq_lens_kv)
-            .arg(&meta.block_table)
+        push_paged(&mut b, q, kv, meta)
             .arg(&max_blocks)
             .arg(&num_blocks)
             .arg(&kvh)
@@ -196,7 +193,7 @@ impl Gpu {
             .arg(&mut scratch.out)
             .arg(&mut scratch.lse)
             .arg(&staged_i);
-        if let Some((tags, p)) = published.and_then(|p| Some((p.tags?, p))) {
+        if let Some((tags, p)) = tagged {
             b.arg(tags).arg(p.epoch);
         }
         // SAFETY: the arguments follow `walk_pages_<type>` in kernels/walk.cu (with `published`,
@@ -215,7 +212,7 @@ impl Gpu {
             block_dim: (to_u32(MERGE_WARPS * 32)?, 1, 1),
             shared_mem_bytes: 0,
         };
-        let merge_name = if published.is_some() {
+        let merge_name = if tagged.is_some() {
             "walk_merge_pub"
         } else {
             "walk_merge"
@@ -235,11 +232,11 @@ impl Gpu {
             None => b.arg(&self.dummy_f32),
         };
         b.arg(&has_lse);
-        let per_flag = match published {
-            Some(p) => to_i32(p.rows_per_flag)?,
+        let per_flag = match tagged {
+            Some((_, p)) => to_i32(p.rows_per_flag)?,
             None => 1,
         };
-        if let Some(p) = published {
+        if let Some((_, p)) = tagged {
             b.arg(p.flags).arg(p.epoch).arg(&per_flag);
         }
         // SAFETY: the arguments follow `walk_merge` in kernels/walk.cu (with `published`,
