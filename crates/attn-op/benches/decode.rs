@@ -22,12 +22,19 @@
 //!   is well below the 0.8 goal, the decode is bound by its arithmetic on this CPU, not by
 //!   memory alone. (Its short sequences pay a unit's costs over 256 tokens, so a long decode
 //!   from memory may exceed it.)
+//! - `pool_read/bf16/B{b}/L{ctx}`: a parallel sum of exactly the bf16 decode's KV bytes
+//!   (`pool::pool_sum`), over the same copies in turn, call by call as the decode runs: the
+//!   read a decode of that size meets. Where it is itself well under the 1 GiB read (short
+//!   shapes on many cores: the threads' start and end weigh on a small read), a decode of
+//!   that shape misses the goal unless it reads better than a plain parallel read does; where
+//!   it is near 1, what the decode misses is its own.
 //! - `decode/bf16-dot` and `sparse_decode/bf16-dot`: bf16 with `Simd::Avx512Bf16` (bf16 dot
 //!   products where the CPU has them; the same as bf16 elsewhere).
 //!
 //! `cargo xtask bench` prints the fractions and ratios from criterion's estimates.
 #![allow(missing_docs)]
 
+use std::any::Any;
 use std::hint::black_box;
 
 use attn_op::{
@@ -39,7 +46,7 @@ use half::{bf16, f16};
 
 #[path = "shared/pool.rs"]
 mod pool;
-use pool::{BS, D, KV_HEADS, Q_HEADS, kv_bytes, setup, stream_data, stream_sum};
+use pool::{BS, D, KV_HEADS, Q_HEADS, kv_bytes, pool_sum, setup, stream_data, stream_sum};
 
 const BUDGET: usize = 2048;
 
@@ -78,6 +85,14 @@ fn decode_dtype<T: Element>(c: &mut Criterion, name: &str, simd: Simd) {
             let mut dec = setup::<T>(batch, ctx);
             dec.rotate();
             dense(c, &format!("decode/{name}"), &dec, &params, 10);
+            // The read of the same bf16 pools, beside their decode (`T` is bf16 where the
+            // name is; the downcast finds it).
+            let bf16_pools = (&dec as &dyn Any).downcast_ref::<pool::Decode<bf16>>();
+            if let Some(dec) =
+                bf16_pools.filter(|_| name == "bf16" && (ctx == 4096 || ctx == 32768))
+            {
+                pool_read(c, dec);
+            }
             if ctx == 32768 || sweep {
                 sparse::<T>(c, (name, batch, ctx), &dec, &params, false);
             }
@@ -99,6 +114,15 @@ fn dense<T: Element>(
     let meta = dec.meta();
     rotated(c, group, dec, samples, |kv, out| {
         paged_attention(&dec.q, kv, &meta, params, out)
+    });
+}
+
+/// The read of exactly `dec`'s KV, call by call over its copies ([`pool_sum`]), beside the
+/// decode of the same bf16 batch.
+fn pool_read(c: &mut Criterion, dec: &pool::Decode<bf16>) {
+    rotated(c, "pool_read/bf16", dec, 10, |kv, _| {
+        black_box(pool_sum(kv));
+        Ok(())
     });
 }
 

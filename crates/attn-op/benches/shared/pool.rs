@@ -2,6 +2,7 @@
 //! `examples/paired.rs` (each includes this file by `#[path]`).
 
 use attn_op::{BatchMeta, Element, KvLayout, PagedKv};
+use half::bf16;
 use rayon::prelude::*;
 
 /// Query heads of the bench's shapes.
@@ -64,6 +65,12 @@ impl<T: Element> Decode<T> {
             0 => &self.kv,
             k => &self.copies[k - 1],
         }
+    }
+
+    /// How many pools [`Decode::kv_for`] takes in turn: the pool and its copies.
+    #[allow(dead_code, reason = "examples/paired.rs's, not the bench's")]
+    pub(crate) fn pools(&self) -> usize {
+        self.copies.len() + 1
     }
 
     /// Output and LSE buffers for the batch's attention.
@@ -166,4 +173,17 @@ pub(crate) fn stream_sum(data: &[u64]) -> u64 {
     data.par_chunks(1 << 15)
         .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
         .reduce(|| 0, u64::wrapping_add)
+}
+
+/// A read of exactly a bf16 decode's bytes: a parallel wrapping sum of the bits of every K and V
+/// element of `kv`, the way [`stream_sum`] reads its 1 GiB. Timed call by call over a pool's
+/// copies, as the decode is, it is the read a decode of that size meets: on a machine whose
+/// threads start and end a short read unevenly, a small pool reads below the 1 GiB figure.
+pub(crate) fn pool_sum(kv: &PagedKv<bf16>) -> u16 {
+    let sum = |t: &[bf16]| {
+        t.par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u16, |a, x| a.wrapping_add(x.to_bits())))
+            .reduce(|| 0, u16::wrapping_add)
+    };
+    sum(kv.k()).wrapping_add(sum(kv.v()))
 }
