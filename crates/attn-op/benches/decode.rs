@@ -24,10 +24,10 @@
 //!   from memory may exceed it.)
 //! - `pool_read/bf16/B{b}/L{ctx}`: a parallel sum of exactly the bf16 decode's KV bytes
 //!   (`pool::pool_sum`), over the same copies in turn, call by call as the decode runs: the
-//!   read a decode of that size meets. Where it is itself well under the 1 GiB read (short
-//!   shapes on many cores: the threads' start and end weigh on a small read), a decode of
-//!   that shape misses the goal unless it reads better than a plain parallel read does; where
-//!   it is near 1, what the decode misses is its own.
+//!   read a decode of that size meets. Where it is itself under the goal (a short shape on
+//!   many cores, whose threads' start and end weigh on a small read), a decode of that shape
+//!   misses the goal unless it reads better than a plain parallel read does; where it is near
+//!   1, what the decode misses is its own.
 //! - `decode/bf16-dot` and `sparse_decode/bf16-dot`: bf16 with `Simd::Avx512Bf16` (bf16 dot
 //!   products where the CPU has them; the same as bf16 elsewhere).
 //!
