@@ -101,19 +101,25 @@ fn main() -> Result<(), attn_op::AttnError> {
         fractions.push(fraction);
         floors.push(floor_fraction);
     }
-    fractions.sort_by(f64::total_cmp);
-    floors.sort_by(f64::total_cmp);
     let hash = out.iter().chain(&lse).fold(0u64, |h, x| {
         h.wrapping_mul(31).wrapping_add(u64::from(x.to_bits()))
     });
     println!(
-        "median fraction {:.3} (range {:.3} to {:.3}); its bytes read alone {:.3} ({:.3} to {:.3}); outputs hash {hash:016x}",
-        fractions[fractions.len() / 2],
-        fractions[0],
-        fractions[fractions.len() - 1],
-        floors[floors.len() / 2],
-        floors[0],
-        floors[floors.len() - 1]
+        "median fraction {}; its bytes read alone {}; outputs hash {hash:016x}",
+        spread(&mut fractions),
+        spread(&mut floors)
     );
     Ok(())
+}
+
+/// The median of `xs` and their range, as the summary line prints them (`xs` not empty: one
+/// figure a pair, and at least one pair).
+fn spread(xs: &mut [f64]) -> String {
+    xs.sort_by(f64::total_cmp);
+    format!(
+        "{:.3} (range {:.3} to {:.3})",
+        xs[xs.len() / 2],
+        xs[0],
+        xs[xs.len() - 1]
+    )
 }
