@@ -179,7 +179,7 @@ pub(crate) fn stream_sum(data: &[u64]) -> u64 {
 /// element of `kv`, the way [`stream_sum`] reads its 1 GiB. Timed call by call over a pool's
 /// copies, as the decode is, it is the read a decode of that size meets: on a machine whose
 /// threads start and end a short read unevenly, a small pool reads below the 1 GiB figure
-/// (B1 L4K on the 16-core Xeon: 0.79-0.84 of it, BENCHMARKS.md, session 78).
+/// (B1 L4K on the 16-core Xeon: 0.79-0.85 of it, BENCHMARKS.md, session 78).
 pub(crate) fn pool_sum(kv: &PagedKv<bf16>) -> u16 {
     // K's chunks, then V's, in one parallel phase, as the decode reads both in one.
     const CHUNK: usize = 1 << 16;
