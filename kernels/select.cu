@@ -256,16 +256,23 @@ __device__ __forceinline__ u32 key_at(const u32* keys, int i) {
 // Then each warp takes, in id order, every key above T and the first (pick - #above) keys equal
 // to T of its run of ids, placed by one scan of the warps' counts. Key i's id is id0 + i, or
 // ids[i] where `ids` is given (a list of candidates in id order, pick_candidates); with TAGS
-// each id taken is also stored tagged with `tag_step` at the same place of
-// `tag_out` and of its tag_copies - 1 copies (pdl.cuh, store_tagged). Every thread of a CTA of
-// THREADS (1024) threads calls it.
+// each id taken is also stored tagged (`TagOut`). Every thread of a CTA of THREADS (1024)
+// threads calls it.
 #define SEL_BINS 4096
+
+// Where select_top also stores each id it takes, tagged with `step` (pdl.cuh, store_tagged):
+// the same place of `at` and of its `copies - 1` copies, `stride` apart.
+struct TagOut {
+    unsigned long long* at;
+    int copies;
+    int stride;
+    u32 step;
+};
 
 template <int THREADS, bool SMEM, bool TRACE, bool TAGS = false>
 __device__ int select_top(const u32* keys, int n, int pick, int id0, i32* out, u32 lo, u32 top,
                           int* hist, Trace<TRACE>& tr, const i32* ids = nullptr,
-                          unsigned long long* tag_out = nullptr, int tag_copies = 0,
-                          int tag_stride = 0, u32 tag_step = 0) {
+                          TagOut tag = {nullptr, 0, 0, 0u}) {
     constexpr int PER = SEL_BINS / THREADS;  // bins per thread
     constexpr int WARPS = THREADS / 32;
     static_assert(WARPS == 32, "a lane per warp in the scans over warps");
@@ -392,10 +399,10 @@ __device__ int select_top(const u32* keys, int n, int pick, int id0, i32* out, u
             const int p = at + __popc(takes & below);
             const i32 id = ids != nullptr ? ids[i] : id0 + i;
             out[p] = id;
-            // Tagged places (pick_body): each copy of the row, tag_stride apart.
+            // Tagged places (pick_body): each copy of the row.
             if (TAGS)
-                for (int c = 0; c < tag_copies; c++)
-                    store_tagged(tag_out + (size_t)c * tag_stride + p, tag_step, id);
+                for (int c = 0; c < tag.copies; c++)
+                    store_tagged(tag.at + (size_t)c * tag.stride + p, tag.step, id);
         }
         at += __popc(takes);
         eq_seen += __popc(eqs);
@@ -1143,21 +1150,18 @@ __device__ __forceinline__ void pick_body(
         row_floor(lo, top, pick, red);
         tr.mark(2, lo);
         i32* dst = out + plan.head_end;
-        unsigned long long* tag_dst = TAGS ? tag_row + plan.head_end : nullptr;
+        const TagOut tag = {TAGS ? tag_row + plan.head_end : nullptr, tag_copies, width, tag_step};
         const int found = in_regs ? pick_candidates(k, n, lo, plan.head_end, cand, tr) : -1;
         tr.mark(5, (u32)found);
         if (found >= 0) {
-            rounds = select_top<PICK_THREADS, true, TRACE, TAGS>(cand.keys, found, pick, 0, dst, lo, top, hist,
-                                                    tr, cand.ids, tag_dst, tag_copies, width,
-                                                    tag_step);
+            rounds = select_top<PICK_THREADS, true, TRACE, TAGS>(cand.keys, found, pick, 0, dst,
+                                                                 lo, top, hist, tr, cand.ids, tag);
         } else if (keys_smem && !in_regs) {
-            rounds = select_top<PICK_THREADS, true, TRACE, TAGS>(sk, n, pick, plan.head_end, dst, lo, top,
-                                                    hist, tr, nullptr, tag_dst, tag_copies,
-                                                    width, tag_step);
+            rounds = select_top<PICK_THREADS, true, TRACE, TAGS>(sk, n, pick, plan.head_end, dst,
+                                                                 lo, top, hist, tr, nullptr, tag);
         } else {
-            rounds = select_top<PICK_THREADS, false, TRACE, TAGS>(row_keys, n, pick, plan.head_end, dst, lo,
-                                                     top, hist, tr, nullptr, tag_dst,
-                                                     tag_copies, width, tag_step);
+            rounds = select_top<PICK_THREADS, false, TRACE, TAGS>(
+                row_keys, n, pick, plan.head_end, dst, lo, top, hist, tr, nullptr, tag);
         }
         tr.mark(3, 0u);
         // Once every thread has read the keys, zero them for the next launch where its scoring
