@@ -420,11 +420,12 @@ __device__ int select_top(const u32* keys, int n, int pick, int id0, i32* out, u
 // shared memory with cp.async; two buffers, so the next item's copy runs under this item's math.
 // `tpp` threads share a page, each scoring some of the group's query heads: the sum over d of
 // q_d kmax_d where q_d >= 0 and q_d kmin_d where it is negative, in score.rs's order (16 lanes,
-// each rounded step by step, then the lanes in order). The CPU adds wmax kmax + wmin kmin, one
-// of which is a product with a zero weight; a zero never changes a sum that starts at +0, so
-// scores equal the CPU's bit for bit (for finite keys). Masks made once per query pick each
-// element's kmax or kmin bits in one logic operation per 32-bit word, before widening. A
-// page's key is its best score, merged over threads and heads by atomicMax into
+// each rounded step by step, then the lanes in order). The CPU picks each element's kmax or
+// kmin by the query's sign bit and adds one product too (score.rs); the two differ only in
+// which side a query of -0 picks, a product of zero either way, and a zero never changes a sum
+// that starts at +0, so scores equal the CPU's bit for bit (for finite keys). Masks made once
+// per query pick each element's kmax or kmin bits in one logic operation per 32-bit word,
+// before widening. A page's key is its best score, merged over threads and heads by atomicMax into
 // scores[row, page - head_end].
 //
 // pick_rows: one CTA of PICK_THREADS per selection row selects from the row's keys (a

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::check_pool;
-use crate::score::{Rows, Weights, page_scores, sweep};
+use crate::score::{Rows, Side, Weights, page_scores, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::{
     AlgoError, AlwaysInclude, Caps, Decode, KeySource, RepPool, RepShape, SparseAlgorithm, Summary,
@@ -90,19 +90,26 @@ impl Quest {
 /// exactly as [`Quest`] computes it (bit for bit), so callers can check its selections.
 pub fn quest_bound(q: &[f32], kmax: &[f32], kmin: &[f32]) -> f32 {
     let d = q.len().min(kmax.len()).min(kmin.len());
-    let wmax: Vec<f32> = q[..d].iter().map(|&x| x.max(0.0)).collect();
-    let wmin: Vec<f32> = q[..d].iter().map(|&x| x.min(0.0)).collect();
+    let w = weights(&q[..d]);
     let mut rep = kmax[..d].to_vec();
     rep.extend_from_slice(&kmin[..d]);
     let w = Weights {
-        wmax: &wmax,
-        wmin: &wmin,
+        w: &w,
+        side: Side::Own,
         g: 1,
         d,
     };
     let mut out = [0.0f32];
     page_scores(&w, &rep, 2 * d, 0, 0..1, &mut out);
     out[0]
+}
+
+/// A query's channel weights for the bound: the query itself, a NaN read as 0 (it bounds
+/// nothing), each channel reading `kmin` where the weight's sign bit is set ([`Side::Own`]).
+fn weights(q: &[f32]) -> Vec<f32> {
+    q.iter()
+        .map(|&x| if x.is_nan() { 0.0 } else { x })
+        .collect()
 }
 
 impl SparseAlgorithm for Quest {
@@ -161,18 +168,15 @@ impl SparseAlgorithm for Quest {
                 rows.extend((0..kvh).map(|_| plan.assemble(Vec::new())));
                 continue;
             }
-            let split: Vec<(Vec<f32>, Vec<f32>)> = (0..kvh)
-                .map(|h| {
-                    let q = step.group_q(s, h);
-                    (
-                        q.iter().map(|&x| x.max(0.0)).collect(),
-                        q.iter().map(|&x| x.min(0.0)).collect(),
-                    )
-                })
-                .collect();
-            let w: Vec<Weights<'_>> = split
+            let qs: Vec<Vec<f32>> = (0..kvh).map(|h| weights(step.group_q(s, h))).collect();
+            let w: Vec<Weights<'_>> = qs
                 .iter()
-                .map(|(wmax, wmin)| Weights { wmax, wmin, g, d })
+                .map(|w| Weights {
+                    w,
+                    side: Side::Own,
+                    g,
+                    d,
+                })
                 .collect();
             let reps = pool.reps(step.layer, step.slots[s])?;
             // The best bound of each KV head's group, or of every query head.

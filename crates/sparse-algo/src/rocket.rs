@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::check_pool;
-use crate::score::{Rows, Weights, sweep};
+use crate::score::{Rows, Side, Weights, softmax_weights, sweep};
 use crate::select::{budget_pages, plans, top_k};
 use crate::snap::{Pooling, check_votes, keep_by_votes};
 use crate::{
@@ -146,8 +146,8 @@ impl SparseAlgorithm for RocketKv {
             let w: Vec<Weights<'_>> = heads
                 .iter()
                 .map(|c| Weights {
-                    wmax: &c.wmax,
-                    wmin: &c.wmin,
+                    w: &c.w,
+                    side: Side::Shared(&c.side),
                     g,
                     d,
                 })
@@ -156,21 +156,15 @@ impl SparseAlgorithm for RocketKv {
             let n = plan.mid.end;
             let reps = pool.reps(step.layer, step.slots[s])?;
             let scores = sweep(&w, reps, d, 0..n, Rows::All);
-            let tokens = |p: usize| ((len - p * ps).min(ps)) as f32;
+            let tokens: Vec<f32> = (0..n).map(|p| ((len - p * ps).min(ps)) as f32).collect();
             let per_head: Vec<Vec<i32>> = (0..kvh)
                 .into_par_iter()
                 .map(|h| {
                     let mut prob = vec![0.0f32; n];
+                    let mut e = vec![0.0f32; n];
                     for j in 0..g {
                         let sc = &scores[(h * g + j) * n..(h * g + j + 1) * n];
-                        let temp = heads[h].temp[j];
-                        let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let e: Vec<f32> = sc
-                            .iter()
-                            .enumerate()
-                            .map(|(p, &x)| tokens(p) * ((x - m) / temp).exp())
-                            .collect();
-                        let z: f64 = e.iter().map(|&x| f64::from(x)).sum();
+                        let z = softmax_weights(sc, &tokens, heads[h].temp[j], &mut e);
                         let inv = (1.0 / z) as f32 / g as f32;
                         for (acc, &x) in prob.iter_mut().zip(&e) {
                             *acc += x * inv;
@@ -186,11 +180,12 @@ impl SparseAlgorithm for RocketKv {
     }
 }
 
-/// One KV group's channel choice: weights that keep the top-r channels of the group's queries
-/// on the max or min side by the sign of their sum, and each query head's softmax temperature.
+/// One KV group's channel choice: weights that keep the top-r channels of the group's queries,
+/// each channel read on the max or min side by the sign of its sum over the group (a side of
+/// -1 reads `kmin`), and each query head's softmax temperature.
 struct Channels {
-    wmax: Vec<f32>,
-    wmin: Vec<f32>,
+    w: Vec<f32>,
+    side: Vec<f32>,
     temp: Vec<f32>,
 }
 
@@ -206,13 +201,15 @@ impl Channels {
             }
         }
         let channels = top_k(&mean_abs, 0, topr);
-        let mut wmax = vec![0.0f32; g * d];
-        let mut wmin = vec![0.0f32; g * d];
+        let mut w = vec![0.0f32; g * d];
+        let mut side = vec![0.0f32; d];
         for &c in &channels {
             let c = c as usize;
-            let dst = if sum[c] > 0.0 { &mut wmax } else { &mut wmin };
+            if sum[c] <= 0.0 || sum[c].is_nan() {
+                side[c] = -1.0;
+            }
             for j in 0..g {
-                dst[j * d + c] = q[j * d + c];
+                w[j * d + c] = q[j * d + c];
             }
         }
         let temp = q
@@ -227,6 +224,6 @@ impl Channels {
                 }
             })
             .collect();
-        Channels { wmax, wmin, temp }
+        Channels { w, side, temp }
     }
 }

@@ -8,11 +8,15 @@ use half::{bf16, f16};
 
 use crate::Reps;
 
+#[cfg(target_arch = "x86_64")]
+mod wide;
+
 /// Scores pages against a group of weighted queries: for every page `p` of `pages` and every
-/// query head `j < g`, `out[j * pages.len() + i] = wmax_j · kmax + wmin_j · kmin`, where the
-/// page's `[kmax ‖ kmin]` vector (`2 * d` floats) sits at `reps[p * page_len + head_off..]`.
-/// With `wmax = max(q, 0)` and `wmin = min(q, 0)` this is Quest's per-dimension upper bound
-/// `sum_d max(q_d * kmin_d, q_d * kmax_d)`.
+/// query head `j < g`, `out[j * pages.len() + i] = sum_c w_jc * side_jc(kmax_c, kmin_c)`, where
+/// the page's `[kmax ‖ kmin]` vector (`2 * d` floats) sits at `reps[p * page_len + head_off..]`
+/// and `side` picks `kmin` or `kmax` per channel ([`Weights`]). With `w = q` and each channel's
+/// side the sign of `q` this is Quest's per-dimension upper bound `sum_d max(q_d * kmin_d, q_d *
+/// kmax_d)`.
 pub(crate) fn page_scores(
     w: &Weights<'_>,
     reps: &[f32],
@@ -49,12 +53,44 @@ macro_rules! dispatch {
 }
 use dispatch;
 
-/// Query weights of a group: `wmax` and `wmin`, each `[g, d]`.
+/// Query weights of a group: each query head's weight of each channel (`w`, `[g, d]`) and
+/// which of a page's two summaries each channel reads ([`Side`]). Quest weighs every channel
+/// by the query and reads `kmax` where it is not negative, `kmin` where it is; RocketKV weighs
+/// only its top-r channels and reads one side of each for the whole group. A score of `w *
+/// kmax` where the other weight was 0 has the bits of `w * kmax + 0 * kmin` (a zero sum never
+/// starts with -0, so the zero's sign is lost), which is what both computed before session 79.
 pub(crate) struct Weights<'a> {
-    pub(crate) wmax: &'a [f32],
-    pub(crate) wmin: &'a [f32],
+    pub(crate) w: &'a [f32],
+    pub(crate) side: Side<'a>,
     pub(crate) g: usize,
     pub(crate) d: usize,
+}
+
+/// Which summary a channel reads: `kmin` where a sign bit is set, `kmax` where it is clear.
+#[derive(Clone, Copy)]
+pub(crate) enum Side<'a> {
+    /// The sign of the head's own weight of the channel (Quest).
+    Own,
+    /// The sign of `[c]`, one entry a channel for the whole group (RocketKV).
+    Shared(&'a [f32]),
+}
+
+impl Weights<'_> {
+    /// Head `j`'s weights, and its side of each channel.
+    #[inline(always)]
+    fn head(&self, j: usize) -> (&[f32], &[f32]) {
+        let w = &self.w[j * self.d..(j + 1) * self.d];
+        match self.side {
+            Side::Own => (w, w),
+            Side::Shared(side) => (w, &side[..self.d]),
+        }
+    }
+}
+
+/// `kmin` where `side`'s sign bit is set, else `kmax` (the AVX2 build's `blendv`).
+#[inline(always)]
+fn pick(side: f32, kmax: f32, kmin: f32) -> f32 {
+    if side.is_sign_negative() { kmin } else { kmax }
 }
 
 #[inline(always)]
@@ -77,16 +113,17 @@ fn page_scores_generic(
     }
 }
 
-/// The 16 lanes of [`dot2`]: lane `l` sums `a[i] * b[i] + c[i] * e[i]` over `i = l, l + 16,
-/// ...` below the last whole 16, in order.
+/// The 16 lanes of [`dot2`]: lane `l` sums `w[i] * pick(side[i], kmax[i], kmin[i])` over `i =
+/// l, l + 16, ...` below the last whole 16, in order.
 #[inline(always)]
-fn lanes(a: &[f32], b: &[f32], c: &[f32], e: &[f32]) -> [f32; 16] {
+fn lanes(w: &[f32], side: &[f32], kmax: &[f32], kmin: &[f32]) -> [f32; 16] {
     let mut acc = [0.0f32; 16];
-    let chunks = a.len() / 16 * 16;
+    let chunks = w.len() / 16 * 16;
     for i in (0..chunks).step_by(16) {
-        let (a, b, c, e) = (&a[i..i + 16], &b[i..i + 16], &c[i..i + 16], &e[i..i + 16]);
+        let (w, side) = (&w[i..i + 16], &side[i..i + 16]);
+        let (kmax, kmin) = (&kmax[i..i + 16], &kmin[i..i + 16]);
         for l in 0..16 {
-            acc[l] += a[l] * b[l] + c[l] * e[l];
+            acc[l] += w[l] * pick(side[l], kmax[l], kmin[l]);
         }
     }
     acc
@@ -153,6 +190,98 @@ fn dots_generic(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
             s += q[i] * k[i];
         }
         *o = s;
+    }
+}
+
+/// A head's softmax weights over its page scores, unnormalized, into `e`: page `p`'s is
+/// `tokens[p]` times `exp((x[p] - m) / temp)`, `m` the scores' maximum. Returns their sum in
+/// f64 (four running sums, of pages `p % 4`, added in order). The exponential is
+/// [`exp_neg`], the same bits on every machine, and the loop vectorizes where the CPU has
+/// AVX2 and FMA.
+pub(crate) fn softmax_weights(x: &[f32], tokens: &[f32], temp: f32, e: &mut [f32]) -> f64 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut parts = x.chunks_exact(8);
+    for part in parts.by_ref() {
+        for (l, &v) in lanes.iter_mut().zip(part) {
+            *l = l.max(v);
+        }
+    }
+    let m = lanes
+        .into_iter()
+        .chain(parts.remainder().iter().copied())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut z = [0.0f64; 4];
+    weigh(x, tokens, [m, temp], e, &mut z);
+    z.iter().sum()
+}
+
+/// The body of [`softmax_weights`] after its maximum (`at`: the maximum and the temperature):
+/// the weights into `e`, their sum into `z`'s four lanes.
+fn weigh(x: &[f32], tokens: &[f32], at: [f32; 2], e: &mut [f32], z: &mut [f64; 4]) {
+    dispatch!(weigh_generic(
+        x: &[f32],
+        tokens: &[f32],
+        at: [f32; 2],
+        e: &mut [f32],
+        z: &mut [f64; 4]
+    ));
+}
+
+#[inline(always)]
+fn weigh_generic(x: &[f32], tokens: &[f32], [m, temp]: [f32; 2], e: &mut [f32], z: &mut [f64; 4]) {
+    // Two plain loops, each of which vectorizes: the weights, then their sums.
+    for ((e, &x), &t) in e.iter_mut().zip(x).zip(tokens) {
+        *e = t * exp_neg((x - m) / temp);
+    }
+    let mut lanes = [0.0f64; 4];
+    let mut parts = e.chunks_exact(4);
+    for part in parts.by_ref() {
+        for (l, &v) in lanes.iter_mut().zip(part) {
+            *l += f64::from(v);
+        }
+    }
+    for (l, &v) in lanes.iter_mut().zip(parts.remainder()) {
+        *l += f64::from(v);
+    }
+    *z = lanes;
+}
+
+/// `exp(x)` for `x <= 0` in f32, the same bits on every machine: Cody-Waite reduction by ln 2
+/// and the Cephes degree-5 polynomial, each step a fused multiply-add (`mul_add`, a single
+/// rounding whether the CPU fuses it or the library does), within about 1 ulp of `exp`. Below
+/// -87.3, where 2^n would leave the normal range, it is 0 (and so at -inf); NaN stays NaN.
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const POLY: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
+    let clamped = x.clamp(-87.3, 0.0);
+    let n = (clamped * LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, clamped);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut p = POLY[0];
+    for c in &POLY[1..] {
+        p = p.mul_add(r, *c);
+    }
+    let y = (p * r).mul_add(r, r + 1.0);
+    // `n` is a whole number in -126..=0, exact in the low bits of `n + 1.5 * 2^23` (an
+    // integer conversion with `as` would saturate lane by lane instead of vectorizing).
+    let n_bits = (n + 12_582_912.0).to_bits().wrapping_sub(0x4b40_0000);
+    let scaled = f32::from_bits(y.to_bits().wrapping_add(n_bits << 23));
+    if x >= -87.3 {
+        scaled
+    } else if x.is_nan() {
+        x
+    } else {
+        0.0
     }
 }
 
@@ -267,6 +396,17 @@ macro_rules! sweep_chunk_for {
                 pages: std::ops::Range<usize>,
                 local: &mut [f32],
             ) {
+                // Groups of whole fours over whole 16s of channels take the AVX2 body, each
+                // page row widened once for four heads; it adds as the generic body does.
+                #[cfg(target_arch = "x86_64")]
+                if w.iter().all(|h| h.g % 4 == 0 && h.d == d) && d % 16 == 0 && wide::usable() {
+                    // SAFETY: `usable` checked AVX2, FMA and F16C; every group is a whole
+                    // number of fours of `d` channels, `d` a whole number of 16s; the caller
+                    // (`sweep_in`) passes pages whose rows lie in `reps` and a `local` of
+                    // `[kv_heads, g, pages.len()]`.
+                    unsafe { wide::sweep_chunk(w, reps, d, pages, local) };
+                    return;
+                }
                 dispatch!(sweep_chunk_generic(
                     w: &[Weights<'_>],
                     reps: &[$t],
@@ -353,22 +493,18 @@ fn fetch_lines<E>(rows: &[E]) {
     let _ = rows;
 }
 
-/// `wmax_j · kmax + wmin_j · kmin` for the `N` query heads `j = j0..j0 + N` of `w`, in one
-/// fixed order of adds: each head's 16 lanes ([`lanes`]), then its lanes summed in order from
-/// 0.0, then the dims past the last whole 16 in order. The `N` heads' sums run side by side.
+/// `sum_c w_jc * pick(side_jc, kmax_c, kmin_c)` for the `N` query heads `j = j0..j0 + N` of
+/// `w`, in one fixed order of adds: each head's 16 lanes ([`lanes`]), then its lanes summed in
+/// order from 0.0, then the dims past the last whole 16 in order. The `N` heads' sums run side
+/// by side.
 #[inline(always)]
 fn dot2<const N: usize>(w: &Weights<'_>, j0: usize, kmax: &[f32], kmin: &[f32]) -> [f32; N] {
-    let d = w.d;
-    let head = |t: usize| {
-        let r = (j0 + t) * d..(j0 + t + 1) * d;
-        (&w.wmax[r.clone()], &w.wmin[r])
-    };
     // A loop, not `std::array::from_fn`: a closure passed to a function that is not inlined
     // is compiled without the caller's target features.
     let mut acc = [[0.0f32; 16]; N];
     for (t, at) in acc.iter_mut().enumerate() {
-        let (a, c) = head(t);
-        *at = lanes(a, kmax, c, kmin);
+        let (wt, side) = w.head(j0 + t);
+        *at = lanes(wt, side, kmax, kmin);
     }
     // Lane by lane, every head's sum at once: N independent chains of 16 adds.
     let mut s = [0.0f32; N];
@@ -377,11 +513,11 @@ fn dot2<const N: usize>(w: &Weights<'_>, j0: usize, kmax: &[f32], kmin: &[f32]) 
             *st += at[l];
         }
     }
-    let chunks = d / 16 * 16;
+    let chunks = w.d / 16 * 16;
     for (t, st) in s.iter_mut().enumerate() {
-        let (a, c) = head(t);
-        for i in chunks..d {
-            *st += a[i] * kmax[i] + c[i] * kmin[i];
+        let (wt, side) = w.head(j0 + t);
+        for i in chunks..w.d {
+            *st += wt[i] * pick(side[i], kmax[i], kmin[i]);
         }
     }
     s
@@ -392,77 +528,177 @@ mod tests {
     use super::*;
 
     /// `sweep` against one `page_scores` call per (page, KV head), bit for bit, over group
-    /// sizes that take the four-head path, the one-head path and both, and head dims with and
-    /// without a tail past the 16 lanes; its maxima against the rows' maxima taken in order.
+    /// sizes that take the AVX2 body (whole fours over whole 16s of channels) and the generic
+    /// one, head dims with and without a tail past the 16 lanes, and both kinds of weights
+    /// (Quest's own signs, RocketKV's shared sides with channels that weigh nothing); its
+    /// maxima against the rows' maxima taken in order; and `page_scores` against the form
+    /// both algorithms used before session 79, `wmax kmax + wmin kmin` with one weight 0.
     #[test]
     fn the_sweep_has_the_bits_of_one_page_at_a_time() {
         let mut random = crate::xorshift(0x9e37_79b9);
         let mut next = move || (random() >> 8) as f32 / (1 << 24) as f32 - 0.5;
-        let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
         for (kvh, g, d, pages) in [
             (2, 4, 128, 150),
             (3, 5, 40, 70),
             (1, 1, 7, 3),
             (2, 8, 16, 65),
+            (1, 12, 48, 9),
         ] {
             let q: Vec<f32> = (0..kvh * g * d).map(|_| 4.0 * next()).collect();
-            let wmax: Vec<f32> = q.iter().map(|&v| v.max(0.0)).collect();
-            let wmin: Vec<f32> = q.iter().map(|&v| v.min(0.0)).collect();
-            let w: Vec<Weights<'_>> = (0..kvh)
-                .map(|h| Weights {
-                    wmax: &wmax[h * g * d..(h + 1) * g * d],
-                    wmin: &wmin[h * g * d..(h + 1) * g * d],
-                    g,
-                    d,
-                })
+            let sides: Vec<f32> = (0..kvh * d)
+                .map(|_| if next() < 0.0 { -1.0 } else { 0.0 })
+                .collect();
+            let sparse: Vec<f32> = q
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| if i % 3 == 0 { 0.0 } else { v })
                 .collect();
             let reps: Vec<f32> = (0..pages * kvh * 2 * d).map(|_| 8.0 * next()).collect();
-            let range = 1..pages;
-            let n = range.len();
-            let got = sweep(&w, Reps::F32(&reps), d, range.clone(), Rows::All);
-            for (h, wh) in w.iter().enumerate() {
-                let mut want = vec![0.0f32; g * n];
-                for (i, p) in range.clone().enumerate() {
-                    let mut one = vec![0.0f32; g];
-                    page_scores(wh, &reps, kvh * 2 * d, h * 2 * d, p..p + 1, &mut one);
-                    for (j, s) in one.into_iter().enumerate() {
-                        want[j * n + i] = s;
-                    }
-                }
-                assert_eq!(
-                    bits(&got[h * g * n..(h + 1) * g * n]),
-                    bits(&want),
-                    "kv heads {kvh}, group {g}, dim {d}: head {h}"
+            for shared in [false, true] {
+                let w: Vec<Weights<'_>> = (0..kvh)
+                    .map(|h| Weights {
+                        w: &(if shared { &sparse } else { &q })[h * g * d..(h + 1) * g * d],
+                        side: if shared {
+                            Side::Shared(&sides[h * d..(h + 1) * d])
+                        } else {
+                            Side::Own
+                        },
+                        g,
+                        d,
+                    })
+                    .collect();
+                check(
+                    &w,
+                    &reps,
+                    pages,
+                    &format!("kv heads {kvh}, group {g}, dim {d}, shared {shared}"),
                 );
             }
-            // The maxima over each group and over every head, in the rows' order.
-            let max_of = |rows: std::ops::Range<usize>| -> Vec<u32> {
-                let mut best = got[rows.start * n..(rows.start + 1) * n].to_vec();
-                for r in rows.start + 1..rows.end {
-                    for (b, &x) in best.iter_mut().zip(&got[r * n..(r + 1) * n]) {
-                        *b = b.max(x);
-                    }
-                }
-                bits(&best)
-            };
-            let groups: Vec<u32> = (0..kvh).flat_map(|h| max_of(h * g..(h + 1) * g)).collect();
-            let grouped = sweep(&w, Reps::F32(&reps), d, range.clone(), Rows::GroupMax);
-            assert_eq!(bits(&grouped), groups);
-            let all = sweep(&w, Reps::F32(&reps), d, range.clone(), Rows::Max);
-            assert_eq!(bits(&all), max_of(0..kvh * g));
-            // A 16-bit pool scores as an f32 pool of its values, in every row form.
-            let brain: Vec<bf16> = reps.iter().map(|&x| bf16::from_f32(x)).collect();
-            let half: Vec<f16> = reps.iter().map(|&x| f16::from_f32(x)).collect();
-            for (name, narrow) in [("bf16", Reps::Bf16(&brain)), ("f16", Reps::F16(&half))] {
-                let wide = narrow.to_f32();
-                for rows in [Rows::All, Rows::GroupMax, Rows::Max] {
+        }
+    }
+
+    /// One case of [`the_sweep_has_the_bits_of_one_page_at_a_time`]: weights `w` over the f32
+    /// pages `reps` (`pages` of them), and the same pages in bf16 and f16.
+    fn check(w: &[Weights<'_>], reps: &[f32], pages: usize, case: &str) {
+        let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+        let (kvh, g, d) = (w.len(), w[0].g, w[0].d);
+        let range = 1..pages;
+        let n = range.len();
+        let got = sweep(w, Reps::F32(reps), d, range.clone(), Rows::All);
+        for (h, wh) in w.iter().enumerate() {
+            let mut want = vec![0.0f32; g * n];
+            for (i, p) in range.clone().enumerate() {
+                let mut one = vec![0.0f32; g];
+                page_scores(wh, reps, kvh * 2 * d, h * 2 * d, p..p + 1, &mut one);
+                let row = &reps[p * kvh * 2 * d + h * 2 * d..][..2 * d];
+                for (j, s) in one.into_iter().enumerate() {
                     assert_eq!(
-                        bits(&sweep(&w, narrow, d, range.clone(), rows)),
-                        bits(&sweep(&w, Reps::F32(&wide), d, range.clone(), rows)),
-                        "kv heads {kvh}, group {g}, dim {d}: {rows:?} over {name}"
+                        s.to_bits(),
+                        before(wh, j, row).to_bits(),
+                        "{case}: head {h}"
                     );
+                    want[j * n + i] = s;
                 }
             }
+            assert_eq!(
+                bits(&got[h * g * n..(h + 1) * g * n]),
+                bits(&want),
+                "{case}: head {h}"
+            );
         }
+        // The maxima over each group and over every head, in the rows' order.
+        let max_of = |rows: std::ops::Range<usize>| -> Vec<u32> {
+            let mut best = got[rows.start * n..(rows.start + 1) * n].to_vec();
+            for r in rows.start + 1..rows.end {
+                for (b, &x) in best.iter_mut().zip(&got[r * n..(r + 1) * n]) {
+                    *b = b.max(x);
+                }
+            }
+            bits(&best)
+        };
+        let groups: Vec<u32> = (0..kvh).flat_map(|h| max_of(h * g..(h + 1) * g)).collect();
+        let grouped = sweep(w, Reps::F32(reps), d, range.clone(), Rows::GroupMax);
+        assert_eq!(bits(&grouped), groups, "{case}");
+        let all = sweep(w, Reps::F32(reps), d, range.clone(), Rows::Max);
+        assert_eq!(bits(&all), max_of(0..kvh * g), "{case}");
+        // A 16-bit pool scores as an f32 pool of its values, in every row form.
+        let brain: Vec<bf16> = reps.iter().map(|&x| bf16::from_f32(x)).collect();
+        let half: Vec<f16> = reps.iter().map(|&x| f16::from_f32(x)).collect();
+        for (name, narrow) in [("bf16", Reps::Bf16(&brain)), ("f16", Reps::F16(&half))] {
+            let wide = narrow.to_f32();
+            for rows in [Rows::All, Rows::GroupMax, Rows::Max] {
+                assert_eq!(
+                    bits(&sweep(w, narrow, d, range.clone(), rows)),
+                    bits(&sweep(w, Reps::F32(&wide), d, range.clone(), rows)),
+                    "{case}: {rows:?} over {name}"
+                );
+            }
+        }
+    }
+
+    /// `exp_neg` against f64's `exp` over `[-87.3, 0]` (within 2 ulp), at its edges, and the
+    /// softmax weights through both builds against the scalar body, bit for bit.
+    #[test]
+    fn the_exponential_is_close_and_the_same_through_both_builds() {
+        let mut random = crate::xorshift(0x51f1_5eed);
+        let mut next = move || (random() >> 8) as f32 / (1 << 24) as f32;
+        for i in 0..200_000 {
+            let x = if i < 1000 {
+                -(i as f32) * 0.0873
+            } else {
+                -87.3 * next()
+            };
+            let want = f64::from(x).exp();
+            let got = f64::from(exp_neg(x));
+            let ulp = f64::from(f32::EPSILON) * want;
+            assert!(
+                (got - want).abs() <= 2.0 * ulp,
+                "exp({x}): {got} against {want}"
+            );
+        }
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert_eq!(exp_neg(-87.4), 0.0);
+        assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
+        assert!(exp_neg(f32::NAN).is_nan());
+        let x: Vec<f32> = (0..1003).map(|_| 30.0 * next() - 15.0).collect();
+        let tokens: Vec<f32> = (0..x.len())
+            .map(|p| if p == 1002 { 3.0 } else { 16.0 })
+            .collect();
+        let mut e = vec![0.0f32; x.len()];
+        let z = softmax_weights(&x, &tokens, 1.7, &mut e);
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut want = vec![0.0f32; x.len()];
+        let mut lanes = [0.0f64; 4];
+        weigh_generic(&x, &tokens, [m, 1.7], &mut want, &mut lanes);
+        let bits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&e), bits(&want));
+        assert_eq!(z.to_bits(), lanes.iter().sum::<f64>().to_bits());
+    }
+
+    /// Head `j`'s score of one page row (`[kmax ‖ kmin]`) in the form of before session 79:
+    /// the weight on the row's side in `wmax` or `wmin` and 0 on the other, each lane adding
+    /// `wmax kmax + wmin kmin`, then the lanes in order, then the tail.
+    fn before(w: &Weights<'_>, j: usize, row: &[f32]) -> f32 {
+        let d = w.d;
+        let (wt, side) = w.head(j);
+        let (kmax, kmin) = row.split_at(d);
+        let (mut wmax, mut wmin) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for c in 0..d {
+            if side[c].is_sign_negative() {
+                wmin[c] = wt[c];
+            } else {
+                wmax[c] = wt[c];
+            }
+        }
+        let term = |c: usize| wmax[c] * kmax[c] + wmin[c] * kmin[c];
+        let mut acc = [0.0f32; 16];
+        for c in 0..d / 16 * 16 {
+            acc[c % 16] += term(c);
+        }
+        let mut s = acc.iter().fold(0.0f32, |s, &a| s + a);
+        for c in d / 16 * 16..d {
+            s += term(c);
+        }
+        s
     }
 }

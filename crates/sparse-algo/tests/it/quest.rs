@@ -413,7 +413,8 @@ fn the_max_of_two_dot_products_is_not_a_bound() {
 }
 
 /// The device kernel (kernels/select.cu) adds `max(q kmax, q kmin)` per element, with NaN
-/// queries read as 0, in the CPU's lane order; the CPU adds `wmax kmax + wmin kmin`. The two
+/// queries read as 0, in the CPU's lane order; the CPU adds `q` times `kmax` or `kmin` as the
+/// query's sign bit picks (`score.rs`; `wmax kmax + wmin kmin` before session 79). The two
 /// must agree bit for bit, zeros of either sign and NaN queries included, or device selections
 /// would differ from the CPU's.
 #[test]
