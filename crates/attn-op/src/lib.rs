@@ -60,3 +60,4 @@ pub use ops::{
     AttnOut, AttnPart, GatheredPages, compact_kv, gather_page_offsets, merge_attention,
     paged_attention, sparse_page_attention, token_sparse_attention,
 };
+pub use simd::exp_nonpositive;

@@ -3,7 +3,7 @@
 //! Both builds add the same products in the same order (16 lanes, then the lanes in order), so
 //! they give bit-identical scores: selections do not depend on the machine.
 
-use attn_op::Element;
+use attn_op::{Element, exp_nonpositive};
 use half::{bf16, f16};
 
 use crate::Reps;
@@ -196,7 +196,7 @@ fn dots_generic(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
 /// A head's softmax weights over its page scores, unnormalized, into `e`: page `p`'s is
 /// `tokens[p]` times `exp((x[p] - m) / temp)`, `m` the scores' maximum. Returns their sum in
 /// f64 (four running sums, of pages `p % 4`, added in order). The exponential is
-/// [`exp_neg`], the same bits on every machine, and the loop vectorizes where the CPU has
+/// attn-op's [`exp_nonpositive`], the same bits on every machine, and the loop vectorizes where the CPU has
 /// AVX2 and FMA.
 pub(crate) fn softmax_weights(x: &[f32], tokens: &[f32], temp: f32, e: &mut [f32]) -> f64 {
     let mut lanes = [f32::NEG_INFINITY; 8];
@@ -231,7 +231,7 @@ fn weigh(x: &[f32], tokens: &[f32], at: [f32; 2], e: &mut [f32], z: &mut [f64; 4
 fn weigh_generic(x: &[f32], tokens: &[f32], [m, temp]: [f32; 2], e: &mut [f32], z: &mut [f64; 4]) {
     // Two plain loops, each of which vectorizes: the weights, then their sums.
     for ((e, &x), &t) in e.iter_mut().zip(x).zip(tokens) {
-        *e = t * exp_neg((x - m) / temp);
+        *e = t * exp_nonpositive((x - m) / temp);
     }
     let mut lanes = [0.0f64; 4];
     let mut parts = e.chunks_exact(4);
@@ -244,45 +244,6 @@ fn weigh_generic(x: &[f32], tokens: &[f32], [m, temp]: [f32; 2], e: &mut [f32], 
         *l += f64::from(v);
     }
     *z = lanes;
-}
-
-/// `exp(x)` for `x <= 0` in f32, the same bits on every machine: Cody-Waite reduction by ln 2
-/// and the Cephes degree-5 polynomial, each step a fused multiply-add (`mul_add`, a single
-/// rounding whether the CPU fuses it or the library does), within about 1 ulp of `exp`. Below
-/// -87.3, where 2^n would leave the normal range, it is 0 (and so at -inf); NaN stays NaN.
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const POLY: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ];
-    let clamped = x.clamp(-87.3, 0.0);
-    let n = (clamped * LOG2_E).round_ties_even();
-    let r = n.mul_add(-LN2_HI, clamped);
-    let r = n.mul_add(-LN2_LO, r);
-    let mut p = POLY[0];
-    for c in &POLY[1..] {
-        p = p.mul_add(r, *c);
-    }
-    let y = (p * r).mul_add(r, r + 1.0);
-    // `n` is a whole number in -126..=0, exact in the low bits of `n + 1.5 * 2^23` (an
-    // integer conversion with `as` would saturate lane by lane instead of vectorizing).
-    let n_bits = (n + 12_582_912.0).to_bits().wrapping_sub(0x4b40_0000);
-    let scaled = f32::from_bits(y.to_bits().wrapping_add(n_bits << 23));
-    if x >= -87.3 {
-        scaled
-    } else if x.is_nan() {
-        x
-    } else {
-        0.0
-    }
 }
 
 /// Pages scored per parallel task of [`sweep`].
@@ -402,8 +363,7 @@ macro_rules! sweep_chunk_for {
                 if w.iter().all(|h| h.g % 4 == 0 && h.d == d) && d % 16 == 0 && wide::usable() {
                     // SAFETY: `usable` checked AVX2, FMA and F16C; every group is a whole
                     // number of fours of `d` channels, `d` a whole number of 16s; the caller
-                    // (`sweep_in`) passes pages whose rows lie in `reps` and a `local` of
-                    // `[kv_heads, g, pages.len()]`.
+                    // (`sweep_in`) passes a `local` of `[kv_heads, g, pages.len()]`.
                     unsafe { wide::sweep_chunk(w, reps, d, pages, local) };
                     return;
                 }
@@ -431,40 +391,55 @@ fn sweep_chunk_generic<E: Widen>(
     pages: std::ops::Range<usize>,
     local: &mut [f32],
 ) {
-    let page_len = w.len() * 2 * d;
     let m = pages.len();
     let mut scratch = Vec::with_capacity(2 * d);
-    // Pages go in blocks of `BLOCK`, each KV head's rows of a block one after another, so
-    // that the head's query weights (`4 g d` bytes) are read from level 1 once a block.
+    walk(w.len(), reps, d, pages, |h, i, row| {
+        let wh = &w[h];
+        let row = E::widen_row(row, &mut scratch);
+        let (kmax, kmin) = row.split_at(d);
+        let g = wh.g;
+        let mut j = 0;
+        while j < g {
+            let row = |t: usize| (h * g + j + t) * m + i;
+            if j + 4 <= g {
+                for (t, x) in dot2::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
+                    local[row(t)] = x;
+                }
+                j += 4;
+            } else {
+                local[row(0)] = dot2::<1>(wh, j, kmax, kmin)[0];
+                j += 1;
+            }
+        }
+    });
+}
+
+/// The sweep's walk over pages `pages` of `reps` (`[pages, heads, 2 * d]`): blocks of
+/// [`BLOCK`] pages, each KV head's rows of a block in turn, so that the head's query weights
+/// (`4 g d` bytes) are read from level 1 once a block, and the same head's rows [`AHEAD`] pages
+/// on asked of level 2 as each is scored (the hardware's prefetchers alone left the walk at a
+/// fraction of the read bandwidth). Calls `score(h, i, row)` for KV head `h` of page
+/// `pages.start + i`, whose `[kmax ‖ kmin]` is `row`.
+#[inline(always)]
+fn walk<E>(
+    heads: usize,
+    reps: &[E],
+    d: usize,
+    pages: std::ops::Range<usize>,
+    mut score: impl FnMut(usize, usize, &[E]),
+) {
+    let page_len = heads * 2 * d;
     let first = pages.start;
     for block in (first..pages.end).step_by(BLOCK) {
         let block = block..(block + BLOCK).min(pages.end);
-        for (h, wh) in w.iter().enumerate() {
+        for h in 0..heads {
             for p in block.clone() {
-                let i = p - first;
                 let base = p * page_len + h * 2 * d;
-                // The same head's rows `AHEAD` pages on, asked of level 2 now: the hardware's
-                // prefetchers alone left the walk at a fraction of the read bandwidth.
                 let ahead = base + AHEAD * page_len;
                 if let Some(rows) = reps.get(ahead..ahead + 2 * d) {
                     fetch_lines(rows);
                 }
-                let row = E::widen_row(&reps[base..base + 2 * d], &mut scratch);
-                let (kmax, kmin) = row.split_at(d);
-                let g = wh.g;
-                let mut j = 0;
-                while j < g {
-                    let row = |t: usize| (h * g + j + t) * m + i;
-                    if j + 4 <= g {
-                        for (t, x) in dot2::<4>(wh, j, kmax, kmin).into_iter().enumerate() {
-                            local[row(t)] = x;
-                        }
-                        j += 4;
-                    } else {
-                        local[row(0)] = dot2::<1>(wh, j, kmax, kmin)[0];
-                        j += 1;
-                    }
-                }
+                score(h, p - first, &reps[base..base + 2 * d]);
             }
         }
     }
@@ -636,30 +611,12 @@ mod tests {
         }
     }
 
-    /// `exp_neg` against f64's `exp` over `[-87.3, 0]` (within 2 ulp), at its edges, and the
-    /// softmax weights through both builds against the scalar body, bit for bit.
+    /// The softmax weights through both builds against the scalar body, bit for bit (the
+    /// exponential's own accuracy is attn-op's test).
     #[test]
-    fn the_exponential_is_close_and_the_same_through_both_builds() {
+    fn the_softmax_weights_are_the_same_through_both_builds() {
         let mut random = crate::xorshift(0x51f1_5eed);
         let mut next = move || (random() >> 8) as f32 / (1 << 24) as f32;
-        for i in 0..200_000 {
-            let x = if i < 1000 {
-                -(i as f32) * 0.0873
-            } else {
-                -87.3 * next()
-            };
-            let want = f64::from(x).exp();
-            let got = f64::from(exp_neg(x));
-            let ulp = f64::from(f32::EPSILON) * want;
-            assert!(
-                (got - want).abs() <= 2.0 * ulp,
-                "exp({x}): {got} against {want}"
-            );
-        }
-        assert_eq!(exp_neg(0.0), 1.0);
-        assert_eq!(exp_neg(-87.4), 0.0);
-        assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
-        assert!(exp_neg(f32::NAN).is_nan());
         let x: Vec<f32> = (0..1003).map(|_| 30.0 * next() - 15.0).collect();
         let tokens: Vec<f32> = (0..x.len())
             .map(|p| if p == 1002 { 3.0 } else { 16.0 })

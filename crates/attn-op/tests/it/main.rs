@@ -2,6 +2,7 @@
 //! entry points, and typed errors for bad inputs.
 
 mod errors;
+mod exp;
 mod fuzz;
 mod oracle;
 mod props;

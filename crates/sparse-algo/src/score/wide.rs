@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
-use super::{AHEAD, BLOCK, Side, Weights, fetch_lines};
+use super::{Side, Weights, walk};
 
 /// Whether this CPU runs [`sweep_chunk`] (AVX2, FMA and F16C).
 pub(super) fn usable() -> bool {
@@ -52,13 +52,11 @@ impl Lanes for f16 {
 }
 
 /// The generic body's sweep (`super::sweep_chunk_generic`) for groups of whole fours over `d`
-/// a whole number of 16s: pages in blocks of [`BLOCK`], each KV head's rows of a block in turn,
-/// the same head's rows [`AHEAD`] pages on asked for as each page is scored.
+/// a whole number of 16s, over the same walk (`super::walk`).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; every group's `g` must be a multiple of 4 and its
-/// `d` equal `d`, a multiple of 16; `reps` must hold every page of `pages` (`w.len() * 2 * d`
-/// values a page) and `local` `[w.len(), g, pages.len()]` scores.
+/// `d` equal `d`, a multiple of 16; `local` must hold `[w.len(), g, pages.len()]` scores.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn sweep_chunk<E: Lanes>(
     w: &[Weights<'_>],
@@ -67,35 +65,19 @@ pub(super) unsafe fn sweep_chunk<E: Lanes>(
     pages: std::ops::Range<usize>,
     local: &mut [f32],
 ) {
-    let page_len = w.len() * 2 * d;
     let m = pages.len();
-    let first = pages.start;
-    assert!(
-        pages.end * page_len <= reps.len() && w.iter().all(|h| h.g * m * w.len() <= local.len()),
-        "invariant: the sweep passes pages within the pool and a whole local block"
-    );
-    for block in (first..pages.end).step_by(BLOCK) {
-        let block = block..(block + BLOCK).min(pages.end);
-        for (h, wh) in w.iter().enumerate() {
-            for p in block.clone() {
-                let base = p * page_len + h * 2 * d;
-                let ahead = base + AHEAD * page_len;
-                if let Some(rows) = reps.get(ahead..ahead + 2 * d) {
-                    fetch_lines(rows);
-                }
-                let row = reps[base..base + 2 * d].as_ptr();
-                for j in (0..wh.g).step_by(4) {
-                    // SAFETY: the row holds `2 * d` values (sliced above) and heads `j..j + 4`
-                    // lie in the group (`g` a multiple of 4); the CPU's features are this
-                    // function's.
-                    let s = unsafe { four(wh, j, row, d) };
-                    for (t, x) in s.into_iter().enumerate() {
-                        local[(h * wh.g + j + t) * m + p - first] = x;
-                    }
-                }
+    walk(w.len(), reps, d, pages, |h, i, row| {
+        let wh = &w[h];
+        for j in (0..wh.g).step_by(4) {
+            // SAFETY: the row holds `2 * d` values (the walk's slice) and heads `j..j + 4` lie
+            // in the group (`g` a multiple of 4); the caller's CPU has this function's
+            // features.
+            let s = unsafe { four(wh, j, row.as_ptr(), d) };
+            for (t, x) in s.into_iter().enumerate() {
+                local[(h * wh.g + j + t) * m + i] = x;
             }
         }
-    }
+    });
 }
 
 /// Heads `j..j + 4` of `wh` scored against one page row (`kmax` then `kmin`, `d` values each):
