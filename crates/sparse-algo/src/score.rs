@@ -195,9 +195,9 @@ fn dots_generic(q: &[f32], keys: &[f32], d: usize, out: &mut [f32]) {
 
 /// A head's softmax weights over its page scores, unnormalized, into `e`: page `p`'s is
 /// `tokens[p]` times `exp((x[p] - m) / temp)`, `m` the scores' maximum. Returns their sum in
-/// f64 (four running sums, of pages `p % 4`, added in order). The exponential is
-/// attn-op's [`exp_nonpositive`], the same bits on every machine, and the loop vectorizes where the CPU has
-/// AVX2 and FMA.
+/// f64 (four running sums, of pages `p % 4`, added in order). The exponential is attn-op's
+/// [`exp_nonpositive`], the same bits on every machine, and the loop vectorizes where the CPU
+/// has AVX2 and FMA.
 pub(crate) fn softmax_weights(x: &[f32], tokens: &[f32], temp: f32, e: &mut [f32]) -> f64 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let mut parts = x.chunks_exact(8);

@@ -430,9 +430,9 @@ fn exp_tail(scores: &mut [f32], m: f32) -> f32 {
 /// `exp(x)` for `x <= 0` with the same bits on every machine: the SIMD builds' Cody-Waite
 /// reduction by ln 2 and Cephes' degree-5 polynomial written as `mul_add`s, each a single
 /// rounding whether the CPU fuses it or the library does, so that a loop of it vectorizes
-/// where FMA is on and gives the same bits where it is not. Within 2 ulp of `exp` on `[-87.3, 0]`. Unlike the SIMD builds'
-/// lanes, which clamp there (about 1e-38), it returns 0 below -87.3 (and at -inf), and NaN for
-/// NaN. Positive `x` is taken as 0.
+/// where FMA is on and gives the same bits where it is not. Within 2 ulp of `exp` on
+/// `[-87.3, 0]`. Unlike the SIMD builds' lanes, which clamp there (about 1e-38), it returns 0
+/// below -87.3 (and at -inf), and NaN for NaN. Positive `x` is taken as 0.
 #[inline(always)]
 pub fn exp_nonpositive(x: f32) -> f32 {
     let clamped = x.clamp(EXP_CLAMP, 0.0);
